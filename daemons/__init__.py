@@ -1,0 +1,1 @@
+"""Node daemons: supervisor, API server, coordinator, CLI, config."""

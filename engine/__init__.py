@@ -1,0 +1,1 @@
+"""One data-parallel rank: model, scheduler, engine process. Never imports dpserve.daemons."""

@@ -1,0 +1,233 @@
+"""Every message that crosses a process boundary in dpserve, as typed msgspec Structs.
+
+This module owns the wire format (msgpack, tagged unions, one protocol version)
+and nothing else: it must never import torch, transformers or anything from
+dpserve.daemons, because API-server processes import it and must start fast.
+
+Channels (who binds / who connects):
+- API server  <-> engine:      API server binds a ROUTER, each engine connects a
+  DEALER whose identity is its rank. Requests flow down, batched outputs up.
+- engine       -> coordinator: coordinator binds a ROUTER; engines connect a
+  DEALER, register (EngineRegister -> RegisterReply) and then send LoadReports.
+- coordinator  -> API servers: coordinator binds a PUB; API servers SUB to LoadTable.
+- every child  -> supervisor:  supervisor binds a PULL; children PUSH ChildReady
+  and Heartbeat (heartbeats come from the loop that does the work).
+- supervisor   -> coordinator: RankDown / RankUp on the coordinator's ROUTER.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# Finish reasons as they appear in OpenAI responses, plus the two internal ones
+# that the API server turns into errors.
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """What an engine needs to decode one request. Validated by the API server."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ---------------------------------------------------------------- API server -> engine
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    """Utility round trip; the engine answers with Pong from its busy loop."""
+
+    nonce: int
+
+
+EngineInput = AddRequest | AbortRequests | Ping
+
+
+# ---------------------------------------------------------------- engine -> API server
+
+
+class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request from one engine step.
+
+    finish_reason is None while the request runs; once set, the engine has
+    forgotten the request and sends nothing more for it.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    error: str | None = None
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    """Everything one engine step produced for one API server."""
+
+    rank: int
+    outputs: list[RequestOutput]
+    num_running: int
+    num_waiting: int
+
+
+class EngineHello(msgspec.Struct, tag="hello", array_like=True):
+    """First message an engine sends on a freshly connected API-server channel."""
+
+    rank: int
+    incarnation: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Pong(msgspec.Struct, tag="pong", array_like=True):
+    rank: int
+    nonce: int
+
+
+class EngineDead(msgspec.Struct, tag="dead", array_like=True):
+    """Sent by a dying engine to every API server before it exits."""
+
+    rank: int
+    incarnation: str
+    reason: str
+
+
+EngineToApi = EngineOutputs | EngineHello | Pong | EngineDead
+
+
+# ---------------------------------------------------------------- engine <-> coordinator
+
+
+class EngineRegister(msgspec.Struct, tag="register", array_like=True):
+    rank: int
+    incarnation: str
+    fingerprint: str
+    pid: int
+    host: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class RegisterReply(msgspec.Struct, tag="welcome", array_like=True):
+    accepted: bool
+    reason: str
+    api_server_addresses: list[str]
+
+
+class LoadReport(msgspec.Struct, tag="load", array_like=True):
+    """An engine's load, sent whenever it changes (rate-limited) and as a heartbeat."""
+
+    rank: int
+    incarnation: str
+    num_running: int
+    num_waiting: int
+    num_waiting_prefill_tokens: int
+    num_remaining_decode_tokens: int
+    slot_usage: float
+    step_ms: float
+
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    """The engine is connected to every API server and takes requests."""
+
+    rank: int
+    incarnation: str
+
+
+class RankDown(msgspec.Struct, tag="rank_down", array_like=True):
+    """Supervisor -> coordinator: this rank's process is gone; fail its requests."""
+
+    rank: int
+    reason: str
+
+
+CoordinatorInput = EngineRegister | LoadReport | EngineReady | RankDown
+
+
+class RankLoad(msgspec.Struct, array_like=True):
+    rank: int
+    incarnation: str
+    is_alive: bool
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_prefill_tokens: int = 0
+    num_remaining_decode_tokens: int = 0
+    slot_usage: float = 0.0
+    down_reason: str = ""
+
+
+class LoadTable(msgspec.Struct, tag="table", array_like=True):
+    """Coordinator -> API servers: every rank it knows, alive or not."""
+
+    seq: int
+    data_parallel_size: int
+    ranks: list[RankLoad]
+
+
+# ---------------------------------------------------------------- children -> supervisor
+
+
+class ChildReady(msgspec.Struct, tag="child_ready", array_like=True):
+    name: str
+    pid: int
+    detail: str = ""
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
+    name: str
+    pid: int
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+ToSupervisor = ChildReady | Heartbeat
+
+
+# ---------------------------------------------------------------- codecs
+
+
+class Codec:
+    """A msgpack encoder/decoder pair for one channel's message union."""
+
+    __slots__ = ("_enc", "_dec")
+
+    def __init__(self, union: object) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(union)
+
+    def encode(self, msg: object) -> bytes:
+        return self._enc.encode(msg)
+
+    def decode(self, data: bytes | memoryview):
+        return self._dec.decode(data)
+
+
+def config_fingerprint(model: str, dtype: str, max_model_len: int, data_parallel_size: int) -> str:
+    """A short hash of everything two nodes of one deployment must agree on."""
+    text = f"{PROTOCOL_VERSION}|{model}|{dtype}|{max_model_len}|{data_parallel_size}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
