@@ -46,3 +46,14 @@ def resolve_max_model_len(model_dir: str, requested: int) -> int:
             f"--max-model-len {requested} exceeds the model's max_position_embeddings {limit}"
         )
     return requested
+
+
+class EngineProcessConfig(msgspec.Struct, kw_only=True):
+    name: str
+    engine: EngineConfig
+    coordinator_address: str
+    supervisor_address: str
+    fingerprint: str
+    heartbeat_interval_s: float
+    parent_pid: int
+    log_level: str = "info"

@@ -150,6 +150,7 @@ class LoadReport(msgspec.Struct, tag="load", array_like=True):
     num_remaining_decode_tokens: int
     slot_usage: float
     step_ms: float
+    num_requests_finished: int = 0  # cumulative, since this incarnation started
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -178,6 +179,7 @@ class RankLoad(msgspec.Struct, array_like=True):
     num_waiting_prefill_tokens: int = 0
     num_remaining_decode_tokens: int = 0
     slot_usage: float = 0.0
+    num_requests_finished: int = 0
     down_reason: str = ""
 
 

@@ -1,0 +1,196 @@
+"""One API-server process: aiohttp on the shared port, OpenAI-compatible endpoints.
+
+It decodes and validates each request once, tokenizes, picks a rank, sends
+one message to that engine and streams the answer back. It must never import
+torch or transformers (it starts in well under a second). Lifecycle:
+setup -> start sites (shared port, private probe socket) -> serve -> drain on
+SIGTERM -> cleanup, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import signal
+import socket
+import time
+
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from dpserve.engine.logs import setup_logging
+from dpserve.engine.procutil import EXIT_OK, EXIT_STARTUP, SupervisorLink, child_config_from_env, die_with_parent
+
+from .config import ApiServerConfig
+from .engine_client import EngineClient
+from .metrics import ApiMetrics
+from .openai_types import ApiError, error_body, encode
+from .router import Router
+from .serving import OpenAIServing
+from .tokenizer import TextTokenizer
+
+VERSION = "0.1.0"
+
+CFG = web.AppKey("cfg", ApiServerConfig)
+SERVING = web.AppKey("serving", OpenAIServing)
+LOG = web.AppKey("log", object)
+
+
+def _json(body: bytes, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json", headers=headers)
+
+
+def error_response(err: ApiError) -> web.Response:
+    return _json(error_body(err), err.status, err.headers)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Every error leaves as an OpenAI-style JSON body, including aiohttp's own 404/405/413."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(exc.status, "invalid_request_error")
+        return error_response(ApiError(exc.status, exc.reason if exc.status != 404 else f"No route for {request.method} {request.path}.", type=kind))
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as exc:
+        request.app[LOG].exception("unexpected error", path=request.path)
+        return error_response(ApiError(500, f"Internal server error: {type(exc).__name__}", type="server_error"))
+
+
+class ApiServer:
+    """Owns the process: sockets, app, serving state, and the drain on shutdown."""
+
+    def __init__(self, cfg: ApiServerConfig, log) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.zctx = zmq.asyncio.Context()
+        self.supervisor = SupervisorLink(self.zctx, cfg.supervisor_address, cfg.name)
+        self.tokenizer = TextTokenizer.from_dir(cfg.model_dir)
+        self.router = Router(cfg.data_parallel_size, cfg.lb_policy, cfg.max_waiting_per_rank)
+        self.client = EngineClient(self.zctx, self.router, cfg.engine_address, cfg.table_address, log)
+        self.metrics = ApiMetrics(cfg, self.router)
+        self.serving = OpenAIServing(cfg, self.tokenizer, self.client, self.metrics, log)
+        self.stop_event = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.port_site: web.BaseSite | None = None
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_request_body_bytes, middlewares=[openai_errors])
+        app[CFG] = self.cfg
+        app[SERVING] = self.serving
+        app[LOG] = self.log
+        s = self.serving
+        app.router.add_post("/v1/completions", s.completions)
+        app.router.add_post("/v1/chat/completions", s.chat_completions)
+        app.router.add_get("/v1/models", s.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/ready", self.readyz)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics.handler)
+        return app
+
+    # ---------------------------------------------------------------- probes
+
+    async def health(self, request: web.Request) -> web.Response:
+        # Answered by the event loop that serves requests: if it answers, it lives.
+        return _json(b'{"status":"ok"}')
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        ranks = self.router.routable_ranks
+        if self.serving.draining:
+            return _json(encode({"status": "draining", "routable_ranks": ranks}), 503)
+        if not ranks:
+            return _json(encode({"status": "no routable rank", "routable_ranks": ranks}), 503)
+        return _json(encode({"status": "ready", "routable_ranks": ranks}))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json(encode({"version": VERSION}))
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def serve(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_event.set)
+        self.client.start()
+        self.runner = web.AppRunner(self.build_app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+        await self.runner.setup()
+        sock = socket.socket(fileno=self.cfg.listen_fd)
+        sock.setblocking(False)
+        self.port_site = web.SockSite(self.runner, sock)
+        probe_site = web.UnixSite(self.runner, self.cfg.probe_path)
+        try:
+            if os.path.exists(self.cfg.probe_path):
+                os.unlink(self.cfg.probe_path)
+            await probe_site.start()
+            await self.port_site.start()
+        except OSError as exc:
+            self.log.error("could not start serving", error=str(exc))
+            return EXIT_STARTUP
+        self.supervisor.ready(f"api server {self.cfg.index}")
+        self.log.info("api server ready", pid=os.getpid())
+        heartbeat = asyncio.create_task(self._heartbeat())
+        await self.stop_event.wait()
+        heartbeat.cancel()
+        await self.drain()
+        await self.runner.cleanup()
+        await self.client.close()
+        self.zctx.destroy(linger=0)
+        self.log.info("api server stopped")
+        return EXIT_OK
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.supervisor.heartbeat(len(self.client.requests))
+            await asyncio.sleep(1.0)
+
+    async def drain(self) -> None:
+        """Stop accepting, let in-flight requests finish (bounded), then return."""
+        self.serving.draining = True
+        if self.port_site is not None:
+            await self.port_site.stop()
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+        n = len(self.client.requests)
+        if n:
+            self.log.info("draining", in_flight=n, timeout_s=self.cfg.shutdown_timeout_s)
+        while self.serving.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.serving.num_active:
+            self.log.warning("drain timed out; failing the rest", in_flight=self.serving.num_active)
+            self.client.fail_all("server shutting down")
+            await asyncio.sleep(0.05)
+
+
+def main() -> None:
+    cfg = child_config_from_env(ApiServerConfig)
+    die_with_parent(cfg.parent_pid)
+    log = setup_logging(cfg.name, cfg.log_level).bind(api_server=cfg.index)
+    async def run() -> int:
+        server = ApiServer(cfg, log)
+        return await server.serve()
+
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        code = runner(run())
+    except Exception:
+        log.exception("api server failed")
+        code = 1
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The supervisor's child records and how a child process is started and stopped.
+
+A Child is a small slotted record; the supervisor keeps them in one table
+keyed by a readable name (coordinator, engine-dp0, api-1). Spawning passes
+the child's typed config in the environment, hands the shared listening
+socket to API servers, and pumps the child's stdout/stderr into the
+supervisor's own log with the child's name on every line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import re
+import sys
+import time
+
+from dpserve.engine.procutil import CHILD_CONFIG_ENV
+
+_PRIO_PREFIX = re.compile(rb"^<[0-7]>")
+
+
+class ChildState(enum.Enum):
+    NEW = "new"  # not started yet
+    STARTING = "starting"  # process runs, not yet ready
+    READY = "ready"  # serving
+    STOPPING = "stopping"  # asked to stop (SIGTERM sent)
+    BACKOFF = "backoff"  # exited; waiting to be restarted
+    EXITED = "exited"  # exited and stays down (shutdown, policy, or gave up)
+
+
+class Child:
+    __slots__ = (
+        "name",
+        "kind",
+        "rank",
+        "module",
+        "config_json",
+        "pass_fds",
+        "port",
+        "probe_path",
+        "proc",
+        "pid",
+        "state",
+        "started_at",
+        "ready_at",
+        "restarts",
+        "restart_times",
+        "consecutive_failures",
+        "probe_failures_total",
+        "last_probe",
+        "last_heartbeat",
+        "last_exit",
+        "next_start_at",
+        "deadline",
+        "gave_up",
+        "num_running",
+        "num_waiting",
+        "kill_requested",
+        "restart_requested",
+    )
+
+    def __init__(self, name: str, kind: str, rank: int, module: str, config_json: bytes, *, pass_fds=(), port: int = 0, probe_path: str = "") -> None:
+        self.name = name
+        self.kind = kind  # "coordinator" | "engine" | "api"
+        self.rank = rank  # DP rank for engines, index for API servers, -1 otherwise
+        self.module = module
+        self.config_json = config_json
+        self.pass_fds = tuple(pass_fds)
+        self.port = port
+        self.probe_path = probe_path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.pid = 0
+        self.state = ChildState.NEW
+        self.started_at = 0.0
+        self.ready_at = 0.0
+        self.restarts = 0
+        self.restart_times: list[float] = []
+        self.consecutive_failures = 0
+        self.probe_failures_total = 0
+        self.last_probe: dict = {}
+        self.last_heartbeat = 0.0
+        self.last_exit = ""
+        self.next_start_at = 0.0
+        self.deadline = 0.0  # startup deadline, or kill deadline while STOPPING
+        self.gave_up = False
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kill_requested = False
+        self.restart_requested = False  # a planned restart (SIGHUP), not a crash
+
+    @property
+    def is_running(self) -> bool:
+        return self.state in (ChildState.STARTING, ChildState.READY, ChildState.STOPPING)
+
+    def uptime(self, now: float) -> float:
+        return now - self.started_at if self.is_running else 0.0
+
+    def as_dict(self, now: float) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "rank": self.rank,
+            "pid": self.pid if self.is_running else None,
+            "port": self.port or None,
+            "state": self.state.value,
+            "restarts": self.restarts,
+            "consecutive_failures": self.consecutive_failures,
+            "probe_failures_total": self.probe_failures_total,
+            "last_probe": self.last_probe or None,
+            "last_exit": self.last_exit or None,
+            "uptime_s": round(self.uptime(now), 3),
+            "running": self.num_running,
+            "waiting": self.num_waiting,
+        }
+
+
+async def spawn(child: Child, log_stream) -> None:
+    """Start the child's process; its output is pumped into `log_stream` line by line."""
+    env = dict(os.environ)
+    env[CHILD_CONFIG_ENV] = child.config_json.decode()
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if child.kind != "engine":
+        env.setdefault("OMP_NUM_THREADS", "1")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        child.module,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        pass_fds=child.pass_fds,
+        close_fds=True,
+    )
+    child.proc = proc
+    child.pid = proc.pid
+    child.state = ChildState.STARTING
+    child.started_at = time.monotonic()
+    child.last_heartbeat = child.started_at
+    child.consecutive_failures = 0
+    child.kill_requested = False
+    child.restart_requested = False
+    asyncio.create_task(_pump(proc.stdout, child.name, b"<6>", log_stream))
+    asyncio.create_task(_pump(proc.stderr, child.name, b"<4>", log_stream))
+
+
+async def _pump(stream: asyncio.StreamReader, name: str, default_prio: bytes, out) -> None:
+    """Copy a child's lines; lines without our priority prefix get one and the child's name."""
+    tag = f"{name}: ".encode()
+    while True:
+        try:
+            line = await stream.readline()
+        except (ValueError, asyncio.LimitOverrunError):
+            continue  # an over-long line; skip rather than stall the child
+        if not line:
+            return
+        if not _PRIO_PREFIX.match(line):
+            line = default_prio + tag + line
+        out.write(line if line.endswith(b"\n") else line + b"\n")
+        out.flush()

@@ -1,0 +1,167 @@
+"""The `dpserve` command line (click).
+
+Every serve option can also come from the environment as DPSERVE_<OPTION>
+(upper case, dashes as underscores), which is how the systemd units read
+/etc/dpserve/<instance>.env. Flag names follow vLLM's where vLLM has one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+
+import click
+
+from dpserve.engine.procutil import EXIT_CONFIG
+
+from .config import LB_POLICIES, RESTART_POLICIES, ServeConfig
+
+DEMO_MODEL_NAME = "dpserve-demo"
+
+
+def _opt(*names: str, **kw):
+    """click.option with an automatic DPSERVE_* environment variable."""
+    long = next(n for n in names if n.startswith("--"))
+    kw.setdefault("envvar", "DPSERVE_" + long[2:].upper().replace("-", "_"))
+    kw.setdefault("show_default", True)
+    return click.option(*names, **kw)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="dpserve")
+def main() -> None:
+    """dpserve: data-parallel LLM serving with an OpenAI-compatible API."""
+
+
+@main.command()
+@click.argument("model", required=False, envvar="DPSERVE_MODEL")
+@_opt("--host", default="127.0.0.1", help="Address the API listens on.")
+@_opt("--port", default=8000, type=int, help="API port, shared by every API server (0: any free port).")
+@_opt("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.")
+@_opt("--served-model-name", default=None, help="Model name clients send (default: MODEL as given).")
+@_opt("--data-parallel-size", "-dp", default=1, type=click.IntRange(1), help="Number of engine ranks.")
+@_opt("--api-server-count", default=None, type=click.IntRange(1), help="API-server processes on the port (default: data-parallel size).")
+@_opt("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="auto: float32 on CPU, bfloat16 on CUDA.")
+@_opt("--max-model-len", default=0, type=click.IntRange(0), help="Context length (0: the model's own).")
+@_opt("--max-num-seqs", default=256, type=click.IntRange(1), help="Running sequences per rank.")
+@_opt("--max-num-batched-tokens", default=8192, type=click.IntRange(1), help="Prompt tokens prefilled per step per rank.")
+@_opt("--lb-policy", default="queue", type=click.Choice(LB_POLICIES), help="queue: 4 x waiting + running; tokens: outstanding tokens.")
+@_opt("--max-waiting-per-rank", default=4096, type=click.IntRange(1), help="Admission limit: beyond it requests get 429.")
+@_opt("--max-request-body-bytes", default=4 * 1024 * 1024, type=click.IntRange(1024), help="Larger bodies get 413.")
+@_opt("--seed", default=0, type=int, help="Seed for unseeded sampling.")
+@_opt("--data-parallel-supervisor-port", default=9256, type=click.IntRange(0, 65535), help="Aggregated health port (/health /readyz /status /metrics).")
+@_opt("--supervisor-host", default=None, help="Address of the health port (default: --host).")
+@_opt("--dp-supervisor-probe-interval-s", default=5.0, type=click.FloatRange(min=0.05), help="Seconds between probes of each child.")
+@_opt("--dp-supervisor-probe-timeout-s", default=5.0, type=click.FloatRange(min=0.05), help="Probe timeout.")
+@_opt("--dp-supervisor-probe-failure-threshold", default=3, type=click.IntRange(1), help="Consecutive failed probes that mark a child dead.")
+@_opt("--engine-startup-timeout-s", default=600.0, type=click.FloatRange(min=1), help="Model load budget per engine.")
+@_opt("--api-server-startup-timeout-base-s", default=30.0, type=click.FloatRange(min=1), help="API-server startup budget: base ...")
+@_opt("--api-server-startup-timeout-per-server-s", default=5.0, type=click.FloatRange(min=0), help="... plus this times --api-server-count.")
+@_opt("--restart-policy", default="always", type=click.Choice(RESTART_POLICIES), help="When a dead child is restarted.")
+@_opt("--max-restarts", default=10, type=click.IntRange(1), help="Restarts per child within --restart-window-s before giving up on it.")
+@_opt("--restart-window-s", default=300.0, type=click.FloatRange(min=1), help="Window for --max-restarts.")
+@_opt("--shutdown-timeout", default=30.0, type=click.FloatRange(min=0), help="Seconds API servers drain in-flight requests on stop.")
+@_opt("--kill-grace-s", default=5.0, type=click.FloatRange(min=0.1), help="SIGTERM to SIGKILL grace for engines.")
+@_opt("--run-dir", default="", help="Directory for the node's IPC sockets (default: a private temp dir).")
+@_opt("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@_opt("--ports-file", default=None, hidden=True, help="Write the bound ports as JSON here (for tests).")
+def serve(model, **opts) -> None:
+    """Serve MODEL (a local Hugging Face directory; default: the built-in demo model)."""
+    from dpserve.engine.logs import setup_logging
+
+    log = setup_logging("supervisor", opts["log_level"])
+    served = opts.pop("served_model_name")
+    if model is None:
+        from dpserve.engine.demo_model import ensure_demo_model
+
+        log.info("no model given; serving the built-in demo model")
+        model = ensure_demo_model()
+        served = served or DEMO_MODEL_NAME
+    dp = opts.pop("data_parallel_size")
+    cfg = ServeConfig(
+        model=model,
+        served_model_name=served or model,
+        host=opts["host"],
+        port=opts["port"],
+        api_key=opts["api_key"],
+        data_parallel_size=dp,
+        api_server_count=opts["api_server_count"] or dp,
+        dtype=opts["dtype"],
+        max_model_len=opts["max_model_len"],
+        max_num_seqs=opts["max_num_seqs"],
+        max_num_batched_tokens=opts["max_num_batched_tokens"],
+        lb_policy=opts["lb_policy"],
+        max_waiting_per_rank=opts["max_waiting_per_rank"],
+        max_request_body_bytes=opts["max_request_body_bytes"],
+        seed=opts["seed"],
+        supervisor_host=opts["supervisor_host"] or opts["host"],
+        supervisor_port=opts["data_parallel_supervisor_port"],
+        probe_interval_s=opts["dp_supervisor_probe_interval_s"],
+        probe_timeout_s=opts["dp_supervisor_probe_timeout_s"],
+        probe_failure_threshold=opts["dp_supervisor_probe_failure_threshold"],
+        engine_startup_timeout_s=opts["engine_startup_timeout_s"],
+        api_server_startup_timeout_base_s=opts["api_server_startup_timeout_base_s"],
+        api_server_startup_timeout_per_server_s=opts["api_server_startup_timeout_per_server_s"],
+        restart_policy=opts["restart_policy"],
+        max_restarts=opts["max_restarts"],
+        restart_window_s=opts["restart_window_s"],
+        shutdown_timeout_s=opts["shutdown_timeout"],
+        kill_grace_s=opts["kill_grace_s"],
+        run_dir=opts["run_dir"],
+        log_level=opts["log_level"],
+    )
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        log.error("invalid configuration", error=str(exc))
+        sys.exit(EXIT_CONFIG)
+    from .supervisor import Supervisor
+
+    sys.exit(asyncio.run(Supervisor(cfg, log, ports_file=opts["ports_file"]).run()))
+
+
+@main.command("demo-model")
+@click.argument("directory", type=click.Path(file_okay=False))
+def demo_model(directory: str) -> None:
+    """Write the built-in tiny Llama demo model (weights, tokenizer, chat template) to DIRECTORY."""
+    from dpserve.engine.demo_model import create_demo_model
+
+    path = create_demo_model(directory)
+    click.echo(path)
+
+
+@main.command()
+@click.argument("url", required=False, default="http://127.0.0.1:9256")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw /status JSON.")
+def status(url: str, as_json: bool) -> None:
+    """Show a node's children and ranks from its supervisor's /status."""
+    target = url.rstrip("/")
+    if not target.endswith("/status"):
+        target += "/status"
+    try:
+        with urllib.request.urlopen(target, timeout=5) as resp:
+            data = json.load(resp)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        click.echo(f"cannot read {target}: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(f"node: {data['phase']}, {'ready' if data['ready'] else 'NOT READY: ' + data['reason']}; "
+               f"model {data['model']}, port {data['port']}, pid {data['pid']}")
+    click.echo(f"{'CHILD':<14} {'STATE':<9} {'PID':>8} {'RESTARTS':>8} {'RUNNING':>8} {'WAITING':>8} {'UPTIME':>9}  LAST EXIT")
+    for c in data["children"]:
+        running = str(c["running"]) if c["kind"] == "engine" else "-"
+        waiting = str(c["waiting"]) if c["kind"] == "engine" else "-"
+        click.echo(
+            f"{c['name']:<14} {c['state']:<9} {c['pid'] or '-':>8} {c['restarts']:>8} {running:>8} {waiting:>8} "
+            f"{c['uptime_s']:>8.1f}s  {c['last_exit'] or ''}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""The coordinator: registers engine ranks and publishes the per-rank load table.
+
+It owns the cluster's view of which ranks exist, which are alive and how
+loaded each is. Engines register (HELLO -> WELCOME, refused on a protocol or
+config mismatch or a rank already held), then stream LoadReports; the
+coordinator publishes a LoadTable to every API server whenever something
+changed (at most every PUBLISH_MIN_INTERVAL_S) and at least every second.
+It never sees a request or a token.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import zmq
+
+from dpserve.engine.logs import setup_logging
+from dpserve.engine.procutil import EXIT_OK, SupervisorLink, child_config_from_env, die_with_parent
+from dpserve.engine.protocol import (
+    PROTOCOL_VERSION,
+    Codec,
+    CoordinatorInput,
+    EngineReady,
+    EngineRegister,
+    LoadReport,
+    LoadTable,
+    RankDown,
+    RankLoad,
+    RegisterReply,
+)
+
+from .config import CoordinatorConfig
+
+PUBLISH_MIN_INTERVAL_S = 0.002
+PUBLISH_KEEPALIVE_S = 1.0
+
+
+class RankTable:
+    """Every rank's registration and last load. Pure state: no sockets, testable alone.
+
+    Invariant: a rank is alive only between its EngineReady and the next
+    RankDown (or a newer registration, or going stale).
+    """
+
+    def __init__(self, data_parallel_size: int, fingerprint: str, stale_after_s: float) -> None:
+        self.size = data_parallel_size
+        self.fingerprint = fingerprint
+        self.stale_after_s = stale_after_s
+        self.ranks: dict[int, RankLoad] = {}
+        self.last_seen: dict[int, float] = {}
+        self.seq = 0
+        self.dirty = True
+
+    def register(self, msg: EngineRegister, now: float) -> str:
+        """'' when accepted, else the reason for refusal."""
+        if msg.protocol_version != PROTOCOL_VERSION:
+            return f"protocol version {msg.protocol_version} != coordinator's {PROTOCOL_VERSION}"
+        if msg.fingerprint != self.fingerprint:
+            return f"config fingerprint {msg.fingerprint} != head's {self.fingerprint} (model, dtype, max-model-len or data-parallel-size differ)"
+        if not 0 <= msg.rank < self.size:
+            return f"rank {msg.rank} is outside data-parallel-size {self.size}"
+        held = self.ranks.get(msg.rank)
+        if (
+            held is not None
+            and held.is_alive
+            and held.incarnation != msg.incarnation
+            and now - self.last_seen.get(msg.rank, 0.0) < self.stale_after_s
+        ):
+            return f"rank {msg.rank} is already served by a live engine (incarnation {held.incarnation})"
+        self.ranks[msg.rank] = RankLoad(msg.rank, msg.incarnation, is_alive=False, down_reason="registering")
+        self.last_seen[msg.rank] = now
+        self.dirty = True
+        return ""
+
+    def ready(self, msg: EngineReady, now: float) -> None:
+        entry = self.ranks.get(msg.rank)
+        if entry is not None and entry.incarnation == msg.incarnation:
+            entry.is_alive = True
+            entry.down_reason = ""
+            self.last_seen[msg.rank] = now
+            self.dirty = True
+
+    def load(self, msg: LoadReport, now: float) -> None:
+        entry = self.ranks.get(msg.rank)
+        if entry is None or entry.incarnation != msg.incarnation:
+            return
+        self.last_seen[msg.rank] = now
+        entry.num_running = msg.num_running
+        entry.num_waiting = msg.num_waiting
+        entry.num_waiting_prefill_tokens = msg.num_waiting_prefill_tokens
+        entry.num_remaining_decode_tokens = msg.num_remaining_decode_tokens
+        entry.slot_usage = msg.slot_usage
+        entry.num_requests_finished = msg.num_requests_finished
+        self.dirty = True
+
+    def down(self, rank: int, reason: str) -> bool:
+        entry = self.ranks.get(rank)
+        if entry is None or not entry.is_alive:
+            return False
+        entry.is_alive = False
+        entry.down_reason = reason
+        entry.num_running = entry.num_waiting = 0
+        self.dirty = True
+        return True
+
+    def expire(self, now: float) -> list[int]:
+        """Ranks that stopped reporting: marked down, returned for the log."""
+        gone = [
+            r for r, e in self.ranks.items() if e.is_alive and now - self.last_seen.get(r, 0.0) > self.stale_after_s
+        ]
+        for rank in gone:
+            self.down(rank, f"no load report for {self.stale_after_s:.0f} s")
+        return gone
+
+    def snapshot(self) -> LoadTable:
+        self.seq += 1
+        self.dirty = False
+        return LoadTable(self.seq, self.size, [self.ranks[r] for r in sorted(self.ranks)])
+
+
+class Coordinator:
+    def __init__(self, cfg: CoordinatorConfig, log) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.ctx = zmq.Context()
+        self.codec = Codec(CoordinatorInput | RegisterReply)
+        self.table_codec = Codec(LoadTable)
+        self.engines = self.ctx.socket(zmq.ROUTER)
+        self.engines.setsockopt(zmq.LINGER, 0)
+        self.engines.bind(cfg.engines_address)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 10_000)
+        self.pub.bind(cfg.table_address)
+        self.supervisor = SupervisorLink(self.ctx, cfg.supervisor_address, cfg.name)
+        self.table = RankTable(cfg.data_parallel_size, cfg.fingerprint, cfg.stale_after_s)
+        self.should_stop = False
+        self.last_publish = 0.0
+        self.last_heartbeat = 0.0
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.should_stop = True
+
+    def run(self) -> int:
+        self.supervisor.ready("coordinator")
+        self.log.info("coordinator ready", data_parallel_size=self.cfg.data_parallel_size)
+        while not self.should_stop:
+            # 1. Wait for messages, but never past the next publish or heartbeat.
+            if self.engines.poll(self._poll_timeout_ms()):
+                self._drain()
+            now = time.monotonic()
+            # 2. Retire ranks that went quiet.
+            for rank in self.table.expire(now):
+                self.log.warning("rank stopped reporting; taken out of routing", rank=rank)
+            # 3. Publish the table if it changed (rate-limited) or as a keepalive.
+            since = now - self.last_publish
+            if (self.table.dirty and since >= PUBLISH_MIN_INTERVAL_S) or since >= PUBLISH_KEEPALIVE_S:
+                self.pub.send(self.table_codec.encode(self.table.snapshot()))
+                self.last_publish = now
+            # 4. Heartbeat to the supervisor from this loop only.
+            if now - self.last_heartbeat >= self.cfg.heartbeat_interval_s:
+                self.supervisor.heartbeat()
+                self.last_heartbeat = now
+        return EXIT_OK
+
+    def _poll_timeout_ms(self) -> int:
+        if self.table.dirty:
+            return max(0, int((PUBLISH_MIN_INTERVAL_S - (time.monotonic() - self.last_publish)) * 1000))
+        return int(min(PUBLISH_KEEPALIVE_S, self.cfg.heartbeat_interval_s) * 1000)
+
+    def _drain(self) -> None:
+        now = time.monotonic()
+        while True:
+            try:
+                identity, data = self.engines.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = self.codec.decode(data)
+            except Exception as exc:  # a peer speaking another protocol
+                self.log.warning("undecodable message dropped", peer=identity.decode(errors="replace"), error=str(exc))
+                continue
+            if isinstance(msg, LoadReport):
+                self.table.load(msg, now)
+            elif isinstance(msg, EngineRegister):
+                reason = self.table.register(msg, now)
+                if reason:
+                    self.log.error("engine registration refused", rank=msg.rank, host=msg.host, pid=msg.pid, reason=reason)
+                else:
+                    self.log.info("engine registered", rank=msg.rank, host=msg.host, pid=msg.pid)
+                reply = RegisterReply(not reason, reason, self.cfg.api_server_addresses if not reason else [])
+                self.engines.send_multipart([identity, self.codec.encode(reply)])
+            elif isinstance(msg, EngineReady):
+                self.table.ready(msg, now)
+                self.log.info("rank in routing", rank=msg.rank)
+            elif isinstance(msg, RankDown):
+                if self.table.down(msg.rank, msg.reason):
+                    self.log.warning("rank taken out of routing", rank=msg.rank, reason=msg.reason)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def main() -> None:
+    cfg = child_config_from_env(CoordinatorConfig)
+    die_with_parent(cfg.parent_pid)
+    log = setup_logging(cfg.name, cfg.log_level)
+    coord = Coordinator(cfg, log)
+    signal.signal(signal.SIGTERM, coord._on_signal)
+    signal.signal(signal.SIGINT, coord._on_signal)
+    try:
+        code = coord.run()
+    finally:
+        coord.close()
+    log.info("coordinator stopped")
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

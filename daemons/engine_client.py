@@ -1,0 +1,203 @@
+"""An API server's link to every engine rank and to the coordinator's load table.
+
+Owns the ROUTER socket the engines connect to, the SUB socket for the load
+table, the Router, and the table of in-flight RequestStates. Only this module
+moves bytes between ZeroMQ and RequestStates; handlers see typed objects.
+Invariant: a RequestState is in `requests` from send until it finishes,
+fails or is aborted, and its rank's in-flight count covers exactly that span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zmq
+import zmq.asyncio
+
+from dpserve.engine.protocol import (
+    FINISH_ERROR,
+    AbortRequests,
+    AddRequest,
+    Codec,
+    EngineDead,
+    EngineHello,
+    EngineInput,
+    EngineOutputs,
+    EngineToApi,
+    LoadTable,
+    RequestOutput,
+)
+
+from .router import Router
+
+
+class RequestState:
+    """Outputs of one request as they arrive; the handler drains `pending`."""
+
+    __slots__ = (
+        "request_id",
+        "rank",
+        "cost",
+        "pending",
+        "finish_reason",
+        "stop_token_id",
+        "error",
+        "error_status",
+        "event",
+        "num_output_tokens",
+    )
+
+    def __init__(self, request_id: str, cost: int) -> None:
+        self.request_id = request_id
+        self.rank = -1
+        self.cost = cost
+        self.pending: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+        self.error: str | None = None
+        self.error_status = 400  # an engine's own rejection is the request's fault
+        self.event = asyncio.Event()
+        self.num_output_tokens = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def take(self) -> list[int]:
+        ids = self.pending
+        self.pending = []
+        self.event.clear()
+        return ids
+
+    def _push(self, out: RequestOutput) -> None:
+        self.pending.extend(out.new_token_ids)
+        self.num_output_tokens += len(out.new_token_ids)
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.stop_token_id = out.stop_token_id
+            self.error = out.error
+        self.event.set()
+
+    def _fail(self, reason: str) -> None:
+        self.finish_reason = FINISH_ERROR
+        self.error = reason
+        self.error_status = 503  # the rank failed, not the request
+        self.event.set()
+
+
+class EngineClient:
+    def __init__(self, ctx: zmq.asyncio.Context, router: Router, engine_address: str, table_address: str, log) -> None:
+        self.ctx = ctx
+        self.router = router
+        self.log = log
+        self.requests: dict[str, RequestState] = {}
+        self._in_codec = Codec(EngineToApi)
+        self._out_codec = Codec(EngineInput)
+        self._table_codec = Codec(LoadTable)
+        self.engines = ctx.socket(zmq.ROUTER)
+        self.engines.setsockopt(zmq.LINGER, 0)
+        self.engines.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: error, not a silent drop
+        self.engines.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
+        self.engines.setsockopt(zmq.SNDHWM, 0)
+        self.engines.setsockopt(zmq.RCVHWM, 0)
+        self.engines.bind(engine_address)
+        self.table = ctx.socket(zmq.SUB)
+        self.table.setsockopt(zmq.LINGER, 0)
+        self.table.setsockopt(zmq.SUBSCRIBE, b"")
+        self.table.connect(table_address)
+        self._identities = [str(r).encode() for r in range(router.size)]
+        self._tasks: list[asyncio.Task] = []
+        self.table_received = asyncio.Event()
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._read_engines(), name="read-engines"),
+            asyncio.create_task(self._read_table(), name="read-table"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.fail_all("API server shutting down")
+        self.engines.close(0)
+        self.table.close(0)
+
+    # ---------------------------------------------------------------- requests
+
+    def send(self, state: RequestState, req: AddRequest, rank: int) -> None:
+        """Hand a request to `rank`; raises zmq.ZMQError if the rank is unreachable."""
+        self.engines.send_multipart([self._identities[rank], self._out_codec.encode(req)], zmq.NOBLOCK)
+        state.rank = rank
+        self.requests[state.request_id] = state
+        self.router.on_send(rank, state.cost)
+
+    def abort(self, state: RequestState) -> None:
+        """Forget a request that is not finished (client gone, stop string hit)."""
+        if self.requests.pop(state.request_id, None) is None:
+            return
+        self.router.on_finish(state.rank, state.cost)
+        try:
+            msg = self._out_codec.encode(AbortRequests([state.request_id]))
+            self.engines.send_multipart([self._identities[state.rank], msg], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the rank is gone, and with it the request
+
+    def fail_rank(self, rank: int, reason: str) -> int:
+        """End every in-flight request on `rank` with an error; returns how many."""
+        doomed = [s for s in self.requests.values() if s.rank == rank]
+        for state in doomed:
+            self._finish(state)
+            state._fail(reason)
+        return len(doomed)
+
+    def fail_all(self, reason: str) -> None:
+        for state in list(self.requests.values()):
+            self._finish(state)
+            state._fail(reason)
+
+    def _finish(self, state: RequestState) -> None:
+        if self.requests.pop(state.request_id, None) is not None:
+            self.router.on_finish(state.rank, state.cost)
+
+    # ---------------------------------------------------------------- readers
+
+    async def _read_engines(self) -> None:
+        decode = self._in_codec.decode
+        requests = self.requests
+        while True:
+            _identity, data = await self.engines.recv_multipart(copy=False)
+            try:
+                msg = decode(data.buffer)
+            except Exception as exc:
+                self.log.warning("undecodable engine message dropped", error=str(exc))
+                continue
+            if type(msg) is EngineOutputs:
+                for out in msg.outputs:
+                    state = requests.get(out.request_id)
+                    if state is None:
+                        continue
+                    if out.finish_reason is not None:
+                        self._finish(state)
+                    state._push(out)
+            elif type(msg) is EngineHello:
+                if self.router.engine_hello(msg.rank, msg.incarnation):
+                    self.fail_rank(msg.rank, f"engine rank {msg.rank} restarted")
+                self.log.info("engine connected", rank=msg.rank, incarnation=msg.incarnation)
+            elif type(msg) is EngineDead:
+                if self.router.engine_dead(msg.rank, msg.incarnation):
+                    n = self.fail_rank(msg.rank, msg.reason)
+                    self.log.warning("engine announced its death", rank=msg.rank, reason=msg.reason, failed_requests=n)
+
+    async def _read_table(self) -> None:
+        decode = self._table_codec.decode
+        while True:
+            data = await self.table.recv(copy=False)
+            try:
+                table = decode(data.buffer)
+            except Exception as exc:
+                self.log.warning("undecodable load table dropped", error=str(exc))
+                continue
+            for rank, reason in self.router.update_table(table):
+                n = self.fail_rank(rank, f"engine rank {rank} is down: {reason}")
+                self.log.warning("rank left routing", rank=rank, reason=reason, failed_requests=n)
+            self.table_received.set()

@@ -1,0 +1,293 @@
+"""The OpenAI endpoints: request -> validated struct -> token ids -> rank -> response.
+
+Hot path habits: one JSON decode straight into a Struct, one ZeroMQ send per
+request, incremental detokenization, SSE events from prebuilt byte templates,
+no logging per request. Errors leave as OpenAI-style bodies (see ApiError).
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import os
+import time
+from typing import AsyncIterator
+
+import msgspec
+import zmq
+from aiohttp import web
+
+from dpserve.engine.protocol import FINISH_ERROR, AddRequest, SamplingParams
+
+from .config import ApiServerConfig
+from .engine_client import EngineClient, RequestState
+from .metrics import ApiMetrics
+from .openai_types import (
+    ApiError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    chat_messages,
+    check_unsupported,
+    completion_prompt,
+    decode_request,
+    encode,
+    stop_strings,
+)
+from .router import parse_rank_header
+from .tokenizer import IncrementalDetokenizer, StopChecker, TextTokenizer
+
+_json_str = msgspec.json.encode
+_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EngineFailure(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class OpenAIServing:
+    def __init__(self, cfg: ApiServerConfig, tokenizer: TextTokenizer, client: EngineClient, metrics: ApiMetrics, log) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.client = client
+        self.router = client.router
+        self.metrics = metrics
+        self.log = log
+        self.model_name = cfg.served_model_name
+        self.max_model_len = cfg.max_model_len
+        self.vocab_size = tokenizer.vocab_size
+        self.draining = False
+        self.num_active = 0
+        self._auth = f"Bearer {cfg.api_key}" if cfg.api_key else None
+        self._id_prefix = f"{cfg.index:x}{os.urandom(4).hex()}"
+        self._ids = itertools.count()
+        self._created = int(time.time())
+
+    # ---------------------------------------------------------------- endpoints
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        self._check_auth(request)
+        req = decode_request(await self._read_body(request), CompletionRequest)
+        check_unsupported(req)
+        self._check_model(req.model)
+        prompt = completion_prompt(req)
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = prompt
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ApiError(400, f"Token ids must be in [0, {self.vocab_size}).", param="prompt")
+        return await self._generate(request, req, ids, req.max_tokens or 16, chat=False, t0=t0)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        self._check_auth(request)
+        req = decode_request(await self._read_body(request), ChatCompletionRequest)
+        check_unsupported(req)
+        self._check_model(req.model)
+        messages = chat_messages(req)
+        tok = self.tokenizer
+        try:
+            ids = tok.encode_chat_prompt(tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(self.max_model_len - len(ids), 1)
+        return await self._generate(request, req, ids, max_tokens, chat=True, t0=t0)
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._check_auth(request)
+        card = ModelCard(self.model_name, self._created, max_model_len=self.max_model_len, root=self.cfg.model_dir)
+        return web.Response(body=encode(ModelList([card])), content_type="application/json")
+
+    # ---------------------------------------------------------------- checks
+
+    def _check_auth(self, request: web.Request) -> None:
+        if self._auth is None:
+            return
+        got = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(got.encode(), self._auth.encode()):
+            raise ApiError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>').", type="authentication_error", code="invalid_api_key")
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.cfg.max_request_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(413, f"Request body of {request.content_length} bytes exceeds the limit of {limit} bytes.", code="request_too_large")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large") from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is None:
+            raise ApiError(400, "model is required.", param="model")
+        if model != self.model_name:
+            raise ApiError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}.", param="model", code="model_not_found")
+
+    def _sampling(self, req, num_prompt: int, max_tokens: int) -> SamplingParams:
+        limit = self.max_model_len
+        if num_prompt == 0:
+            raise ApiError(400, "The prompt is empty.", param="prompt")
+        if num_prompt + max_tokens > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion).",
+                param="max_tokens" if num_prompt < limit else "prompt",
+                code="context_length_exceeded",
+            )
+        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        stop_ids = tuple(req.stop_token_ids or ())
+        if any(t >= self.vocab_size for t in stop_ids):
+            raise ApiError(400, f"stop_token_ids must be in [0, {self.vocab_size}).", param="stop_token_ids")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=top_k,
+            seed=req.seed,
+            stop_token_ids=stop_ids,
+            ignore_eos=req.ignore_eos,
+            min_tokens=min(req.min_tokens, max_tokens),
+        )
+
+    # ---------------------------------------------------------------- generation
+
+    async def _generate(self, request, req, ids: list[int], max_tokens: int, *, chat: bool, t0: float) -> web.StreamResponse:
+        endpoint = "chat" if chat else "completions"
+        params = self._sampling(req, len(ids), max_tokens)
+        stops = stop_strings(req)
+        pinned = parse_rank_header(request.headers.get("X-data-parallel-rank"), self.router.size)
+        rank = self.router.pick(pinned)
+        request_id = f"{self._id_prefix}-{next(self._ids):x}"
+        state = RequestState(request_id, len(ids) + max_tokens)
+        try:
+            self.client.send(state, AddRequest(request_id, ids, params, time.time()), rank)
+        except zmq.ZMQError:
+            raise ApiError(503, f"Engine rank {rank} is unreachable.", type="service_unavailable", code="rank_unavailable", headers={"Retry-After": "1"}) from None
+        self.metrics.routed_to(rank)
+        self.num_active += 1
+        try:
+            events = self._events(state, stops)
+            if req.stream:
+                include_usage = req.stream_options is not None and req.stream_options.include_usage
+                resp = await self._stream(request, state, events, len(ids), chat, include_usage)
+            else:
+                resp = await self._complete(state, events, len(ids), chat)
+            self.metrics.observe(endpoint, resp.status, time.perf_counter() - t0)
+            return resp
+        except EngineFailure as exc:
+            self.metrics.observe(endpoint, exc.status)
+            kind = "service_unavailable" if exc.status == 503 else "invalid_request_error"
+            raise ApiError(exc.status, str(exc), type=kind, code="engine_error" if exc.status == 503 else None) from None
+        finally:
+            self.num_active -= 1
+            if not state.is_finished:
+                self.client.abort(state)  # client went away, or a stop string ended it early
+
+    async def _events(self, state: RequestState, stops: list[str]) -> AsyncIterator[tuple[str, str | None]]:
+        """(new text, finish_reason or None) as outputs arrive; raises EngineFailure."""
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stopper = StopChecker(stops) if stops else None
+        while True:
+            if not state.pending and not state.is_finished:
+                await state.event.wait()
+            ids = state.take()
+            finished = state.finish_reason
+            if finished == FINISH_ERROR:
+                raise EngineFailure(state.error_status, state.error or "engine error")
+            if finished and state.stop_token_id is not None and ids and ids[-1] == state.stop_token_id:
+                ids = ids[:-1]  # a stop token ends the text; it is counted, not shown
+            text = detok.step(ids) if ids else ""
+            if finished:
+                text += detok.flush()
+            if stopper is not None:
+                text, hit = stopper.feed(text)
+                if hit:
+                    self.client.abort(state)
+                    state.finish_reason = "stop"
+                    yield text, "stop"
+                    return
+                if finished:
+                    text += stopper.flush()
+            if finished:
+                yield text, finished
+                return
+            if text:
+                yield text, None
+
+    async def _complete(self, state: RequestState, events, num_prompt: int, chat: bool) -> web.Response:
+        parts = []
+        reason = "stop"
+        async for text, fin in events:
+            parts.append(text)
+            if fin:
+                reason = fin
+        text = "".join(parts)
+        usage = Usage(num_prompt, state.num_output_tokens, num_prompt + state.num_output_tokens)
+        rid = state.request_id
+        if chat:
+            body = ChatCompletionResponse(f"chatcmpl-{rid}", int(time.time()), self.model_name, [ChatChoice(0, AssistantMessage(text), None, reason)], usage=usage)
+        else:
+            body = CompletionResponse(f"cmpl-{rid}", int(time.time()), self.model_name, [CompletionChoice(0, text, None, reason)], usage=usage)
+        resp = web.Response(body=encode(body), content_type="application/json", headers={"X-data-parallel-rank": str(state.rank)})
+        if self.draining:
+            resp.force_close()
+        return resp
+
+    async def _stream(self, request, state: RequestState, events, num_prompt: int, chat: bool, include_usage: bool) -> web.StreamResponse:
+        created = int(time.time())
+        rid = f"chatcmpl-{state.request_id}" if chat else f"cmpl-{state.request_id}"
+        head = encode({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": self.model_name})[:-1]
+        if chat:
+            prefix = b"data: " + head + b',"choices":[{"index":0,"delta":{"content":'
+            suffix_open = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        else:
+            prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
+            suffix_open = b',"logprobs":null,"finish_reason":null}]}\n\n'
+        resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, "X-data-parallel-rank": str(state.rank)})
+        if self.draining:
+            resp.force_close()
+        await resp.prepare(request)
+        if chat:
+            first = ChatCompletionChunk(rid, created, self.model_name, [ChatChunkChoice(0, Delta(role="assistant", content=""), None, None)])
+            await resp.write(b"data: " + encode(first) + b"\n\n")
+        try:
+            async for text, fin in events:
+                if fin is None:
+                    await resp.write(prefix + _json_str(text) + suffix_open)
+                    continue
+                if chat:
+                    last = ChatCompletionChunk(rid, created, self.model_name, [ChatChunkChoice(0, Delta(content=text or None), None, fin)])
+                else:
+                    last = CompletionResponse(rid, created, self.model_name, [CompletionChoice(0, text, None, fin)])
+                await resp.write(b"data: " + encode(last) + b"\n\n")
+        except EngineFailure as exc:
+            err = ErrorResponse(ErrorBody(str(exc), "service_unavailable" if exc.status == 503 else "invalid_request_error", None, "engine_error"))
+            await resp.write(b"data: " + encode(err) + b"\n\n" + _DONE)
+            await resp.write_eof()
+            self.metrics.observe("stream", exc.status)
+            return resp
+        if include_usage:
+            usage = Usage(num_prompt, state.num_output_tokens, num_prompt + state.num_output_tokens)
+            tail_cls = ChatCompletionChunk if chat else CompletionResponse
+            await resp.write(b"data: " + encode(tail_cls(rid, created, self.model_name, [], usage=usage)) + b"\n\n" + _DONE)
+        else:
+            await resp.write(_DONE)
+        await resp.write_eof()
+        return resp

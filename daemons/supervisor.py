@@ -1,0 +1,563 @@
+"""The per-node supervisor: starts, watches, probes, restarts and stops every child.
+
+Main loop, one fixed sequence of short verbs: wait for an event -> handle it
+(reap, readiness, probe verdicts, signals) -> reconcile (restarts, kill
+deadlines) -> notify systemd. Signal handlers only put the signal on the
+event queue. The supervisor owns the shared listening socket (bound once,
+no SO_REUSEPORT) and hands it to every API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from dpserve.engine.config import EngineConfig, EngineProcessConfig, resolve_max_model_len
+from dpserve.engine.procutil import (
+    EXIT_CONFIG,
+    EXIT_NOTHING_SERVES,
+    EXIT_OK,
+    EXIT_STARTUP,
+    describe_exit,
+)
+from dpserve.engine.protocol import Codec, CoordinatorInput, RankDown, ToSupervisor, ChildReady, Heartbeat, config_fingerprint
+
+from .children import Child, ChildState, spawn
+from .config import Addresses, ApiServerConfig, CoordinatorConfig, ServeConfig
+from .health import HealthServer
+from .notify import Notifier
+from .probes import Prober
+
+_enc = msgspec.json.Encoder().encode
+
+
+class StartupError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """Bind the API port once for every API server. No SO_REUSEPORT: a second
+    instance on the same port fails here instead of silently splitting traffic."""
+    try:
+        sock = socket.create_server((host, port), backlog=4096, reuse_port=False)
+    except OSError as exc:
+        raise StartupError(EXIT_CONFIG, f"cannot bind {host}:{port}: {exc.strerror or exc} (is another server running on this port?)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class Supervisor:
+    def __init__(self, cfg: ServeConfig, log, ports_file: str | None = None) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.ports_file = ports_file
+        self.children: dict[str, Child] = {}
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.notifier = Notifier()
+        self.phase = "starting"  # starting -> serving -> stopping
+        self.exit_code = EXIT_OK
+        self.heartbeat_interval_s = min(1.0, cfg.probe_interval_s / 2)
+        self.listen_sock: socket.socket | None = None
+        self.run_dir = ""
+        self._own_run_dir = False
+        self.health = HealthServer(self)
+        self.prober = Prober(self)
+        self.zctx = zmq.asyncio.Context()
+        self._tasks: list[asyncio.Task] = []
+        self._last_watchdog = 0.0
+        self._rolling: asyncio.Task | None = None
+        self.port = 0
+
+    # ================================================================ setup
+
+    def _prepare(self) -> None:
+        cfg = self.cfg
+        self.max_model_len = resolve_max_model_len(cfg.model, cfg.max_model_len)
+        self.listen_sock = bind_listen_socket(cfg.host, cfg.port)
+        self.port = self.listen_sock.getsockname()[1]
+        if cfg.run_dir:
+            os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
+            self.run_dir = cfg.run_dir
+        else:
+            self.run_dir = tempfile.mkdtemp(prefix="dpserve-")
+            self._own_run_dir = True
+        self.addr = Addresses.for_run_dir(self.run_dir, cfg.api_server_count)
+        self.ctl = self.zctx.socket(zmq.PULL)
+        self.ctl.setsockopt(zmq.LINGER, 0)
+        self.ctl.bind(self.addr.supervisor)
+        self.coord_link = self.zctx.socket(zmq.DEALER)
+        self.coord_link.setsockopt(zmq.LINGER, 0)
+        self.coord_link.setsockopt(zmq.IDENTITY, b"supervisor")
+        self.coord_link.connect(self.addr.coordinator_engines)
+        self._coord_codec = Codec(CoordinatorInput)
+        self._build_children()
+
+    def _build_children(self) -> None:
+        cfg, addr = self.cfg, self.addr
+        fingerprint = config_fingerprint(os.path.realpath(cfg.model), cfg.dtype, self.max_model_len, cfg.data_parallel_size)
+        me = os.getpid()
+        coord = CoordinatorConfig(
+            name="coordinator",
+            engines_address=addr.coordinator_engines,
+            table_address=addr.coordinator_table,
+            supervisor_address=addr.supervisor,
+            api_server_addresses=addr.api_engines,
+            data_parallel_size=cfg.data_parallel_size,
+            fingerprint=fingerprint,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            stale_after_s=cfg.probe_interval_s * cfg.probe_failure_threshold,
+            parent_pid=me,
+            log_level=cfg.log_level,
+        )
+        self._add(Child("coordinator", "coordinator", -1, "dpserve.daemons.coordinator", _enc(coord)))
+        for rank in range(cfg.data_parallel_size):
+            name = f"engine-dp{rank}"
+            ecfg = EngineProcessConfig(
+                name=name,
+                engine=EngineConfig(
+                    model=cfg.model,
+                    rank=rank,
+                    dtype=cfg.dtype,
+                    max_num_seqs=cfg.max_num_seqs,
+                    max_model_len=self.max_model_len,
+                    max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    seed=cfg.seed,
+                ),
+                coordinator_address=addr.coordinator_engines,
+                supervisor_address=addr.supervisor,
+                fingerprint=fingerprint,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                parent_pid=me,
+                log_level=cfg.log_level,
+            )
+            self._add(Child(name, "engine", rank, "dpserve.engine.process", _enc(ecfg)))
+        fd = self.listen_sock.fileno()
+        for i in range(cfg.api_server_count):
+            name = f"api-{i}"
+            acfg = ApiServerConfig(
+                name=name,
+                index=i,
+                model_dir=cfg.model,
+                served_model_name=cfg.served_model_name,
+                api_key=cfg.api_key,
+                data_parallel_size=cfg.data_parallel_size,
+                max_model_len=self.max_model_len,
+                lb_policy=cfg.lb_policy,
+                max_waiting_per_rank=cfg.max_waiting_per_rank,
+                max_request_body_bytes=cfg.max_request_body_bytes,
+                shutdown_timeout_s=cfg.shutdown_timeout_s,
+                listen_fd=fd,
+                engine_address=addr.api_engines[i],
+                table_address=addr.coordinator_table,
+                supervisor_address=addr.supervisor,
+                probe_path=addr.api_probes[i],
+                parent_pid=me,
+                log_level=cfg.log_level,
+            )
+            child = Child(name, "api", i, "dpserve.daemons.api_server", _enc(acfg), pass_fds=(fd,), port=self.port, probe_path=addr.api_probes[i])
+            self._add(child)
+
+    def _add(self, child: Child) -> None:
+        self.children[child.name] = child
+
+    def _children(self, kind: str) -> list[Child]:
+        return [c for c in self.children.values() if c.kind == kind]
+
+    # ================================================================ run
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, self.events.put_nowait, ("signal", sig))
+        try:
+            await self.health.start(self.cfg.supervisor_host, self.cfg.supervisor_port)
+        except OSError as exc:
+            self.log.error("cannot bind the supervisor port", port=self.cfg.supervisor_port, error=str(exc))
+            return EXIT_CONFIG
+        try:
+            self._prepare()
+        except (StartupError, ValueError) as exc:
+            self.log.error("cannot start", error=str(exc))
+            await self.health.stop()
+            return exc.code if isinstance(exc, StartupError) else EXIT_CONFIG
+        self._write_ports_file()
+        self.log.info(
+            "starting",
+            model=self.cfg.model,
+            port=self.port,
+            supervisor_port=self.health.port,
+            data_parallel_size=self.cfg.data_parallel_size,
+            api_server_count=self.cfg.api_server_count,
+            run_dir=self.run_dir,
+        )
+        self._tasks.append(asyncio.create_task(self._read_ctl(), name="ctl"))
+        try:
+            code = await self._startup()
+            if code == EXIT_OK:
+                self._tasks.append(asyncio.create_task(self.prober.run(), name="prober"))
+                code = await self._serve()
+        finally:
+            await self._shutdown()
+        return code
+
+    def _write_ports_file(self) -> None:
+        if self.ports_file:
+            tmp = self.ports_file + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(_enc({"port": self.port, "supervisor_port": self.health.port, "pid": os.getpid()}))
+            os.replace(tmp, self.ports_file)
+
+    # ================================================================ startup
+
+    async def _startup(self) -> int:
+        cfg = self.cfg
+        now = time.monotonic()
+        for child in self.children.values():
+            timeout = {
+                "engine": cfg.engine_startup_timeout_s,
+                "api": cfg.api_server_startup_timeout_s,
+            }.get(child.kind, cfg.api_server_startup_timeout_base_s)
+            child.deadline = now + timeout
+        await asyncio.gather(*(self._start(c) for c in self.children.values()))
+        budget_end = max(c.deadline for c in self.children.values())
+        self.notifier.extend_timeout(budget_end - now + 5)
+        last_extend = now
+        while True:
+            self._update_status()
+            if all(c.state == ChildState.READY for c in self.children.values()) and self.prober.all_ranks_routable:
+                break
+            try:
+                event = await asyncio.wait_for(self.events.get(), timeout=0.2)
+            except asyncio.TimeoutError:
+                event = None
+            now = time.monotonic()
+            if event is not None:
+                kind = event[0]
+                if kind == "signal" and event[1] in (signal.SIGTERM, signal.SIGINT):
+                    self.log.info("stop requested during startup")
+                    return EXIT_OK
+                if kind == "exit":
+                    _, child, pid, rc = event
+                    if pid == child.pid:
+                        child.state = ChildState.EXITED
+                        child.last_exit = describe_exit(rc)
+                        self.log.error("child died during startup", child=child.name, how=child.last_exit)
+                        return rc if rc in (EXIT_CONFIG, EXIT_STARTUP) else EXIT_STARTUP
+            late = [c for c in self.children.values() if c.state != ChildState.READY and now > c.deadline]
+            if late:
+                names = ", ".join(c.name for c in late)
+                self.log.error("startup timed out", children=names, timeouts_s={c.name: round(c.deadline - c.started_at, 1) for c in late})
+                return EXIT_STARTUP
+            if all(c.state == ChildState.READY for c in self.children.values()):
+                await self.prober.check_routable()
+            if now - last_extend > 5:
+                self.notifier.extend_timeout(max(c.deadline for c in self.children.values()) - now + 5)
+                last_extend = now
+            self._watchdog(now)
+        self.phase = "serving"
+        status = self._status_line()
+        self.notifier.ready(status)
+        self.log.info("node ready", status=status, seconds=round(time.monotonic() - min(c.started_at for c in self.children.values()), 2))
+        return EXIT_OK
+
+    async def _start(self, child: Child) -> None:
+        await spawn(child, sys.stderr.buffer)
+        self.log.info("child started", child=child.name, pid=child.pid)
+        asyncio.create_task(self._wait_exit(child, child.proc))
+
+    async def _wait_exit(self, child: Child, proc: asyncio.subprocess.Process) -> None:
+        rc = await proc.wait()
+        self.events.put_nowait(("exit", child, proc.pid, rc))
+
+    async def _read_ctl(self) -> None:
+        codec = Codec(ToSupervisor)
+        while True:
+            data = await self.ctl.recv()
+            try:
+                msg = codec.decode(data)
+            except Exception:
+                continue
+            child = self.children.get(msg.name)
+            if child is None or child.pid != msg.pid:
+                continue  # a message from a previous incarnation
+            if isinstance(msg, Heartbeat):
+                child.last_heartbeat = time.monotonic()
+                child.num_running = msg.num_running
+                child.num_waiting = msg.num_waiting
+            elif isinstance(msg, ChildReady) and child.state == ChildState.STARTING:
+                child.state = ChildState.READY
+                child.ready_at = time.monotonic()
+                child.last_heartbeat = child.ready_at
+                self.events.put_nowait(("ready", child))
+
+    # ================================================================ serve
+
+    async def _serve(self) -> int:
+        while self.phase == "serving":
+            # 1. Wait for an event, but not past the next reconcile tick.
+            try:
+                event = await asyncio.wait_for(self.events.get(), timeout=0.1)
+            except asyncio.TimeoutError:
+                event = None
+            # 2. Handle it.
+            if event is not None:
+                self._handle(event)
+            # 3. Reconcile: restarts due, kill deadlines, what the node can still do.
+            await self._reconcile(time.monotonic())
+            # 4. Tell systemd.
+            self._update_status()
+            self._watchdog(time.monotonic())
+        return self.exit_code
+
+    def _handle(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "signal":
+            sig = event[1]
+            if sig == signal.SIGHUP:
+                self._begin_rolling_restart()
+            else:
+                self.log.info("stop requested", signal=signal.Signals(sig).name)
+                self.phase = "stopping"
+        elif kind == "exit":
+            self._reap(*event[1:])
+        elif kind == "ready":
+            child = event[1]
+            extra = {"restarts": child.restarts} if child.restarts else {}
+            self.log.info("child ready", child=child.name, pid=child.pid, seconds=round(child.ready_at - child.started_at, 2), **extra)
+        elif kind == "dead":
+            _, child, pid, reason = event
+            if pid == child.pid and child.state in (ChildState.READY, ChildState.STARTING):
+                self.log.error("child declared dead", child=child.name, pid=pid, reason=reason)
+                self._take_out_of_routing(child, reason)
+                self._terminate(child, kill_after=self.cfg.kill_grace_s, cont=True)
+
+    def _reap(self, child: Child, pid: int, rc: int) -> None:
+        if pid != child.pid:
+            return
+        how = describe_exit(rc)
+        child.last_exit = how
+        was = child.state
+        child.proc = None
+        if self.phase != "serving":
+            child.state = ChildState.EXITED
+            return
+        planned = was == ChildState.STOPPING and child.restart_requested
+        level = self.log.info if planned else self.log.error
+        level("child exited", child=child.name, pid=pid, how=how)
+        self._take_out_of_routing(child, f"process exited ({how})")
+        if planned:
+            child.state = ChildState.BACKOFF
+            child.next_start_at = time.monotonic()
+            return
+        if rc in (EXIT_CONFIG, EXIT_STARTUP):
+            child.state = ChildState.EXITED
+            child.gave_up = True
+            self.log.error("child cannot boot; not restarting it", child=child.name, how=how)
+            return
+        policy = self.cfg.restart_policy
+        if policy == "never" or (policy == "on-failure" and rc == 0):
+            child.state = ChildState.EXITED
+            return
+        now = time.monotonic()
+        window = self.cfg.restart_window_s
+        child.restart_times = [t for t in child.restart_times if now - t < window]
+        if len(child.restart_times) >= self.cfg.max_restarts:
+            child.state = ChildState.EXITED
+            child.gave_up = True
+            self.log.error("child keeps crashing; giving up on it", child=child.name, restarts_in_window=len(child.restart_times), window_s=window)
+            return
+        delay = min(self.cfg.restart_backoff_initial_s * (2 ** len(child.restart_times)), self.cfg.restart_backoff_max_s)
+        child.restart_times.append(now)
+        child.state = ChildState.BACKOFF
+        child.next_start_at = now + delay
+        self.log.info("restarting child", child=child.name, in_s=round(delay, 2))
+
+    def _take_out_of_routing(self, child: Child, reason: str) -> None:
+        if child.kind == "engine":
+            try:
+                self.coord_link.send(self._coord_codec.encode(RankDown(child.rank, reason)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def _terminate(self, child: Child, kill_after: float, cont: bool = False) -> None:
+        if child.proc is None or child.proc.returncode is not None:
+            return
+        child.state = ChildState.STOPPING
+        child.deadline = time.monotonic() + kill_after
+        try:
+            os.kill(child.pid, signal.SIGTERM)
+            if cont:
+                os.kill(child.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        except ProcessLookupError:
+            pass
+
+    async def _reconcile(self, now: float) -> None:
+        for child in self.children.values():
+            if child.state == ChildState.STOPPING and now > child.deadline and not child.kill_requested:
+                child.kill_requested = True
+                self.log.warning("child did not stop in time; killing it", child=child.name, pid=child.pid)
+                try:
+                    os.kill(child.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            elif child.state == ChildState.BACKOFF and now >= child.next_start_at:
+                child.restarts += 1
+                timeout = self.cfg.engine_startup_timeout_s if child.kind == "engine" else self.cfg.api_server_startup_timeout_s
+                await self._start(child)
+                child.deadline = time.monotonic() + timeout
+            elif child.state == ChildState.STARTING and child.restarts and now > child.deadline:
+                self.log.error("restarted child did not become ready in time", child=child.name)
+                self._terminate(child, kill_after=self.cfg.kill_grace_s)
+        code = self._cannot_serve()
+        if code:
+            self.exit_code = code
+            self.phase = "stopping"
+
+    def _cannot_serve(self) -> int:
+        """Non-zero when no engine or no API server can ever serve again without systemd."""
+        for kind in ("engine", "api", "coordinator"):
+            group = self._children(kind)
+            if group and all(c.gave_up for c in group):
+                self.log.error("nothing left that can serve; exiting so systemd can restart the node", kind=kind)
+                return EXIT_NOTHING_SERVES
+        return 0
+
+    # ================================================================ SIGHUP
+
+    def _begin_rolling_restart(self) -> None:
+        if self._rolling is not None and not self._rolling.done():
+            self.log.info("rolling restart already in progress")
+            return
+        self.log.info("rolling restart of API servers", count=self.cfg.api_server_count)
+        self._rolling = asyncio.create_task(self._rolling_restart())
+
+    async def _rolling_restart(self) -> None:
+        for child in self._children("api"):
+            if self.phase != "serving":
+                return
+            if child.state != ChildState.READY:
+                continue
+            old_pid = child.pid
+            child.restart_requested = True
+            self._terminate(child, kill_after=self.cfg.shutdown_timeout_s + self.cfg.kill_grace_s)
+            # The exit is reaped by the main loop, which schedules the restart;
+            # wait until a new process of this child is ready before the next.
+            deadline = time.monotonic() + self.cfg.shutdown_timeout_s + self.cfg.kill_grace_s + self.cfg.api_server_startup_timeout_s
+            while time.monotonic() < deadline and self.phase == "serving":
+                if child.pid != old_pid and child.state == ChildState.READY:
+                    break
+                await asyncio.sleep(0.05)
+        self.log.info("rolling restart done")
+
+    # ================================================================ shutdown
+
+    async def _shutdown(self) -> None:
+        self.phase = "stopping"
+        self.notifier.stopping("stopping: draining API servers")
+        cfg = self.cfg
+        apis = [c for c in self._children("api") if c.proc is not None and c.proc.returncode is None]
+        for child in apis:
+            self._terminate(child, kill_after=cfg.shutdown_timeout_s + cfg.kill_grace_s)
+        await self._wait_all(apis, cfg.shutdown_timeout_s + cfg.kill_grace_s)
+        self.notifier.status("stopping: engines")
+        rest = [c for c in self.children.values() if c.proc is not None and c.proc.returncode is None]
+        for child in rest:
+            self._terminate(child, kill_after=cfg.kill_grace_s)
+        await self._wait_all(rest, cfg.kill_grace_s)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.health.stop()
+        self.zctx.destroy(linger=0)
+        if self.listen_sock is not None:
+            self.listen_sock.close()
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.log.info("stopped", exit_code=self.exit_code)
+
+    async def _wait_all(self, children: list[Child], timeout: float) -> None:
+        """One deadline for the group; survivors get SIGKILL, then are reaped."""
+        procs = [c.proc for c in children if c.proc is not None]
+        if not procs:
+            return
+        _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout)
+        if pending:
+            for child in children:
+                if child.proc is not None and child.proc.returncode is None:
+                    self.log.warning("killing child that did not stop", child=child.name, pid=child.pid)
+                    try:
+                        os.kill(child.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            await asyncio.wait(pending, timeout=5)
+
+    # ================================================================ views
+
+    def _status_line(self) -> str:
+        engines = self._children("engine")
+        apis = self._children("api")
+        ready_e = sum(c.state == ChildState.READY for c in engines)
+        ready_a = sum(c.state == ChildState.READY for c in apis)
+        text = f"{ready_e}/{len(engines)} ranks ready, {ready_a}/{len(apis)} API servers ready"
+        if self.phase == "starting":
+            loading = [str(c.rank) for c in engines if c.state == ChildState.STARTING]
+            if loading:
+                text += f", loading rank {','.join(loading)}"
+        elif self.phase == "serving":
+            text = f"serving on port {self.port}: " + text
+        return text
+
+    def _update_status(self) -> None:
+        self.notifier.status(self._status_line())
+
+    def _watchdog(self, now: float) -> None:
+        interval = self.notifier.watchdog_interval_s
+        if interval and now - self._last_watchdog >= interval:
+            self._last_watchdog = now
+            self.notifier.watchdog()
+
+    def unhealthy_children(self) -> list[dict]:
+        bad = []
+        for c in self.children.values():
+            if self.phase == "starting" and c.state in (ChildState.NEW, ChildState.STARTING):
+                continue
+            if c.state != ChildState.READY or c.consecutive_failures > 0:
+                bad.append({"name": c.name, "state": c.state.value, "consecutive_failures": c.consecutive_failures, "last_exit": c.last_exit or None})
+        return bad
+
+    def node_ready(self) -> tuple[bool, str]:
+        if self.phase != "serving":
+            return False, self.phase
+        if not any(c.state == ChildState.READY for c in self._children("api")):
+            return False, "no API server is ready"
+        if not any(c.state == ChildState.READY for c in self._children("engine")):
+            return False, "no rank is ready"
+        return True, ""
+
+    def status_dict(self) -> dict:
+        now = time.monotonic()
+        ready, reason = self.node_ready()
+        return {
+            "phase": self.phase,
+            "ready": ready,
+            "reason": reason,
+            "pid": os.getpid(),
+            "port": self.port,
+            "supervisor_port": self.health.port,
+            "model": self.cfg.served_model_name,
+            "data_parallel_size": self.cfg.data_parallel_size,
+            "api_server_count": self.cfg.api_server_count,
+            "children": [c.as_dict(now) for c in self.children.values()],
+        }

@@ -1,0 +1,366 @@
+"""API-server text processing: tokenizer loading, chat templates, streaming detokenization, stop strings.
+
+Owns everything between request text and token ids. It must never import torch or
+transformers (directly or through a dependency): API servers start in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+_REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens kept as decoding context (vLLM's choice): enough for decoders that
+# strip or merge leading spaces to see the output's first token as a continuation.
+_PROMPT_CONTEXT_TOKENS = 5
+# Text is held back only while a UTF-8 sequence may still complete (at most 3 more
+# bytes). Past this many held tokens the tail is invalid bytes or text-less tokens.
+_MAX_HELD_TOKENS = 16
+# Consumed ids are dropped once this many pile up, so per-request memory is bounded.
+_TRIM_IDS_AT = 256
+
+
+def _token_text(value: Any) -> str | None:
+    """A special-token field from tokenizer_config.json: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _int_ids(value: Any) -> list[int]:
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _pick_chat_template(model_dir: Path, tokenizer_config: dict) -> str | None:
+    """chat_template.jinja wins (as in transformers), then tokenizer_config.json, then
+    chat_template.json. A list of named templates yields "default", else the first."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    for source in (tokenizer_config, _read_json(model_dir / "chat_template.json")):
+        template = source.get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if isinstance(template, str) and template.strip():
+            return template
+    return None
+
+
+class _GenerationTag(Extension):
+    """Accepts `{% generation %}...{% endgeneration %}` (assistant-mask markers that some
+    templates carry for training) and renders the body unchanged, as transformers does."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    # jinja2's own tojson HTML-escapes; transformers replaces it with plain json.dumps.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox configured like transformers' own, so that
+    templates written for transformers render byte-for-byte the same here."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _text_content(content: Any) -> Any:
+    """OpenAI content parts -> one string; text parts are joined with "\\n" (vLLM's rule)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"unsupported content part {kind!r}: this model takes text only")
+        texts.append(str(part.get("text", "")))
+    return "\n".join(texts)
+
+
+class TextTokenizer:
+    """A Hugging Face tokenizer directory, loaded with the `tokenizers` library only.
+
+    Immutable after construction; one instance serves every request of a process.
+    BOS rule: `add_bos_token` in tokenizer_config.json, when present, overrides whether
+    the tokenizer.json post-processor puts a BOS first (as transformers' Llama/Gemma
+    tokenizers do). Chat prompts get exactly one BOS (see encode_chat_prompt).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, tokenizer_config: dict, chat_template: str | None,
+                 extra_eos_ids: Iterable[int] = (), model_name: str = "") -> None:
+        tokenizer.no_truncation()  # a tokenizer.json may carry a max_length: never cut prompts
+        tokenizer.no_padding()
+        self._tok = tokenizer
+        self.model_name = model_name
+        self.bos_token = _token_text(tokenizer_config.get("bos_token"))
+        self.eos_token = _token_text(tokenizer_config.get("eos_token"))
+        self._special_tokens = {
+            f"{kind}_token": text for kind in ("bos", "eos", "unk", "pad")
+            if (text := _token_text(tokenizer_config.get(f"{kind}_token"))) is not None
+        }
+        self.bos_token_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        eos_ids = set(extra_eos_ids)
+        if self.eos_token and (eos_id := tokenizer.token_to_id(self.eos_token)) is not None:
+            eos_ids.add(eos_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+
+        self._prepend_bos = self._strip_bos = False
+        add_bos = tokenizer_config.get("add_bos_token")
+        if self.bos_token_id is not None and isinstance(add_bos, bool):
+            probe = tokenizer.encode("a", add_special_tokens=True).ids
+            post_processor_adds = probe[:1] == [self.bos_token_id]
+            self._prepend_bos = add_bos and not post_processor_adds
+            self._strip_bos = post_processor_adds and not add_bos
+        self.adds_bos = self.bos_token_id is not None and self.encode("a")[:1] == [self.bos_token_id]
+        # Compiled once, at load: a broken template fails the start, not a request.
+        self._chat_template = compile_chat_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path, model_name: str | None = None) -> TextTokenizer:
+        """Load tokenizer.json, tokenizer_config.json, the chat template and the EOS ids
+        named by generation_config.json and config.json (all are stop tokens)."""
+        model_dir = Path(path)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{tokenizer_file} not found (only fast tokenizers are supported)")
+        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        extra_eos: list[int] = []
+        for config in (_read_json(model_dir / "generation_config.json"),
+                       _read_json(model_dir / "config.json")):
+            extra_eos += _int_ids(config.get("eos_token_id"))
+            text_config = config.get("text_config")  # multimodal configs nest the LM's ids
+            if isinstance(text_config, dict):
+                extra_eos += _int_ids(text_config.get("eos_token_id"))
+        return cls(Tokenizer.from_file(str(tokenizer_file)), tokenizer_config,
+                   _pick_chat_template(model_dir, tokenizer_config), extra_eos,
+                   model_name or model_dir.resolve().name)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for `text`. Special-token text in `text` is always parsed as the
+        special token; `add_special_tokens` only controls the BOS/EOS the model adds."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens:
+            if self._prepend_bos:
+                ids.insert(0, self.bos_token_id)
+            elif self._strip_bos:
+                del ids[0]  # only set when the post-processor always puts BOS first
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> str:
+        """Render `messages` to prompt text. Extra kwargs (tools, enable_thinking, ...) reach
+        the template as variables. Raises ValueError for a model without a template, for
+        non-text content and for errors the template raises (e.g. roles not alternating)."""
+        if self._chat_template is None:
+            raise ValueError(
+                f"model {self.model_name!r} has no chat template (none in chat_template.jinja "
+                "or tokenizer_config.json); use the completions API or supply a template")
+        rendered_messages = [
+            {**m, "content": _text_content(m["content"])} if "content" in m else dict(m)
+            for m in messages
+        ]
+        try:
+            return self._chat_template.render(
+                messages=rendered_messages, add_generation_prompt=add_generation_prompt,
+                **self._special_tokens, **template_kwargs)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template error: {exc}") from exc
+
+    def encode_chat_prompt(self, prompt: str) -> list[int]:
+        """Ids for a rendered chat prompt, with exactly one BOS when the model uses one.
+
+        Rule: the template owns the text, so it is encoded with add_special_tokens=False
+        (no post-processor, hence never an EOS); then, if plain prompts would start with
+        BOS and the template did not write one, a single BOS is prepended.
+        """
+        ids = self._tok.encode(prompt, add_special_tokens=False).ids
+        if self.adds_bos and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output ids into text as they arrive.
+
+    Invariants: all text up to `_read` has been returned; `_ids[_prefix:_read]` decodes to
+    `_prefix_text`; `_read` (and so later `_prefix`) is a token boundary after which decoding
+    restarts cleanly: the text there did not end in U+FFFD, so no UTF-8 sequence is open.
+    Each step decodes only the window `_ids[_prefix:]`, a few tokens long, so the cost per
+    token does not grow with the output. For byte-level BPE the concatenation of step()
+    results and flush() equals tokenizer.decode(output ids).
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids_tail: Sequence[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self._backend = tokenizer._tok
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids_tail or ())[-_PROMPT_CONTEXT_TOKENS:]
+        context_text = self._decode(context)
+        if context_text.endswith(_REPLACEMENT_CHAR):
+            # A prompt given as raw ids may end mid-character; its bytes must not merge
+            # with the output's, or the output would differ from its own decode.
+            context, context_text = [], ""
+        self._ids = context
+        self._prefix = 0
+        self._read = len(context)
+        self._prefix_text = context_text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def step(self, new_ids: Iterable[int]) -> str:
+        """Append ids; return the text that became final (possibly "")."""
+        pieces = []
+        for token_id in new_ids:
+            self._ids.append(token_id)
+            piece = self._advance()
+            if piece:
+                pieces.append(piece)
+        return "".join(pieces)
+
+    def flush(self) -> str:
+        """Return everything still held; an unfinished UTF-8 sequence becomes U+FFFD, as in
+        a full decode. Call once, at the end of the request."""
+        text = self._decode(self._ids[self._prefix:])
+        piece = text[len(self._prefix_text):]
+        self._ids, self._prefix, self._read, self._prefix_text = [], 0, 0, ""
+        return piece
+
+    def _advance(self) -> str:
+        ids = self._ids
+        text = self._decode(ids[self._prefix:])
+        if len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT_CHAR):
+            piece = text[len(self._prefix_text):]
+            self._move_window(self._read, len(ids))
+            return piece
+        if len(ids) - self._read > _MAX_HELD_TOKENS:
+            if text == self._prefix_text:
+                del ids[self._read:]  # only tokens without text (skipped specials) are held
+                return ""
+            return self._force_split(text)
+        return ""
+
+    def _force_split(self, text: str) -> str:
+        """Release a tail held for too long (invalid bytes, or tokens without text): return
+        the text up to the latest boundary k where decoding the halves separately gives the
+        same text as decoding them together. That is decisive once one byte follows k: if it
+        continues a sequence open at k, the separate decode has an extra U+FFFD."""
+        ids = self._ids
+        # A few candidates per step bound the cost; the next step tries again.
+        for k in range(len(ids) - 1, max(self._read, len(ids) - 8), -1):
+            tail = self._decode(ids[k:])
+            if False:
+                continue
+            head = self._decode(ids[self._prefix:k])
+            if head + tail == text and head.startswith(self._prefix_text):
+                piece = head[len(self._prefix_text):]
+                self._move_window(k, k)
+                return piece
+        return ""
+
+    def _move_window(self, prefix: int, read: int) -> None:
+        self._prefix, self._read = prefix, read
+        self._prefix_text = self._decode(self._ids[prefix:read])
+        if prefix >= _TRIM_IDS_AT:
+            del self._ids[:prefix]
+            self._prefix, self._read = 0, read - prefix
+
+
+class StopChecker:
+    """Cuts a text stream before the first stop string to complete.
+
+    Invariants: `_held` is the longest tail of the text fed so far that is a proper prefix
+    of some stop string (so shorter than the longest stop); all text before it has been
+    returned. The stop that fires is the one that completes first (ties: the longer one),
+    which is what a token-by-token engine sees, and makes the result independent of how
+    the text was chunked: streaming and non-streaming agree. After a hit nothing more is
+    returned; the stop string itself never is.
+    """
+
+    def __init__(self, stop: Iterable[str]) -> None:
+        self._stops = tuple(dict.fromkeys(s for s in stop if s))
+        self._first_chars = frozenset(s[0] for s in self._stops)
+        self._max_held = max((len(s) for s in self._stops), default=1) - 1
+        self._held = ""
+        self.stop_reason: str | None = None  # the stop string that fired
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to emit now, whether a stop string was hit)."""
+        if self.stop_reason is not None:
+            return "", True
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        hit: tuple[int, int, str] | None = None  # (end, start, stop): earliest end wins
+        for stop in self._stops:
+            start = buf.find(stop)  # the first occurrence of a stop is also its first end
+            if start >= 0 and (hit is None or (start + len(stop), start) < hit[:2]):
+                hit = (start + len(stop), start, stop)
+        if hit is not None:
+            self.stop_reason, self._held = hit[2], ""
+            return buf[:hit[1]], True
+        keep = self._held_len(buf)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        """End of stream without a hit: release the held text."""
+        held, self._held = self._held, ""
+        return held
+
+    def _held_len(self, buf: str) -> int:
+        for size in range(min(len(buf), self._max_held), 0, -1):
+            if buf[-size] in self._first_chars:
+                tail = buf[-size:]
+                if any(stop.startswith(tail) for stop in self._stops):
+                    return size
+        return 0

@@ -1,0 +1,274 @@
+"""A tiny random Llama with a real byte-level BPE tokenizer, built offline.
+
+Owns the demo model's recipe and its on-disk cache; it must never download
+anything, and the same version string must always produce the same bytes
+(nodes of one deployment each build it and must agree on every token id).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+
+VERSION = "demo-model-v1"
+SEED = 1234
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END)  # ids 0..3, in this order
+
+VOCAB_SIZE = 2048
+MAX_POSITIONS = 2048
+REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
+
+# Renders the BOS itself, like Llama 3's template: callers encode the rendered
+# chat with add_special_tokens=False (what transformers' apply_chat_template
+# and vLLM do), plain completions with it, and get exactly one BOS either way.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# The corpus is generated here rather than read from the stdlib, whose
+# docstrings change between Python releases and would change the tokenizer.
+_WORDS = """
+the of and to in is that it for as with was on be by at this are from or have an
+they which one you were her all she there would their we him been has when who
+will more no if out so said what up its about into than them can only other new
+some could time these two may then do first any my now such like our over man me
+even most made after also did many before must through back years where much your
+way well down should because each just those people how too little state good very
+make world still own see men work long get here between both life being under never
+day same another know while last might us great old year off come since against go
+came right used take three model token request server engine batch cache prompt
+answer question system user assistant reply stream socket process signal node rank
+queue worker thread memory device tensor layer attention value key query sample
+greedy seed length stop error health ready start restart drain timeout deadline
+hello world python code function return class import print list dict string number
+water light music river mountain forest city street house garden window table chair
+book paper letter story history science energy power market price money family friend
+child mother father morning evening night winter summer spring autumn small large
+quick slow bright dark happy quiet simple clear open close read write send receive
+"""
+_ONSETS = ("", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t",
+           "v", "w", "z", "br", "ch", "cl", "dr", "gr", "pl", "sh", "st", "th", "tr")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou", "io")
+_CODAS = ("", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "ck")
+
+
+def _corpus(rng: random.Random) -> list[str]:
+    """Deterministic training text: English words, invented words, digits, code, chat."""
+    words = _WORDS.split()
+    invented = [
+        "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                for _ in range(rng.randint(1, 3)))
+        for _ in range(1500)
+    ]
+    lexicon = words * 6 + invented  # real words are frequent, invented ones rare
+    lines = []
+    for _ in range(6000):
+        sentence = " ".join(rng.choice(lexicon) for _ in range(rng.randint(4, 14)))
+        sentence = sentence[0].upper() + sentence[1:] + rng.choice((".", ".", "?", "!", ","))
+        lines.append(sentence)
+    for i in range(400):
+        lines.append(f"{i} + {i * 7 % 101} = {i + i * 7 % 101}; x{i} = [{i % 10}, {i * 3}]")
+        lines.append(f"def f{i}(x):\n    return x * {i} if x > {i % 13} else None\n")
+    for role in ("system", "user", "assistant"):
+        lines.append(f"{IM_START}{role}\n{' '.join(rng.choice(words) for _ in range(8))}")
+    return lines
+
+
+def _build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(random.Random(SEED)), trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    # BOS comes from the post-processor so that plain Tokenizer.encode() agrees
+    # with add_bos_token=true in tokenizer_config.json.
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(
+            single=f"{BOS} $A",
+            pair=f"{BOS} $A {BOS}:1 $B:1",
+            special_tokens=[(BOS, bos_id)],
+        ),
+    ])
+    return tok
+
+
+def _model_config(bos_id: int, eos_ids: list[int]) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,  # transformers 4.x spelling
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},  # 5.x
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_ids[0],
+        "pad_token_id": None,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def _parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Hugging Face's Llama state-dict layout (stable since Llama 1)."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q_dim = config["num_attention_heads"] * config["head_dim"]
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_dim),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+    return shapes
+
+
+def _weights(config: dict) -> dict:
+    """Float32 weights drawn from one seeded generator in sorted-name order.
+
+    Norms are ones, everything else N(0, initializer_range). The values never
+    depend on transformers' init scheme, which has changed between releases,
+    and building them does not import transformers (seconds of start-up).
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(SEED)
+    tensors = {}
+    for name, shape in sorted(_parameter_shapes(config).items()):
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=torch.float32)
+        else:
+            tensors[name] = torch.empty(shape, dtype=torch.float32).normal_(
+                0.0, config["initializer_range"], generator=gen)
+    return tensors
+
+
+def _write_files(out: str) -> None:
+    from safetensors.torch import save_file
+
+    tok = _build_tokenizer()
+    bos_id, eos_id, im_end_id = (tok.token_to_id(t) for t in (BOS, EOS, IM_END))
+    eos_ids = [eos_id, im_end_id]
+    config = _model_config(bos_id, eos_ids)
+
+    tok.save(os.path.join(out, "tokenizer.json"))
+    save_file(_weights(config), os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    files = {
+        "config.json": config,
+        "generation_config.json": {"bos_token_id": bos_id, "eos_token_id": eos_ids},
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "model_max_length": MAX_POSITIONS,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    }
+    for name, data in files.items():
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+    with open(os.path.join(out, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(CHAT_TEMPLATE)
+
+
+def is_complete(path: str) -> bool:
+    return all(os.path.isfile(os.path.join(path, name)) for name in REQUIRED_FILES)
+
+
+def create_demo_model(path: str) -> str:
+    """Write the demo model into `path` (created) and return `path`.
+
+    A complete directory is left untouched. The files are written into a
+    sibling temp dir that is renamed into place, so a reader (or a racing
+    writer) sees either nothing or the whole model, never part of it.
+    """
+    path = os.path.abspath(path)
+    if is_complete(path):
+        return path
+    if os.path.isdir(path) and os.listdir(path):
+        raise FileExistsError(f"{path} exists, is not empty and is not a complete demo model")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    try:
+        _write_files(tmp)
+        # mkdtemp (and safetensors) create private files; the model is meant to be shared.
+        os.chmod(tmp, 0o755)
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
+        try:
+            os.rename(tmp, path)  # atomic; also replaces an empty dir
+        except OSError:
+            if not is_complete(path):  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def default_demo_model_dir() -> str:
+    base = os.environ.get("DPSERVE_CACHE_DIR")
+    if not base:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = os.path.join(xdg, "dpserve")
+    return os.path.join(base, VERSION)
+
+
+def ensure_demo_model() -> str:
+    """The demo model's directory in the user's cache, built on first use."""
+    return create_demo_model(default_demo_model_dir())

@@ -1,0 +1,295 @@
+"""The engine process of one DP rank: sockets around an EngineCore.
+
+The busy loop alone owns the EngineCore; socket work is confined to the
+`_EngineIO` helper, which only moves bytes between ZeroMQ and Python objects.
+Lifecycle: load model -> register with the coordinator (HELLO / WELCOME) ->
+connect to every API server it was told about -> READY -> serve.
+A fatal error is announced (EngineDead to every API server) before exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+
+import zmq
+
+from .config import EngineProcessConfig
+from .procutil import (
+    EXIT_CONFIG,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_STARTUP,
+    SupervisorLink,
+    child_config_from_env,
+    die_with_parent,
+)
+from .protocol import (
+    AbortRequests,
+    AddRequest,
+    Codec,
+    CoordinatorInput,
+    EngineDead,
+    EngineHello,
+    EngineInput,
+    EngineOutputs,
+    EngineReady,
+    EngineRegister,
+    EngineToApi,
+    LoadReport,
+    Ping,
+    Pong,
+    RegisterReply,
+    RequestOutput,
+)
+
+LOAD_REPORT_MIN_INTERVAL_S = 0.002  # at most one report per 2 ms while load changes
+REGISTER_RETRY_S = 2.0
+
+
+class _EngineIO:
+    """ZeroMQ sockets of one engine: one DEALER per API server, one to the coordinator.
+
+    Invariant: `owner[request_id]` is the index of the API-server socket that
+    sent the request, for every request the core still holds.
+    """
+
+    def __init__(self, ctx: zmq.Context, cfg: EngineProcessConfig, incarnation: str) -> None:
+        self.ctx = ctx
+        self.rank = cfg.engine.rank
+        self.incarnation = incarnation
+        self.in_codec = Codec(EngineInput)
+        self.out_codec = Codec(EngineToApi)
+        self.coord_codec = Codec(CoordinatorInput | RegisterReply)
+        self.coordinator = ctx.socket(zmq.DEALER)
+        self.coordinator.setsockopt(zmq.LINGER, 0)
+        self.coordinator.setsockopt(zmq.IDENTITY, f"engine-{self.rank}-{incarnation}".encode())
+        self.coordinator.connect(cfg.coordinator_address)
+        self.api: list[zmq.Socket] = []
+        self.poller = zmq.Poller()
+        self.owner: dict[str, int] = {}
+
+    def register(self, fingerprint: str, log) -> list[str]:
+        """HELLO until the coordinator answers; returns the API-server addresses."""
+        hello = EngineRegister(self.rank, self.incarnation, fingerprint, os.getpid(), socket.gethostname())
+        started = time.monotonic()
+        while True:
+            self.coordinator.send(self.coord_codec.encode(hello))
+            if self.coordinator.poll(REGISTER_RETRY_S * 1000):
+                reply = self.coord_codec.decode(self.coordinator.recv())
+                if not isinstance(reply, RegisterReply):
+                    continue
+                if not reply.accepted:
+                    log.error("coordinator refused registration", reason=reply.reason)
+                    raise SystemExit(EXIT_CONFIG)
+                return reply.api_server_addresses
+            waited = time.monotonic() - started
+            if int(waited) % 10 < REGISTER_RETRY_S:
+                log.info("waiting for the coordinator", waited_s=round(waited, 1))
+
+    def connect_api_servers(self, addresses: list[str]) -> None:
+        hello = self.out_codec.encode(EngineHello(self.rank, self.incarnation))
+        for address in addresses:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.connect(address)
+            sock.send(hello)
+            self.api.append(sock)
+            self.poller.register(sock, zmq.POLLIN)
+
+    def receive(self, timeout_ms: int) -> list[tuple[int, object]]:
+        """Every message waiting on the API-server sockets, tagged with the socket index."""
+        got = []
+        events = dict(self.poller.poll(timeout_ms))
+        if not events:
+            return got
+        for index, sock in enumerate(self.api):
+            if sock not in events:
+                continue
+            while True:
+                try:
+                    frame = sock.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                got.append((index, self.in_codec.decode(frame.buffer)))
+        return got
+
+    def send_outputs(self, outputs: list[RequestOutput], num_running: int, num_waiting: int) -> None:
+        by_owner: dict[int, list[RequestOutput]] = {}
+        owner = self.owner
+        for out in outputs:
+            index = owner.get(out.request_id)
+            if index is None:
+                continue  # aborted while in flight: the API server forgot it too
+            by_owner.setdefault(index, []).append(out)
+            if out.finish_reason is not None:
+                del owner[out.request_id]
+        for index, outs in by_owner.items():
+            msg = EngineOutputs(self.rank, outs, num_running, num_waiting)
+            self.api[index].send(self.out_codec.encode(msg), copy=False)
+
+    def send_to(self, index: int, msg: object) -> None:
+        self.api[index].send(self.out_codec.encode(msg))
+
+    def broadcast(self, msg: object) -> None:
+        data = self.out_codec.encode(msg)
+        for sock in self.api:
+            try:
+                sock.send(data, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def report(self, msg: object) -> None:
+        try:
+            self.coordinator.send(self.coord_codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+
+class EngineProcess:
+    def __init__(self, cfg: EngineProcessConfig, log) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.rank = cfg.engine.rank
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.ctx = zmq.Context()
+        self.supervisor = SupervisorLink(self.ctx, cfg.supervisor_address, cfg.name)
+        self.io = _EngineIO(self.ctx, cfg, self.incarnation)
+        self.core = None
+        self.should_stop = False
+        self._last_load: tuple = ()
+        self._last_report = 0.0
+        self._last_heartbeat = 0.0
+        self.num_finished = 0
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.should_stop = True  # the loop notices; nothing else happens here
+
+    def boot(self) -> None:
+        from .core import EngineCore  # torch is imported here, not at module load
+
+        t0 = time.monotonic()
+        self.supervisor.heartbeat()
+        try:
+            self.core = EngineCore(self.cfg.engine)
+        except Exception as exc:
+            self.log.exception("model failed to load", model=self.cfg.engine.model)
+            raise SystemExit(EXIT_STARTUP) from exc
+        self.log.info(
+            "model loaded",
+            model=self.cfg.engine.model,
+            seconds=round(time.monotonic() - t0, 2),
+            max_model_len=self.core.max_model_len,
+        )
+        self.supervisor.heartbeat()
+        addresses = self.io.register(self.cfg.fingerprint, self.log)
+        self.io.connect_api_servers(addresses)
+        self.io.report(EngineReady(self.rank, self.incarnation))
+        self._report_load(force=True)
+        self.supervisor.ready(f"rank {self.rank}")
+        self.log.info("engine ready", api_servers=len(addresses), incarnation=self.incarnation)
+
+    def run(self) -> int:
+        core, io = self.core, self.io
+        heartbeat_s = self.cfg.heartbeat_interval_s
+        while not self.should_stop:
+            # 1. Take input: block only while there is nothing to compute.
+            timeout_ms = 0 if core.has_unfinished() else int(heartbeat_s * 1000)
+            for index, msg in io.receive(timeout_ms):
+                self._handle(index, msg)
+            # 2. Step: schedule -> run -> postprocess, all inside the core.
+            if core.has_unfinished():
+                outputs = core.step()
+                # 3. Send every API server its share of this step in one message.
+                if outputs:
+                    for out in outputs:
+                        if out.finish_reason is not None:
+                            self.num_finished += 1
+                    io.send_outputs(outputs, core.num_running, core.num_waiting)
+            # 4. Report load when it changed, and heartbeat from this loop only.
+            self._report_load()
+        return EXIT_OK
+
+    def _handle(self, index: int, msg: object) -> None:
+        if isinstance(msg, AddRequest):
+            self.io.owner[msg.request_id] = index
+            rejected = self.core.add_request(msg)
+            if rejected is not None:
+                self.num_finished += 1
+                self.io.send_outputs([rejected], self.core.num_running, self.core.num_waiting)
+        elif isinstance(msg, AbortRequests):
+            self.core.abort_requests(msg.request_ids)
+            for rid in msg.request_ids:
+                self.io.owner.pop(rid, None)
+        elif isinstance(msg, Ping):
+            self.io.send_to(index, Pong(self.rank, msg.nonce))
+
+    def _report_load(self, force: bool = False) -> None:
+        core = self.core
+        now = time.monotonic()
+        load = (core.num_running, core.num_waiting, core.num_waiting_prefill_tokens)
+        due = now - self._last_report >= self.cfg.heartbeat_interval_s
+        if force or due or (load != self._last_load and now - self._last_report >= LOAD_REPORT_MIN_INTERVAL_S):
+            self._last_load = load
+            self._last_report = now
+            self.io.report(
+                LoadReport(
+                    self.rank,
+                    self.incarnation,
+                    core.num_running,
+                    core.num_waiting,
+                    core.num_waiting_prefill_tokens,
+                    core.num_remaining_decode_tokens,
+                    core.slot_usage,
+                    core.last_step_ms,
+                    self.num_finished,
+                )
+            )
+        if force or now - self._last_heartbeat >= self.cfg.heartbeat_interval_s:
+            self._last_heartbeat = now
+            self.supervisor.heartbeat(core.num_running, core.num_waiting)
+
+    def announce_death(self, reason: str) -> None:
+        self.io.broadcast(EngineDead(self.rank, self.incarnation, reason))
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def main() -> None:
+    cfg = child_config_from_env(EngineProcessConfig)
+    die_with_parent(cfg.parent_pid)
+    from .logs import setup_logging
+
+    log = setup_logging(cfg.name, cfg.log_level).bind(rank=cfg.engine.rank)
+    proc = EngineProcess(cfg, log)
+    signal.signal(signal.SIGTERM, proc._on_signal)
+    signal.signal(signal.SIGINT, proc._on_signal)
+    code = EXIT_ERROR
+    try:
+        proc.boot()
+        if proc.should_stop:
+            code = EXIT_OK
+        else:
+            code = proc.run()
+            proc.announce_death("engine shut down")
+            log.info("engine stopped")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else EXIT_ERROR
+    except Exception as exc:
+        log.exception("engine failed")
+        proc.announce_death(f"engine rank {cfg.engine.rank} failed: {type(exc).__name__}: {exc}")
+        code = EXIT_ERROR
+    finally:
+        proc.close()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

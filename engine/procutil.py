@@ -1,0 +1,105 @@
+"""Process plumbing shared by every dpserve child: exit codes, parent-death, supervisor link.
+
+Lives in engine/ because engines need it and engine/ never imports daemons/;
+the daemons import it from here. Must stay free of torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+import zmq
+
+from .protocol import ChildReady, Codec, Heartbeat, ToSupervisor
+
+# Exit codes are a contract between children and the supervisor (and systemd):
+EXIT_OK = 0
+EXIT_ERROR = 1  # unexpected failure: restart with backoff
+EXIT_CONFIG = 2  # bad configuration: restarting cannot help, halt the node
+EXIT_STARTUP = 3  # failed to boot (model load, bind): halt instead of looping
+EXIT_NODE_UNHEALTHY = 4  # supervisor: children kept crashing past the limit
+EXIT_NOTHING_SERVES = 5  # supervisor: no rank or no API server can serve
+
+EXIT_DESCRIPTIONS = {
+    EXIT_OK: "clean exit",
+    EXIT_ERROR: "unexpected error",
+    EXIT_CONFIG: "configuration error",
+    EXIT_STARTUP: "startup failure",
+    EXIT_NODE_UNHEALTHY: "children crashed past the restart limit",
+    EXIT_NOTHING_SERVES: "nothing left that can serve",
+}
+
+_PR_SET_PDEATHSIG = 1
+
+CHILD_CONFIG_ENV = "DPSERVE_CHILD_CONFIG"
+
+
+def child_config_from_env(kind):
+    """The child's typed config, handed over by the supervisor in the environment."""
+    import msgspec
+
+    raw = os.environ.pop(CHILD_CONFIG_ENV, None)
+    if raw is None:
+        raise SystemExit(f"{CHILD_CONFIG_ENV} is not set: this entry point is started by the supervisor")
+    return msgspec.json.decode(raw.encode(), type=kind)
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send `sig` to this process when its parent dies.
+
+    Checked against the expected parent afterwards: if the parent died before
+    prctl ran, we were already re-parented and must exit at once.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(EXIT_ERROR)
+
+
+def describe_exit(returncode: int) -> str:
+    """'exit code 3 (startup failure)' or 'signal SIGKILL (out of memory?)'."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (out of memory?)" if -returncode == signal.SIGKILL else ""
+        return f"signal {name}{hint}"
+    desc = EXIT_DESCRIPTIONS.get(returncode)
+    return f"exit code {returncode}" + (f" ({desc})" if desc else "")
+
+
+class SupervisorLink:
+    """A PUSH socket to the supervisor that never blocks the caller.
+
+    If the supervisor is gone or slow, messages are dropped (HWM 1000, LINGER 0):
+    a child must never stall its work loop on reporting.
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str, name: str) -> None:
+        self.name = name
+        self.pid = os.getpid()
+        self._codec = Codec(ToSupervisor)
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 1000)
+        self._sock.connect(address)
+
+    def send(self, msg: object) -> None:
+        try:
+            self._sock.send(self._codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def ready(self, detail: str = "") -> None:
+        self.send(ChildReady(self.name, self.pid, detail))
+
+    def heartbeat(self, num_running: int = 0, num_waiting: int = 0) -> None:
+        self.send(Heartbeat(self.name, self.pid, num_running, num_waiting))
+
+    def close(self) -> None:
+        self._sock.close(0)

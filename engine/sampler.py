@@ -1,0 +1,99 @@
+"""Picks the next token of every running sequence from one [B, vocab] logits tensor.
+
+Owns temperature / top-k / top-p / seeded sampling and min_tokens suppression.
+It must never look at anything but the logits and each row's Sequence, and
+never loop over rows except the few that carry their own seed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sequence import Sequence
+
+
+class Sampler:
+    """Batched sampling; greedy rows are exactly argmax of the logits given.
+
+    Unseeded rows draw from one engine-wide generator (seeded from the
+    engine config, so a restarted engine replays the same choices); seeded
+    rows draw only from their own Sequence.generator.
+    """
+
+    def __init__(self, eos_token_ids: frozenset[int], generator: torch.Generator) -> None:
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self.generator = generator
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token id per row of logits; seqs[i] owns row i."""
+        assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
+        # Upcast like generate() does: bf16 logits would tie too often.
+        logits = logits.float()
+        if any(s.needs_min_tokens for s in seqs):
+            logits = self._suppress_stops(logits.clone(), seqs)
+        if all(s.params.is_greedy for s in seqs):
+            return logits.argmax(dim=-1).tolist()
+
+        device = logits.device
+        params = [s.params for s in seqs]
+        greedy = torch.tensor([p.is_greedy for p in params], device=device)
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                             dtype=logits.dtype, device=device)
+        scaled = logits / temps.unsqueeze(1)
+
+        use_top_k = any(p.top_k > 0 for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        if use_top_k or use_top_p:
+            # Stable sort: among equal logits the lowest id comes first, as with
+            # argmax, so top_k=1 picks exactly the greedy token.
+            scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
+            if use_top_k:
+                vocab = scaled.shape[1]
+                ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+                beyond_k = torch.arange(vocab, device=device).unsqueeze(0) >= ks.unsqueeze(1)
+                scaled.masked_fill_(beyond_k, float("-inf"))
+            if use_top_p:
+                top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+                probs = scaled.softmax(dim=-1)
+                # Drop a token when the more likely ones already cover top_p;
+                # the most likely token always stays.
+                beyond_p = (probs.cumsum(dim=-1) - probs) > top_p.unsqueeze(1)
+                scaled.masked_fill_(beyond_p, float("-inf"))
+            picked = order.gather(1, self._draw(scaled.softmax(dim=-1), seqs).unsqueeze(1)).squeeze(1)
+        else:
+            picked = self._draw(scaled.softmax(dim=-1), seqs)
+
+        return torch.where(greedy, logits.argmax(dim=-1), picked).tolist()
+
+    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Sample one column per row by the exponential race: argmax(p / Exp(1)).
+
+        Equivalent to multinomial sampling, but the noise for all rows is one
+        tensor, so only seeded rows need their own (row-sized) draw.
+        """
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.generator is not None and not seq.params.is_greedy:
+                noise[row].exponential_(generator=seq.generator)
+        # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax prefers.
+        noise.clamp_(min=torch.finfo(probs.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    def _suppress_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Forbid EOS and stop tokens in rows that have not reached min_tokens yet."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for row, seq in enumerate(seqs):
+            if not seq.needs_min_tokens:
+                continue
+            banned = set(seq.params.stop_token_ids)
+            if not seq.params.ignore_eos:
+                banned.update(self.eos_token_ids)
+            for token in banned:
+                if 0 <= token < logits.shape[1]:
+                    rows.append(row)
+                    cols.append(token)
+        if rows:
+            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        return logits

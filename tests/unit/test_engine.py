@@ -1,0 +1,380 @@
+"""EngineCore against transformers' own generate() on the tiny demo model (CPU, float32)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import threading
+from functools import lru_cache
+
+import pytest
+import torch
+
+from dpserve.engine import demo_model
+from dpserve.engine.config import EngineConfig
+from dpserve.engine.core import EngineCore
+from dpserve.engine.loader import read_eos_token_ids, resolve_device, resolve_dtype
+from dpserve.engine.protocol import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, AddRequest, SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def make_engine(loaded, **overrides) -> EngineCore:
+    config = EngineConfig(model=loaded.model_dir, device="cpu", dtype="float32", **overrides)
+    return EngineCore.from_loaded(config, loaded)
+
+
+def request(rid: str, prompt: list[int], **params) -> AddRequest:
+    params.setdefault("temperature", 0.0)
+    params.setdefault("max_tokens", 16)
+    return AddRequest(rid, list(prompt), SamplingParams(**params), arrival_time=0.0)
+
+
+def add(engine: EngineCore, *reqs: AddRequest) -> None:
+    for r in reqs:
+        assert engine.add_request(r) is None, r.request_id
+
+
+class Collector:
+    """Accumulates step() outputs per request and checks the output contract."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, tuple[str, int | None]] = {}
+
+    def feed(self, outputs) -> None:
+        seen = set()
+        for out in outputs:
+            assert out.request_id not in self.finish, f"output after finish for {out.request_id}"
+            assert out.request_id not in seen, "two outputs for one request in one step"
+            assert len(out.new_token_ids) == 1
+            seen.add(out.request_id)
+            self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                self.finish[out.request_id] = (out.finish_reason, out.stop_token_id)
+
+    def run(self, engine: EngineCore, max_steps: int = 500) -> Collector:
+        for _ in range(max_steps):
+            if not engine.has_unfinished():
+                return self
+            self.feed(engine.step())
+        raise AssertionError("engine did not finish")
+
+
+def random_prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(len(demo_model.SPECIAL_TOKENS), demo_model.VOCAB_SIZE) for _ in range(length)]
+
+
+@pytest.fixture(scope="module")
+def reference(loaded_demo_model):
+    """Greedy generate() on one prompt alone: the tokens after the prompt (EOS included)."""
+    model = loaded_demo_model.model
+    eos = sorted(loaded_demo_model.eos_token_ids)
+
+    @lru_cache(maxsize=None)
+    def generate(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+        return out[0, len(prompt):].tolist()
+
+    return lambda prompt, max_tokens: generate(tuple(prompt), max_tokens)
+
+
+@pytest.fixture(scope="module")
+def text_prompt(demo_model_dir) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(demo_model_dir, "tokenizer.json")).encode(
+        "The engine answers every question with a stream of tokens.").ids
+
+
+# ---------------------------------------------------------------- greedy == generate
+
+
+def test_continuous_batching_matches_generate_token_for_token(loaded_demo_model, reference, text_prompt):
+    engine = make_engine(loaded_demo_model)
+    lengths, budgets = [1, 5, 23, 12, 40, 7, 3], [6, 20, 9, 16, 10, 24, 13]
+    prompts = {f"r{i}": random_prompt(i, n) for i, n in enumerate(lengths)}
+    prompts["text"] = text_prompt
+    budgets.append(11)
+    reqs = [request(rid, p, max_tokens=m) for (rid, p), m in zip(prompts.items(), budgets)]
+    got = Collector()
+
+    add(engine, *reqs[:3])
+    for _ in range(3):
+        got.feed(engine.step())
+    assert engine.num_running == 3 and all(len(got.tokens[r.request_id]) == 3 for r in reqs[:3])
+    add(engine, *reqs[3:])
+    running_counts = []
+    while engine.has_unfinished():
+        got.feed(engine.step())
+        running_counts.append(engine.num_running)
+
+    # Requests left at different steps, each as soon as it was done.
+    assert len(set(running_counts)) > 3 and running_counts[-1] == 0
+    for r in reqs:
+        expected = reference(r.prompt_token_ids, r.params.max_tokens)
+        assert got.tokens[r.request_id] == expected, r.request_id
+        ended_by_eos = expected[-1] in engine.eos_token_ids and len(expected) <= r.params.max_tokens
+        assert got.finish[r.request_id][0] == (FINISH_STOP if ended_by_eos else FINISH_LENGTH)
+    assert engine.runner.num_rows == 0
+
+
+def test_first_token_comes_with_the_prefill_step(loaded_demo_model, reference):
+    engine = make_engine(loaded_demo_model)
+    prompt = random_prompt(100, 9)
+    add(engine, request("a", prompt, max_tokens=4))
+    outputs = engine.step()
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", reference(prompt, 4)[:1])]
+    assert engine.last_step_ms > 0
+
+
+# ---------------------------------------------------------------- stopping
+
+
+def first_new_token(tokens: list[int], start: int) -> int:
+    """The first index >= start whose token did not occur before it."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def test_ignore_eos_gives_exact_lengths(loaded_demo_model):
+    prompt = random_prompt(7, 10)
+    greedy = Collector().run(_with(make_engine(loaded_demo_model), "g", prompt, max_tokens=12)).tokens["g"]
+    # Make a greedy token an EOS id: without ignore_eos the request must stop there.
+    cut = first_new_token(greedy, 2)
+    forced = make_engine(dataclasses.replace(loaded_demo_model, eos_token_ids=frozenset({greedy[cut]})))
+    for n in (1, 3, 5, 12):
+        add(forced, request(f"ign{n}", prompt, max_tokens=n, ignore_eos=True))
+    add(forced, request("eos", prompt, max_tokens=12))
+    got = Collector().run(forced)
+    for n in (1, 3, 5, 12):
+        assert got.tokens[f"ign{n}"] == greedy[:n]
+        assert got.finish[f"ign{n}"] == (FINISH_LENGTH, None)
+    assert got.tokens["eos"] == greedy[: cut + 1] and got.finish["eos"] == (FINISH_STOP, None)
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens(loaded_demo_model):
+    prompt = random_prompt(7, 10)
+    greedy = Collector().run(_with(make_engine(loaded_demo_model), "g", prompt, max_tokens=12)).tokens["g"]
+    eos_at = first_new_token(greedy, 1)
+    stop_at = first_new_token(greedy, eos_at + 1)
+    eos_token, stop_token = greedy[eos_at], greedy[stop_at]
+    forced = make_engine(dataclasses.replace(loaded_demo_model, eos_token_ids=frozenset({eos_token})))
+    add(forced, request("m", prompt, max_tokens=12, min_tokens=5, stop_token_ids=(stop_token,)))
+    got = Collector().run(forced).tokens["m"]
+    assert eos_token not in got[:5] and stop_token not in got[:5]
+    assert got[:eos_at] == greedy[:eos_at]  # the other tokens are not touched
+    assert len(got) > 5
+
+
+def _with(engine: EngineCore, rid: str, prompt: list[int], **params) -> EngineCore:
+    add(engine, request(rid, prompt, **params))
+    return engine
+
+
+def test_stop_token_ids_finish_with_the_stop_token_included(loaded_demo_model, reference):
+    prompt = random_prompt(21, 14)
+    expected = reference(prompt, 16)
+    stop = expected[5]
+    cut = expected.index(stop)
+    engine = _with(make_engine(loaded_demo_model), "s", prompt, max_tokens=16, stop_token_ids=(stop, 999999))
+    got = Collector().run(engine)
+    assert got.tokens["s"] == expected[: cut + 1]
+    assert got.finish["s"] == (FINISH_STOP, stop)
+
+
+# ---------------------------------------------------------------- slots, abort, counters
+
+
+def test_max_num_seqs_caps_running_and_counters_follow(loaded_demo_model):
+    engine = make_engine(loaded_demo_model, max_num_seqs=2)
+    lengths = [4, 6, 8, 10, 12]
+    add(engine, *(request(f"q{i}", random_prompt(i, n), max_tokens=5, ignore_eos=True)
+                  for i, n in enumerate(lengths)))
+    assert (engine.num_running, engine.num_waiting, engine.num_waiting_prefill_tokens) == (0, 5, 40)
+    got = Collector()
+    got.feed(engine.step())
+    assert (engine.num_running, engine.num_waiting, engine.num_waiting_prefill_tokens) == (2, 3, 30)
+    assert engine.num_remaining_decode_tokens == 2 * 4 and engine.slot_usage == 1.0
+    while engine.has_unfinished():
+        got.feed(engine.step())
+        assert engine.num_running <= 2
+    assert all(len(got.tokens[f"q{i}"]) == 5 for i in range(5))
+    assert (engine.num_waiting_prefill_tokens, engine.num_remaining_decode_tokens, engine.slot_usage) == (0, 0, 0.0)
+
+
+def test_prefill_budget_admits_in_order_and_oversized_prompts_go_alone(loaded_demo_model):
+    engine = make_engine(loaded_demo_model, max_num_batched_tokens=20)
+    add(engine, *(request(f"b{i}", random_prompt(i, n), max_tokens=10, ignore_eos=True)
+                  for i, n in enumerate([8, 8, 8, 30, 4])))
+    running = []
+    for _ in range(4):
+        engine.step()
+        running.append(engine.num_running)
+    # 2 x 8 fits in 20; 8 alone; 30 exceeds the budget but runs alone; then 4.
+    assert running == [2, 3, 4, 5]
+
+
+def test_abort_frees_the_slot_at_once(loaded_demo_model):
+    engine = make_engine(loaded_demo_model, max_num_seqs=2)
+    add(engine, *(request(rid, random_prompt(i, 6 + i), max_tokens=30, ignore_eos=True)
+                  for i, rid in enumerate("abcd")))
+    got = Collector()
+    got.feed(engine.step())
+    assert (engine.num_running, engine.num_waiting) == (2, 2)
+
+    engine.abort_requests(["a", "no-such-id"])
+    assert (engine.num_running, engine.runner.num_rows) == (1, 1)
+    engine.abort_requests(["d"])  # still waiting
+    assert engine.num_waiting == 1 and engine.num_waiting_prefill_tokens == 8
+    for _ in range(3):
+        got.feed(engine.step())
+    assert (engine.num_running, engine.num_waiting) == (2, 0)
+    engine.abort_requests(["b", "c"])
+    assert not engine.has_unfinished() and engine.runner.num_rows == 0
+    assert engine.step() == []
+    assert set(got.tokens) == {"a", "b", "c"} and len(got.tokens["a"]) == 1 and not got.finish
+
+
+def test_aborted_neighbours_do_not_change_greedy_output(loaded_demo_model, reference):
+    engine = make_engine(loaded_demo_model)
+    keep = random_prompt(50, 5)
+    add(engine, request("long-neighbour", random_prompt(51, 35), max_tokens=30), request("keep", keep, max_tokens=20))
+    got = Collector()
+    for _ in range(4):
+        got.feed(engine.step())
+    engine.abort_requests(["long-neighbour"])  # leading pad columns get trimmed
+    assert engine.runner.num_columns == len(keep) + 3  # the 4th token is not in the cache yet
+    got.run(engine)
+    assert got.tokens["keep"] == reference(keep, 20)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(loaded_demo_model):
+    prompt = random_prompt(3, 8)
+    sampled = dict(temperature=1.0, top_p=0.95, max_tokens=12, ignore_eos=True)
+    alone = Collector().run(_with(make_engine(loaded_demo_model), "s", prompt, seed=7, **sampled)).tokens["s"]
+
+    crowded = make_engine(loaded_demo_model, seed=99)
+    add(crowded, *(request(f"n{i}", random_prompt(60 + i, 3 + 5 * i), **sampled) for i in range(3)))
+    got = Collector()
+    got.feed(crowded.step())
+    add(crowded, request("s", prompt, seed=7, **sampled), request("t", prompt, seed=8, **sampled))
+    got.run(crowded)
+    assert got.tokens["s"] == alone
+    assert got.tokens["t"] != alone
+    assert len({tuple(got.tokens[f"n{i}"]) for i in range(3)}) == 3
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(loaded_demo_model, reference):
+    prompt = random_prompt(11, 12)
+    engine = make_engine(loaded_demo_model)
+    add(engine, request("k", prompt, temperature=1.7, top_k=1, max_tokens=15),
+        request("p", prompt, temperature=0.9, top_p=1e-6, seed=5, max_tokens=15))
+    got = Collector().run(engine)
+    assert got.tokens["k"] == got.tokens["p"] == reference(prompt, 15)
+
+
+# ---------------------------------------------------------------- bad requests
+
+
+@pytest.mark.parametrize(("prompt", "params", "needle"), [
+    ([], {}, "empty"),
+    ([5] * 2040, {"max_tokens": 16}, "maximum context length"),
+    ([5, 2048], {}, "out of range"),
+    ([5, -1], {}, "out of range"),
+    ([5], {"max_tokens": 0}, "max_tokens"),
+    ([5], {"top_p": 0.0}, "top_p"),
+    ([5], {"temperature": -0.5}, "temperature"),
+    ([5], {"top_k": -3}, "top_k"),
+    ([5], {"min_tokens": 20, "max_tokens": 4}, "min_tokens"),
+])
+def test_invalid_requests_fail_alone(loaded_demo_model, prompt, params, needle):
+    engine = make_engine(loaded_demo_model)
+    out = engine.add_request(request("bad", prompt, **params))
+    assert out is not None and out.request_id == "bad" and out.finish_reason == FINISH_ERROR
+    assert needle in out.error and not engine.has_unfinished()
+
+
+def test_duplicate_id_is_refused_and_the_original_runs_on(loaded_demo_model):
+    engine = _with(make_engine(loaded_demo_model), "x", [5, 6, 7], max_tokens=4, ignore_eos=True)
+    out = engine.add_request(request("x", [8, 9], max_tokens=4))
+    assert out.finish_reason == FINISH_ERROR and "duplicate" in out.error
+    assert len(Collector().run(engine).tokens["x"]) == 4
+    assert engine.add_request(request("x", [8, 9], max_tokens=2)) is None  # finished ids may be reused
+
+
+# ---------------------------------------------------------------- demo model and loader
+
+
+def _hashes(path: str) -> dict[str, str]:
+    return {name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(path))}
+
+
+def test_demo_model_is_deterministic_atomic_and_idempotent(demo_model_dir, tmp_path):
+    target = str(tmp_path / "raced")
+    results: list[str] = []
+    racers = [threading.Thread(target=lambda: results.append(demo_model.create_demo_model(target)))
+              for _ in range(2)]
+    for t in racers:
+        t.start()
+    for t in racers:
+        t.join()
+    assert results == [target, target]
+    assert os.listdir(tmp_path) == ["raced"]  # no temp dir left behind
+    assert _hashes(target) == _hashes(demo_model_dir)
+    before = os.stat(os.path.join(target, "model.safetensors")).st_mtime_ns
+    assert demo_model.create_demo_model(target) == target
+    assert os.stat(os.path.join(target, "model.safetensors")).st_mtime_ns == before
+
+
+def test_demo_model_loads_with_transformers_and_tokenizers(demo_model_dir):
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(demo_model_dir, output_loading_info=True)
+    assert not any(info.values()) and model.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000
+
+    tok = Tokenizer.from_file(os.path.join(demo_model_dir, "tokenizer.json"))
+    bos, eos, im_end = (tok.token_to_id(t) for t in (demo_model.BOS, demo_model.EOS, demo_model.IM_END))
+    assert tok.get_vocab_size() == model.config.vocab_size == 2048
+    text = "Hello world, the model answers 42 questions."
+    ids = tok.encode(text).ids
+    assert ids[0] == bos and ids.count(bos) == 1 and len(ids) < len(text) // 2
+    assert tok.decode(ids) == text
+    with open(os.path.join(demo_model_dir, "generation_config.json")) as f:
+        assert json.load(f)["eos_token_id"] == [eos, im_end]
+    with open(os.path.join(demo_model_dir, "tokenizer_config.json")) as f:
+        tok_cfg = json.load(f)
+    assert tok_cfg["add_bos_token"] is True and tok_cfg["eos_token"] == demo_model.EOS
+    assert read_eos_token_ids(demo_model_dir) == {eos, im_end}
+
+
+def test_demo_model_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("DPSERVE_CACHE_DIR", str(tmp_path / "c"))
+    assert demo_model.default_demo_model_dir() == str(tmp_path / "c" / "demo-model-v1")
+    monkeypatch.delenv("DPSERVE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert demo_model.default_demo_model_dir() == str(tmp_path / "x" / "dpserve" / "demo-model-v1")
+
+
+def test_loader_resolution_and_eos_fallback(tmp_path):
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_device("cpu", 3) == torch.device("cpu")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("float8", torch.device("cpu"))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert read_eos_token_ids(str(tmp_path)) == {7}

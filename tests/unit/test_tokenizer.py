@@ -1,0 +1,385 @@
+"""dpserve.daemons.tokenizer against a real byte-level BPE tokenizer trained here."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from dpserve.daemons.tokenizer import IncrementalDetokenizer, StopChecker, TextTokenizer
+
+BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SAMPLES = [
+    "héllo wörld 日本語 emoji 🙂🚀",
+    "The quick brown fox jumps over the lazy dog. Ünïcödé façade naïve café.",
+    "東京は日本の首都です。今日はいい天気ですね 🌸🍣",
+    "Привет, мир! Γειά σου κόσμε. مرحبا بالعالم",
+    "def main():\n    return [x ** 2 for x in range(10)]  # 🚀 squares\n",
+    "Rare: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 漢字 👩‍👩‍👧 🇯🇵 ∑∫√ 😀😃😄😁",  # mostly unseen: split into bytes
+]
+
+
+def _corpus() -> list[str]:
+    rng = random.Random(0)
+    words = " ".join(SAMPLES[:5]).split()
+    lines = [" ".join(rng.choices(words, k=12)) for _ in range(300)]
+    return lines + SAMPLES[:5] * 20
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """The ByteLevel alphabet: which character stands for each raw byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+@pytest.fixture(scope="session")
+def tokenizer_json(tmp_path_factory) -> Path:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=[BOS, EOS, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def make_model_dir(root: Path, tokenizer_json: Path, files: dict | None = None, **config) -> Path:
+    """A model dir with our tokenizer.json; `config` overrides tokenizer_config.json keys
+    (None deletes one); `files` adds other files (dicts are written as JSON)."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tokenizer_json, root / "tokenizer.json")
+    tokenizer_config = {"bos_token": BOS, "eos_token": {"content": EOS, "special": True},
+                        "add_bos_token": True, "chat_template": CHATML, **config}
+    tokenizer_config = {k: v for k, v in tokenizer_config.items() if v is not None}
+    (root / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    for name, content in (files or {}).items():
+        (root / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    return root
+
+
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory, tokenizer_json) -> TextTokenizer:
+    return TextTokenizer.from_dir(make_model_dir(tmp_path_factory.mktemp("model"), tokenizer_json))
+
+
+def _detok_all(tok, ids, chunk_sizes, skip=True) -> tuple[list[str], str]:
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    pieces, pos = [], 0
+    for size in chunk_sizes:
+        pieces.append(detok.step(ids[pos:pos + size]))
+        pos += size
+    pieces.append(detok.step(ids[pos:]))
+    return pieces, detok.flush()
+
+
+# --- encode / decode -------------------------------------------------------------------
+
+def test_round_trip_and_single_bos(tok):
+    bos = tok.bos_token_id
+    for text in SAMPLES:
+        ids = tok.encode(text)
+        assert ids[0] == bos and bos not in ids[1:]
+        assert tok.encode(text, add_special_tokens=False) == ids[1:]
+        assert tok.decode(ids) == text
+    assert tok.decode(tok.encode("a"), skip_special_tokens=False) == BOS + "a"
+
+
+def test_metadata(tok, tokenizer_json):
+    assert tok.vocab_size == Tokenizer.from_file(str(tokenizer_json)).get_vocab_size() > 256
+    assert tok.eos_token_ids == {tok._tok.token_to_id(EOS)}
+    assert tok.model_name.startswith("model") and tok.adds_bos
+
+
+def test_eos_ids_from_all_configs_and_dict_tokens(tmp_path, tokenizer_json):
+    vocab = Tokenizer.from_file(str(tokenizer_json))
+    im_end, im_start = vocab.token_to_id(IM_END), vocab.token_to_id(IM_START)
+    model_dir = make_model_dir(
+        tmp_path / "m", tokenizer_json, bos_token={"content": BOS, "lstrip": False},
+        files={"generation_config.json": {"eos_token_id": [im_end]},
+               "config.json": {"eos_token_id": im_start}})
+    tok = TextTokenizer.from_dir(model_dir, model_name="served-name")
+    assert tok.eos_token_ids == {vocab.token_to_id(EOS), im_end, im_start}
+    assert tok.bos_token_id == vocab.token_to_id(BOS) and tok.model_name == "served-name"
+
+
+def test_add_bos_token_false_overrides_post_processor(tmp_path, tokenizer_json):
+    tok = TextTokenizer.from_dir(make_model_dir(tmp_path / "m", tokenizer_json, add_bos_token=False))
+    assert tok.encode("hello") == tok.encode("hello", add_special_tokens=False)
+    assert not tok.adds_bos
+    assert tok.encode_chat_prompt("hi")[:1] != [tok.bos_token_id]
+
+
+# --- incremental detokenization ----------------------------------------------------------
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_equals_full_decode_random_ids(tok, skip):
+    rng = random.Random(42)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 60))]
+        full = tok.decode(ids, skip_special_tokens=skip)
+        one_by_one = _detok_all(tok, ids, [1] * len(ids), skip)
+        assert "".join(one_by_one[0]) + one_by_one[1] == full
+        chunks = [rng.randrange(1, 8) for _ in range(len(ids))]
+        pieces, rest = _detok_all(tok, ids, chunks, skip)
+        assert "".join(pieces) + rest == full
+
+
+def test_valid_text_split_mid_character_never_emits_replacement_char(tok):
+    ids = tok.encode(" ".join(SAMPLES), add_special_tokens=False)
+    # The rare sample really is split inside characters: some tokens decode to U+FFFD alone.
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    rng = random.Random(7)
+    for chunks in ([1] * len(ids), [rng.randrange(1, 5) for _ in ids]):
+        pieces, rest = _detok_all(tok, ids, chunks)
+        assert not any("\ufffd" in p for p in pieces)
+        assert "".join(pieces) + rest == " ".join(SAMPLES) and rest == ""
+
+
+def test_prompt_context_does_not_change_output(tok):
+    prompt = tok.encode("Привет, мир! 日本")
+    output = tok.encode("語 emoji 🙂🚀 done", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt_ids_tail=prompt)
+    assert "".join(detok.step([i]) for i in output) + detok.flush() == tok.decode(output)
+    # A prompt given as raw ids may end inside a character; the output must not absorb it.
+    byte_id = {b: tok._tok.token_to_id(c) for b, c in _gpt2_byte_chars().items()}
+    detok = IncrementalDetokenizer(tok, prompt_ids_tail=[byte_id[0xE6], byte_id[0x97]])
+    output = [byte_id[0xA5]] + tok.encode("abc", add_special_tokens=False)
+    assert detok.step(output) + detok.flush() == tok.decode(output) == "\ufffdabc"
+
+
+def test_incremental_equals_full_decode_for_mostly_broken_utf8(tok):
+    byte_id = {b: tok._tok.token_to_id(c) for b, c in _gpt2_byte_chars().items()}
+    pool = [byte_id[b] for b in range(0x80, 0xF5)] * 3 + list(range(tok.vocab_size))
+    rng = random.Random(11)
+    for _ in range(200):
+        ids = rng.choices(pool, k=rng.randrange(1, 200))
+        pieces, rest = _detok_all(tok, ids, [rng.randrange(1, 3) for _ in ids])
+        assert "".join(pieces) + rest == tok.decode(ids)
+
+
+def test_forced_release_never_splits_an_open_character(tok):
+    byte_id = {b: tok._tok.token_to_id(c) for b, c in _gpt2_byte_chars().items()}
+    im_start = tok._tok.token_to_id(IM_START)
+    # Held long enough to force a release while "日" (E6 97 A5) is open, split by
+    # skipped special tokens: releasing between E6 and 97 would lose the character.
+    ids = [byte_id[0x80]] * 15 + [byte_id[0xE6], byte_id[0x97]] + [im_start] * 5 + [byte_id[0xA5]]
+    pieces, rest = _detok_all(tok, ids, [1] * len(ids))
+    assert "".join(pieces) + rest == tok.decode(ids) == "\ufffd" * 15 + "日"
+    assert "".join(pieces[:17]) == "\ufffd" * 15
+
+
+def _recording_decoder(tok, detok, monkeypatch) -> list[int]:
+    """Make `detok` record the length of every window it decodes."""
+    sizes, real_decode = [], tok._tok.decode
+
+    class Recorder:
+        def decode(self, window, skip_special_tokens=True):
+            sizes.append(len(window))
+            return real_decode(window, skip_special_tokens=skip_special_tokens)
+
+    monkeypatch.setattr(detok, "_backend", Recorder())
+    return sizes
+
+
+def test_invalid_bytes_are_released_mid_stream_and_window_stays_short(tok, monkeypatch):
+    orphan = tok._tok.token_to_id(_gpt2_byte_chars()[0x80])  # a continuation byte, no lead
+    ids = [orphan] * 100 + tok.encode("日本語 ok", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    sizes = _recording_decoder(tok, detok, monkeypatch)
+    pieces = [detok.step([i]) for i in ids]
+    assert "\ufffd" * 50 in "".join(pieces[:100])  # not all held until the end
+    assert "".join(pieces) + detok.flush() == tok.decode(ids)
+    assert max(sizes) <= 32
+
+
+def test_skipped_special_tokens_do_not_grow_the_window(tok, monkeypatch):
+    im_start = tok._tok.token_to_id(IM_START)
+    ids = tok.encode("hello", add_special_tokens=False) + [im_start] * 100 + tok.encode(" wörld")
+    detok = IncrementalDetokenizer(tok)
+    sizes = _recording_decoder(tok, detok, monkeypatch)
+    assert "".join(detok.step([i]) for i in ids) + detok.flush() == "hello wörld"
+    assert max(sizes) <= 32
+
+
+def test_long_stream_decodes_a_bounded_window(tok, monkeypatch):
+    ids = tok.encode(" ".join(SAMPLES) * 30, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    sizes = _recording_decoder(tok, detok, monkeypatch)
+    text = detok.step(ids)
+    assert len(detok._ids) <= 300  # consumed ids are dropped: memory is bounded too
+    assert text + detok.flush() == tok.decode(ids)
+    assert len(ids) > 1000 and max(sizes) <= 16
+
+
+# --- stop strings ------------------------------------------------------------------------
+
+def _run_stops(stops, chunks):
+    checker, out = StopChecker(stops), []
+    for chunk in chunks:
+        text, hit = checker.feed(chunk)
+        out.append(text)
+        if hit:
+            return "".join(out), True, checker.stop_reason
+    return "".join(out) + checker.flush(), False, None
+
+
+def test_stop_across_chunk_boundary_is_held_then_cut():
+    checker = StopChecker(["world"])
+    assert checker.feed("hello wo") == ("hello ", False)  # "wo" may start "world"
+    assert checker.feed("rld and more") == ("", True)
+    assert checker.feed("later") == ("", True) and checker.stop_reason == "world"
+    assert checker.flush() == ""
+
+
+def test_stop_held_text_released_when_it_diverges_or_at_flush():
+    checker = StopChecker(["world"])
+    assert checker.feed("hello wor") == ("hello ", False)
+    assert checker.feed("m") == ("worm", False)
+    assert checker.feed("  wo") == ("  ", False)
+    assert checker.flush() == "wo" and not checker.is_stopped
+
+
+def test_multiple_stops_first_to_complete_wins():
+    assert _run_stops(["\n\n", "END"], ["a END b\n\n"]) == ("a ", True, "END")
+    assert _run_stops(["abcd", "bc"], ["xab", "cd"]) == ("xa", True, "bc")
+    assert _run_stops(["abc", "b"], ["zzab"]) == ("zza", True, "b")
+    assert _run_stops(["bc", "abc"], ["abc"]) == ("", True, "abc")  # same end: longer wins
+
+
+def test_stop_at_very_start_and_overlapping_prefixes():
+    assert _run_stops(["STOP"], ["ST", "OP rest"]) == ("", True, "STOP")
+    assert _run_stops(["aab"], ["a", "a", "a", "b"]) == ("a", True, "aab")
+    assert _run_stops(["abab"], ["ababa", "b"]) == ("", True, "abab")
+    assert _run_stops([], ["no stops"]) == ("no stops", False, None)
+    assert _run_stops([""], ["empty stop ignored"]) == ("empty stop ignored", False, None)
+
+
+def test_streaming_equals_non_streaming_for_any_chunking():
+    rng = random.Random(3)
+    for _ in range(500):
+        text = "".join(rng.choices("ab c🙂", k=rng.randrange(0, 30)))
+        stops = ["".join(rng.choices("ab c🙂", k=rng.randrange(1, 5))) for _ in range(rng.randrange(1, 4))]
+        whole = _run_stops(stops, [text])
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randrange(1, 6))))
+        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        assert _run_stops(stops, chunks) == whole
+        assert not any(s in whole[0] for s in stops)
+        assert text.startswith(whole[0])
+
+
+def test_detokenizer_and_stop_checker_pipeline(tok):
+    text = "The quick brown fox 🙂 jumps over the lazy dog."
+    ids = tok.encode(text, add_special_tokens=False)
+    detok, checker, out = IncrementalDetokenizer(tok), StopChecker(["🙂 ju"]), []
+    for token_id in ids:
+        emitted, hit = checker.feed(detok.step([token_id]))
+        out.append(emitted)
+        if hit:
+            break
+    assert "".join(out) == "The quick brown fox "
+
+
+# --- chat templates -----------------------------------------------------------------------
+
+def test_chat_template_roles_parts_and_generation_prompt(tok):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "héllo"}, {"type": "text", "text": "🙂"}]},
+        {"role": "assistant", "content": "Hi."},
+    ]
+    body = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhéllo\n🙂<|im_end|>\n"
+            "<|im_start|>assistant\nHi.<|im_end|>\n")
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == body
+    prompt = tok.apply_chat_template(messages)
+    assert prompt == body + "<|im_start|>assistant\n"
+    ids = tok.encode_chat_prompt(prompt)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert ids.count(tok._tok.token_to_id(IM_START)) == 4  # parsed as special tokens
+
+
+def test_template_that_writes_bos_gets_no_second_bos(tmp_path, tokenizer_json):
+    model_dir = make_model_dir(tmp_path / "m", tokenizer_json,
+                               files={"chat_template.jinja": "{{ bos_token }}" + CHATML})
+    tok = TextTokenizer.from_dir(model_dir)  # the .jinja file wins over tokenizer_config
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt.startswith(BOS + "<|im_start|>user")
+    assert tok.encode_chat_prompt(prompt).count(tok.bos_token_id) == 1
+
+
+def test_template_list_globals_and_errors(tmp_path, tokenizer_json):
+    template = [{"name": "tool_use", "template": "tools"},
+                {"name": "default", "template": (
+                    "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+                    "{{ messages | tojson }}|{{ strftime_now('%Y') | length }}|{{ eos_token }}")}]
+    tok = TextTokenizer.from_dir(make_model_dir(tmp_path / "m", tokenizer_json, chat_template=template))
+    assert tok.apply_chat_template([{"role": "user", "content": "é"}]) == (
+        '[{"role": "user", "content": "é"}]|4|' + EOS)
+    with pytest.raises(ValueError, match="user first"):
+        tok.apply_chat_template([{"role": "system", "content": "x"}])
+    with pytest.raises(ValueError, match="text only"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
+
+
+def test_no_chat_template_is_a_clear_error(tmp_path, tokenizer_json):
+    tok = TextTokenizer.from_dir(make_model_dir(tmp_path / "m", tokenizer_json, chat_template=None))
+    assert not tok.has_chat_template
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+# --- the demo model and process hygiene ------------------------------------------------------
+
+@pytest.fixture(params=["trained-here", "engine-demo-model"])
+def any_model_dir(request, tmp_path_factory, tokenizer_json) -> Path:
+    if request.param == "trained-here":
+        return make_model_dir(tmp_path_factory.mktemp("m"), tokenizer_json)
+    demo = pytest.importorskip("dpserve.engine.demo_model")
+    return Path(demo.create_demo_model(str(tmp_path_factory.mktemp("demo") / "model")))
+
+
+def test_model_dir_end_to_end(any_model_dir):
+    tok = TextTokenizer.from_dir(any_model_dir)
+    for text in SAMPLES:
+        assert tok.decode(tok.encode(text)) == text
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces, rest = _detok_all(tok, ids, [1] * len(ids))
+        assert "".join(pieces) + rest == text and not any("\ufffd" in p for p in pieces)
+    rng = random.Random(1)
+    ids = [rng.randrange(tok.vocab_size) for _ in range(500)]
+    pieces, rest = _detok_all(tok, ids, [rng.randrange(1, 4) for _ in ids])
+    assert "".join(pieces) + rest == tok.decode(ids)
+    prompt_ids = tok.encode_chat_prompt(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
+    assert prompt_ids[0] == tok.bos_token_id and prompt_ids.count(tok.bos_token_id) == 1
+    assert tok.eos_token_ids
+
+
+def test_import_pulls_in_neither_torch_nor_transformers():
+    code = ("import sys, dpserve.daemons.tokenizer; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+            "assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
