@@ -93,6 +93,7 @@ class RankTable:
         entry.num_remaining_decode_tokens = msg.num_remaining_decode_tokens
         entry.slot_usage = msg.slot_usage
         entry.num_requests_finished = msg.num_requests_finished
+        entry.num_requests_aborted = msg.num_requests_aborted
         self.dirty = True
 
     def down(self, rank: int, reason: str) -> bool:

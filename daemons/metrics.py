@@ -24,6 +24,9 @@ class _RankCollector:
         finished = CounterMetricFamily(
             "dpserve_rank_requests_finished", "Requests finished by each rank (current incarnation).", labels=["rank"]
         )
+        aborted = CounterMetricFamily(
+            "dpserve_rank_requests_aborted", "Requests aborted on each rank by their API server (client gone, stop string).", labels=["rank"]
+        )
         running = GaugeMetricFamily("dpserve_rank_running", "Running sequences per rank.", labels=["rank"])
         waiting = GaugeMetricFamily("dpserve_rank_waiting", "Waiting requests per rank.", labels=["rank"])
         alive = GaugeMetricFamily("dpserve_rank_routable", "1 when this API server routes to the rank.", labels=["rank"])
@@ -33,9 +36,10 @@ class _RankCollector:
             if load is None:
                 continue
             finished.add_metric(label, load.num_requests_finished)
+            aborted.add_metric(label, load.num_requests_aborted)
             running.add_metric(label, load.num_running)
             waiting.add_metric(label, load.num_waiting)
-        yield from (finished, running, waiting, alive)
+        yield from (finished, aborted, running, waiting, alive)
 
 
 class ApiMetrics:

@@ -1,4 +1,4 @@
-"""API-server text processing: tokenizer loading, chat templates, streaming detokenization, stop strings.
+"""API-server text: tokenizer loading, chat templates, streaming detokenization, stop strings.
 
 Owns everything between request text and token ids. It must never import torch or
 transformers (directly or through a dependency): API servers start in well under a second.
@@ -40,11 +40,6 @@ def _read_json(path: Path) -> dict:
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
     return data if isinstance(data, dict) else {}
-
-
-def _int_ids(value: Any) -> list[int]:
-    values = value if isinstance(value, list) else [value]
-    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 def _pick_chat_template(model_dir: Path, tokenizer_config: dict) -> str | None:
@@ -129,12 +124,13 @@ class TextTokenizer:
         tokenizer.no_padding()
         self._tok = tokenizer
         self.model_name = model_name
-        self.bos_token = _token_text(tokenizer_config.get("bos_token"))
-        self.eos_token = _token_text(tokenizer_config.get("eos_token"))
+        # Passed to templates as variables, as transformers passes its special_tokens_map.
         self._special_tokens = {
             f"{kind}_token": text for kind in ("bos", "eos", "unk", "pad")
             if (text := _token_text(tokenizer_config.get(f"{kind}_token"))) is not None
         }
+        self.bos_token = self._special_tokens.get("bos_token")
+        self.eos_token = self._special_tokens.get("eos_token")
         self.bos_token_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         eos_ids = set(extra_eos_ids)
         if self.eos_token and (eos_id := tokenizer.token_to_id(self.eos_token)) is not None:
@@ -163,12 +159,13 @@ class TextTokenizer:
             raise FileNotFoundError(f"{tokenizer_file} not found (only fast tokenizers are supported)")
         tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
         extra_eos: list[int] = []
-        for config in (_read_json(model_dir / "generation_config.json"),
-                       _read_json(model_dir / "config.json")):
-            extra_eos += _int_ids(config.get("eos_token_id"))
+        for name in ("generation_config.json", "config.json"):
+            config = _read_json(model_dir / name)
             text_config = config.get("text_config")  # multimodal configs nest the LM's ids
-            if isinstance(text_config, dict):
-                extra_eos += _int_ids(text_config.get("eos_token_id"))
+            for value in (config.get("eos_token_id"),
+                          text_config.get("eos_token_id") if isinstance(text_config, dict) else None):
+                values = value if isinstance(value, list) else [value]
+                extra_eos += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
         return cls(Tokenizer.from_file(str(tokenizer_file)), tokenizer_config,
                    _pick_chat_template(model_dir, tokenizer_config), extra_eos,
                    model_name or model_dir.resolve().name)
@@ -208,7 +205,7 @@ class TextTokenizer:
             return self._chat_template.render(
                 messages=rendered_messages, add_generation_prompt=add_generation_prompt,
                 **self._special_tokens, **template_kwargs)
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. None + str
             raise ValueError(f"chat template error: {exc}") from exc
 
     def encode_chat_prompt(self, prompt: str) -> list[int]:
@@ -294,7 +291,7 @@ class IncrementalDetokenizer:
         # A few candidates per step bound the cost; the next step tries again.
         for k in range(len(ids) - 1, max(self._read, len(ids) - 8), -1):
             tail = self._decode(ids[k:])
-            if False:
+            if not tail:
                 continue
             head = self._decode(ids[self._prefix:k])
             if head + tail == text and head.startswith(self._prefix_text):

@@ -164,9 +164,11 @@ class EngineProcess:
         self.core = None
         self.should_stop = False
         self._last_load: tuple = ()
+        self._load_dirty = False
         self._last_report = 0.0
         self._last_heartbeat = 0.0
         self.num_finished = 0
+        self.num_aborted = 0
 
     def _on_signal(self, signum, _frame) -> None:
         self.should_stop = True  # the loop notices; nothing else happens here
@@ -200,7 +202,12 @@ class EngineProcess:
         heartbeat_s = self.cfg.heartbeat_interval_s
         while not self.should_stop:
             # 1. Take input: block only while there is nothing to compute.
-            timeout_ms = 0 if core.has_unfinished() else int(heartbeat_s * 1000)
+            if core.has_unfinished():
+                timeout_ms = 0
+            elif self._load_dirty:
+                timeout_ms = int(LOAD_REPORT_MIN_INTERVAL_S * 1000) + 1  # flush the last change soon
+            else:
+                timeout_ms = int(heartbeat_s * 1000)
             for index, msg in io.receive(timeout_ms):
                 self._handle(index, msg)
             # 2. Step: schedule -> run -> postprocess, all inside the core.
@@ -226,16 +233,20 @@ class EngineProcess:
         elif isinstance(msg, AbortRequests):
             self.core.abort_requests(msg.request_ids)
             for rid in msg.request_ids:
-                self.io.owner.pop(rid, None)
+                if self.io.owner.pop(rid, None) is not None:
+                    self.num_aborted += 1
         elif isinstance(msg, Ping):
             self.io.send_to(index, Pong(self.rank, msg.nonce))
 
     def _report_load(self, force: bool = False) -> None:
         core = self.core
         now = time.monotonic()
-        load = (core.num_running, core.num_waiting, core.num_waiting_prefill_tokens)
+        load = (core.num_running, core.num_waiting, core.num_waiting_prefill_tokens, self.num_finished, self.num_aborted)
+        changed = load != self._last_load
         due = now - self._last_report >= self.cfg.heartbeat_interval_s
-        if force or due or (load != self._last_load and now - self._last_report >= LOAD_REPORT_MIN_INTERVAL_S):
+        self._load_dirty = changed
+        if force or due or (changed and now - self._last_report >= LOAD_REPORT_MIN_INTERVAL_S):
+            self._load_dirty = False
             self._last_load = load
             self._last_report = now
             self.io.report(
@@ -249,6 +260,7 @@ class EngineProcess:
                     core.slot_usage,
                     core.last_step_ms,
                     self.num_finished,
+                    self.num_aborted,
                 )
             )
         if force or now - self._last_heartbeat >= self.cfg.heartbeat_interval_s:

@@ -151,6 +151,7 @@ class LoadReport(msgspec.Struct, tag="load", array_like=True):
     slot_usage: float
     step_ms: float
     num_requests_finished: int = 0  # cumulative, since this incarnation started
+    num_requests_aborted: int = 0  # cumulative: aborted by their API server (client gone, stop string)
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -180,6 +181,7 @@ class RankLoad(msgspec.Struct, array_like=True):
     num_remaining_decode_tokens: int = 0
     slot_usage: float = 0.0
     num_requests_finished: int = 0
+    num_requests_aborted: int = 0
     down_reason: str = ""
 
 

@@ -1,6 +1,7 @@
-"""Shared unit-test fixtures: the demo model, built once per session in a temp dir.
+"""Unit-test fixtures: the demo model loaded once per session.
 
-Imports of torch and transformers stay inside the fixtures, so test modules
+`demo_model_dir` (the freshly built demo model) comes from tests/conftest.py.
+Imports of torch and transformers stay inside the fixture, so test modules
 that never ask for a model do not pay for them.
 """
 
@@ -10,17 +11,16 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def demo_model_dir(tmp_path_factory) -> str:
-    """A freshly built demo model (never the user's cache)."""
-    from dpserve.engine.demo_model import create_demo_model
-
-    return create_demo_model(str(tmp_path_factory.mktemp("demo-model") / "model"))
-
-
-@pytest.fixture(scope="session")
 def loaded_demo_model(demo_model_dir):
     """The demo model loaded once on CPU in float32; engines in tests share it."""
+    import torch
+
     from dpserve.engine.config import EngineConfig
     from dpserve.engine.loader import load_model
 
-    return load_model(EngineConfig(model=demo_model_dir, device="cpu", dtype="float32"))
+    loaded = load_model(EngineConfig(model=demo_model_dir, device="cpu", dtype="float32"))
+    # One intra-op thread: the demo model's matrices are too small to gain from
+    # more, and on a busy CI machine OpenMP barriers across contended cores
+    # made each forward up to 100x slower.
+    torch.set_num_threads(1)
+    return loaded

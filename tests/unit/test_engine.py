@@ -101,29 +101,33 @@ def text_prompt(demo_model_dir) -> list[int]:
 
 def test_continuous_batching_matches_generate_token_for_token(loaded_demo_model, reference, text_prompt):
     engine = make_engine(loaded_demo_model)
-    lengths, budgets = [1, 5, 23, 12, 40, 7, 3], [6, 20, 9, 16, 10, 24, 13]
-    prompts = {f"r{i}": random_prompt(i, n) for i, n in enumerate(lengths)}
-    prompts["text"] = text_prompt
-    budgets.append(11)
-    reqs = [request(rid, p, max_tokens=m) for (rid, p), m in zip(prompts.items(), budgets)]
+    lengths, budgets = [1, 5, 23, 12, 40, 7, 3, 18], [6, 20, 9, 16, 10, 24, 13, 7]
+    prompts = [random_prompt(i, n) for i, n in enumerate(lengths)] + [text_prompt]
+    reqs = [request(f"r{i}", p, max_tokens=m) for i, (p, m) in enumerate(zip(prompts, budgets + [11]))]
     got = Collector()
-
-    add(engine, *reqs[:3])
-    for _ in range(3):
-        got.feed(engine.step())
-    assert engine.num_running == 3 and all(len(got.tokens[r.request_id]) == 3 for r in reqs[:3])
-    add(engine, *reqs[3:])
     running_counts = []
-    while engine.has_unfinished():
+
+    def step():
         got.feed(engine.step())
         running_counts.append(engine.num_running)
 
+    add(engine, *reqs[:3])  # three start together
+    for _ in range(3):
+        step()
+    assert engine.num_running == 3 and all(len(got.tokens[r.request_id]) == 3 for r in reqs[:3])
+    add(engine, *reqs[3:7])  # four join a running batch
+    while engine.num_running == 7:
+        step()
+    add(engine, *reqs[7:])  # two join after some left (and the batch was compacted)
+    while engine.has_unfinished():
+        step()
+
     # Requests left at different steps, each as soon as it was done.
-    assert len(set(running_counts)) > 3 and running_counts[-1] == 0
+    assert len(set(running_counts)) > 4 and running_counts[-1] == 0
     for r in reqs:
         expected = reference(r.prompt_token_ids, r.params.max_tokens)
         assert got.tokens[r.request_id] == expected, r.request_id
-        ended_by_eos = expected[-1] in engine.eos_token_ids and len(expected) <= r.params.max_tokens
+        ended_by_eos = expected[-1] in engine.eos_token_ids
         assert got.finish[r.request_id][0] == (FINISH_STOP if ended_by_eos else FINISH_LENGTH)
     assert engine.runner.num_rows == 0
 

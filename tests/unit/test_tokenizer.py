@@ -39,16 +39,10 @@ def _corpus() -> list[str]:
 
 
 def _gpt2_byte_chars() -> dict[int, str]:
-    """The ByteLevel alphabet: which character stands for each raw byte."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
+    """The ByteLevel alphabet: the character that stands for each raw byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(others)) for b in range(256)}
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +78,12 @@ def make_model_dir(root: Path, tokenizer_json: Path, files: dict | None = None, 
 @pytest.fixture(scope="session")
 def tok(tmp_path_factory, tokenizer_json) -> TextTokenizer:
     return TextTokenizer.from_dir(make_model_dir(tmp_path_factory.mktemp("model"), tokenizer_json))
+
+
+@pytest.fixture(scope="session")
+def byte_id(tok) -> dict[int, int]:
+    """Raw byte -> the id of the single-byte token, for building broken UTF-8 on purpose."""
+    return {b: tok._tok.token_to_id(c) for b, c in _gpt2_byte_chars().items()}
 
 
 def _detok_all(tok, ids, chunk_sizes, skip=True) -> tuple[list[str], str]:
@@ -141,11 +141,9 @@ def test_incremental_equals_full_decode_random_ids(tok, skip):
     for _ in range(300):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 60))]
         full = tok.decode(ids, skip_special_tokens=skip)
-        one_by_one = _detok_all(tok, ids, [1] * len(ids), skip)
-        assert "".join(one_by_one[0]) + one_by_one[1] == full
-        chunks = [rng.randrange(1, 8) for _ in range(len(ids))]
-        pieces, rest = _detok_all(tok, ids, chunks, skip)
-        assert "".join(pieces) + rest == full
+        for chunks in ([1] * len(ids), [rng.randrange(1, 8) for _ in ids]):
+            pieces, rest = _detok_all(tok, ids, chunks, skip)
+            assert "".join(pieces) + rest == full
 
 
 def test_valid_text_split_mid_character_never_emits_replacement_char(tok):
@@ -159,20 +157,18 @@ def test_valid_text_split_mid_character_never_emits_replacement_char(tok):
         assert "".join(pieces) + rest == " ".join(SAMPLES) and rest == ""
 
 
-def test_prompt_context_does_not_change_output(tok):
+def test_prompt_context_does_not_change_output(tok, byte_id):
     prompt = tok.encode("Привет, мир! 日本")
     output = tok.encode("語 emoji 🙂🚀 done", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, prompt_ids_tail=prompt)
     assert "".join(detok.step([i]) for i in output) + detok.flush() == tok.decode(output)
     # A prompt given as raw ids may end inside a character; the output must not absorb it.
-    byte_id = {b: tok._tok.token_to_id(c) for b, c in _gpt2_byte_chars().items()}
     detok = IncrementalDetokenizer(tok, prompt_ids_tail=[byte_id[0xE6], byte_id[0x97]])
     output = [byte_id[0xA5]] + tok.encode("abc", add_special_tokens=False)
     assert detok.step(output) + detok.flush() == tok.decode(output) == "\ufffdabc"
 
 
-def test_incremental_equals_full_decode_for_mostly_broken_utf8(tok):
-    byte_id = {b: tok._tok.token_to_id(c) for b, c in _gpt2_byte_chars().items()}
+def test_incremental_equals_full_decode_for_mostly_broken_utf8(tok, byte_id):
     pool = [byte_id[b] for b in range(0x80, 0xF5)] * 3 + list(range(tok.vocab_size))
     rng = random.Random(11)
     for _ in range(200):
@@ -181,12 +177,12 @@ def test_incremental_equals_full_decode_for_mostly_broken_utf8(tok):
         assert "".join(pieces) + rest == tok.decode(ids)
 
 
-def test_forced_release_never_splits_an_open_character(tok):
-    byte_id = {b: tok._tok.token_to_id(c) for b, c in _gpt2_byte_chars().items()}
+@pytest.mark.parametrize("layout", [["E6", "97", "sp", "sp", "sp", "A5"], ["E6", "sp", "97", "sp", "A5"]])
+def test_forced_release_never_splits_an_open_character(tok, byte_id, layout):
     im_start = tok._tok.token_to_id(IM_START)
     # Held long enough to force a release while "日" (E6 97 A5) is open, split by
-    # skipped special tokens: releasing between E6 and 97 would lose the character.
-    ids = [byte_id[0x80]] * 15 + [byte_id[0xE6], byte_id[0x97]] + [im_start] * 5 + [byte_id[0xA5]]
+    # skipped special tokens: a release inside the character would lose it.
+    ids = [byte_id[0x80]] * 15 + [im_start if x == "sp" else byte_id[int(x, 16)] for x in layout]
     pieces, rest = _detok_all(tok, ids, [1] * len(ids))
     assert "".join(pieces) + rest == tok.decode(ids) == "\ufffd" * 15 + "日"
     assert "".join(pieces[:17]) == "\ufffd" * 15
@@ -205,8 +201,8 @@ def _recording_decoder(tok, detok, monkeypatch) -> list[int]:
     return sizes
 
 
-def test_invalid_bytes_are_released_mid_stream_and_window_stays_short(tok, monkeypatch):
-    orphan = tok._tok.token_to_id(_gpt2_byte_chars()[0x80])  # a continuation byte, no lead
+def test_invalid_bytes_are_released_mid_stream_and_window_stays_short(tok, byte_id, monkeypatch):
+    orphan = byte_id[0x80]  # a UTF-8 continuation byte with no lead byte: never valid
     ids = [orphan] * 100 + tok.encode("日本語 ok", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok)
     sizes = _recording_decoder(tok, detok, monkeypatch)
@@ -358,7 +354,12 @@ def any_model_dir(request, tmp_path_factory, tokenizer_json) -> Path:
     if request.param == "trained-here":
         return make_model_dir(tmp_path_factory.mktemp("m"), tokenizer_json)
     demo = pytest.importorskip("dpserve.engine.demo_model")
-    return Path(demo.create_demo_model(str(tmp_path_factory.mktemp("demo") / "model")))
+    if not hasattr(demo, "create_demo_model"):
+        pytest.skip("engine/demo_model.py has no create_demo_model yet")
+    try:  # it writes weights, which needs torch; this module's own code never does
+        return Path(demo.create_demo_model(str(tmp_path_factory.mktemp("demo") / "model")))
+    except ImportError as exc:
+        pytest.skip(f"demo model needs {exc.name}")
 
 
 def test_model_dir_end_to_end(any_model_dir):

@@ -1,0 +1,13 @@
+"""Fixtures shared by every test directory: the demo model, built once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory) -> str:
+    """A freshly built demo model (never the user's cache)."""
+    from dpserve.engine.demo_model import create_demo_model
+
+    return create_demo_model(str(tmp_path_factory.mktemp("demo-model") / "model"))

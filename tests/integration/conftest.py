@@ -1,0 +1,54 @@
+"""One shared DP=2 / api-server-count=2 server for the integration tests that can share it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.server import DpServer
+
+API_KEY = "test-key-123"
+MAX_MODEL_LEN = 256
+MAX_BODY = 65536
+
+
+@pytest.fixture(scope="session")
+def server(demo_model_dir):
+    srv = DpServer(
+        demo_model_dir,
+        "--data-parallel-size", "2",
+        "--api-server-count", "2",
+        "--api-key", API_KEY,
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--max-request-body-bytes", str(MAX_BODY),
+        "--max-num-seqs", "64",
+    )
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def openai_schema():
+    """OpenAI's published schemas (subset; see tests/data/NOTICE)."""
+    import jsonschema
+
+    schema = json.loads((Path(__file__).parent.parent / "data" / "openai-api-subset.schema.json").read_text())
+
+    def validate(instance: dict, definition: str) -> None:
+        ref = {"$schema": schema["$schema"], "$defs": schema["$defs"], "$ref": f"#/$defs/{definition}"}
+        jsonschema.validate(instance, ref, cls=jsonschema.Draft202012Validator)
+
+    return validate

@@ -1,0 +1,179 @@
+"""Start and stop a real `dpserve serve` for tests: its own process group, port 0, deadlines.
+
+Every server a test starts is stopped by that test (fixture finalizer or
+`with`), by process group, even when the test fails; the node's child pids
+are collected from /status so a test can prove none survived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+READY_TIMEOUT_S = float(os.environ.get("DPSERVE_TEST_READY_TIMEOUT_S", "180"))
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.1f} s waiting for {what}")
+
+
+class DpServer:
+    def __init__(self, model_dir: str, *args: str, env: dict | None = None, served_model_name: str = "demo") -> None:
+        self.model_dir = model_dir
+        self.args = list(args)
+        self.env = env
+        self.model = served_model_name
+        self.tmp = tempfile.mkdtemp(prefix="dpserve-test-")
+        self.ports_file = os.path.join(self.tmp, "ports.json")
+        self.log_path = os.path.join(self.tmp, "server.log")
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.supervisor_port = 0
+        self.child_pids: set[int] = set()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self, wait_ready: bool = True) -> "DpServer":
+        cmd = [
+            sys.executable, "-m", "dpserve.daemons.cli", "serve", self.model_dir,
+            "--served-model-name", self.model,
+            "--port", "0",
+            "--data-parallel-supervisor-port", "0",
+            "--ports-file", self.ports_file,
+            *self.args,
+        ]
+        env = {**os.environ, **(self.env or {})}
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        wait_until(lambda: os.path.exists(self.ports_file) or self.proc.poll() is not None, 60, what="ports file")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"dpserve exited with {self.proc.returncode} before binding:\n{self.log()}")
+        ports = json.loads(Path(self.ports_file).read_text())
+        self.port, self.supervisor_port = ports["port"], ports["supervisor_port"]
+        if wait_ready:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        def ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dpserve exited with {self.proc.returncode} while starting:\n{self.log()}")
+            try:
+                return http_get(self.health_url + "/readyz", 2)[0] == 200
+            except OSError:
+                return False
+
+        wait_until(ready, timeout, 0.1, "readiness")
+        self.refresh_child_pids()
+
+    def refresh_child_pids(self) -> None:
+        status = self.status()
+        self.child_pids |= {c["pid"] for c in status["children"] if c["pid"]}
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
+        """Stop the server; SIGKILL the whole group if it does not exit in time."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(sig)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill_group()
+        return self.proc.returncode
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in self.child_pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        if not self._log.closed:
+            self._log.close()
+
+    def __enter__(self) -> "DpServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- views
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.supervisor_port}"
+
+    def status(self) -> dict:
+        code, body = http_get(self.health_url + "/status")
+        assert code == 200, body
+        return json.loads(body)
+
+    def child(self, name: str) -> dict:
+        return next(c for c in self.status()["children"] if c["name"] == name)
+
+    def metrics(self) -> str:
+        return http_get(self.url + "/metrics")[1].decode()
+
+    def rank_finished(self) -> dict[int, float]:
+        out = {}
+        for line in self.metrics().splitlines():
+            if line.startswith("dpserve_rank_requests_finished_total{"):
+                rank = int(line.split('rank="')[1].split('"')[0])
+                out[rank] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    def log(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-20000:]
+        except OSError:
+            return ""
