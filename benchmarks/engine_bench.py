@@ -47,12 +47,18 @@ def run_engine(loaded, config: EngineConfig, prompts: list[list[int]], new_token
 @torch.inference_mode()
 def run_generate(model, prompts: list[list[int]], new_tokens: int, pad_token_id: int):
     # No EOS at all is generate()'s ignore_eos: min_new_tokens would instead forbid
-    # EOS tokens, which the engine (like vLLM) still emits under ignore_eos.
-    gen_config = copy.deepcopy(model.generation_config)
-    gen_config.update(eos_token_id=None, pad_token_id=pad_token_id, do_sample=False, max_new_tokens=new_tokens)
+    # EOS tokens, which the engine (like vLLM) still emits under ignore_eos. An
+    # explicit eos_token_id=None is refilled from the model's defaults, so those go.
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(saved)
+    model.generation_config.eos_token_id = None
     ids = torch.tensor(prompts, device=model.device)  # equal lengths: no padding needed
-    start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_config)
+    try:
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=new_tokens, pad_token_id=pad_token_id)
+    finally:
+        model.generation_config = saved
     elapsed = time.perf_counter() - start
     return elapsed, out[:, ids.shape[1]:].tolist()
 

@@ -32,6 +32,7 @@ from .serving import OpenAIServing
 from .tokenizer import TextTokenizer
 
 VERSION = "0.1.0"
+FAULT_STARTUP_DELAY_ENV = "DPSERVE_FAULT_API_STARTUP_DELAY_S"
 
 CFG = web.AppKey("cfg", ApiServerConfig)
 SERVING = web.AppKey("serving", OpenAIServing)
@@ -132,10 +133,15 @@ class ApiServer:
             if os.path.exists(self.cfg.probe_path):
                 os.unlink(self.cfg.probe_path)
             await probe_site.start()
+            await self._wait_for_routes()
             await self.port_site.start()
         except OSError as exc:
             self.log.error("could not start serving", error=str(exc))
             return EXIT_STARTUP
+        delay = float(os.environ.get(FAULT_STARTUP_DELAY_ENV, "0") or 0)
+        if delay > 0:  # fault injection for the startup-timeout tests
+            self.log.warning("delaying readiness on purpose", env=FAULT_STARTUP_DELAY_ENV, seconds=delay)
+            await asyncio.sleep(delay)
         self.supervisor.ready(f"api server {self.cfg.index}")
         self.log.info("api server ready", pid=os.getpid())
         heartbeat = asyncio.create_task(self._heartbeat())
@@ -147,6 +153,23 @@ class ApiServer:
         self.zctx.destroy(linger=0)
         self.log.info("api server stopped")
         return EXIT_OK
+
+    async def _wait_for_routes(self, timeout: float = 10.0) -> None:
+        """Accept on the shared port only once this process can route what it accepts.
+
+        A replacement API server (restart, SIGHUP) must not take connections from
+        its healthy siblings only to answer 503 while engines still say hello.
+        When the table shows no live rank at all (the node is starting), waiting
+        would gain nothing, so it starts at once.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.router.routable_ranks:
+                return
+            if self.client.table_received.is_set() and not self.router.alive_ranks:
+                return
+            await asyncio.sleep(0.01)
+        self.log.warning("no routable rank yet; accepting anyway", waited_s=timeout)
 
     async def _heartbeat(self) -> None:
         while True:

@@ -59,9 +59,22 @@ class Child:
         "num_waiting",
         "kill_requested",
         "restart_requested",
+        "extra_env",
     )
 
-    def __init__(self, name: str, kind: str, rank: int, module: str, config_json: bytes, *, pass_fds=(), port: int = 0, probe_path: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        rank: int,
+        module: str,
+        config_json: bytes,
+        *,
+        pass_fds=(),
+        port: int = 0,
+        probe_path: str = "",
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.kind = kind  # "coordinator" | "engine" | "api"
         self.rank = rank  # DP rank for engines, index for API servers, -1 otherwise
@@ -89,6 +102,7 @@ class Child:
         self.num_waiting = 0
         self.kill_requested = False
         self.restart_requested = False  # a planned restart (SIGHUP), not a crash
+        self.extra_env = extra_env or {}
 
     @property
     def is_running(self) -> bool:
@@ -121,8 +135,8 @@ async def spawn(child: Child, log_stream) -> None:
     env = dict(os.environ)
     env[CHILD_CONFIG_ENV] = child.config_json.decode()
     env.setdefault("PYTHONUNBUFFERED", "1")
-    if child.kind != "engine":
-        env.setdefault("OMP_NUM_THREADS", "1")
+    for key, value in child.extra_env.items():
+        env.setdefault(key, value)  # the operator's own setting wins
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

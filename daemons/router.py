@@ -96,6 +96,11 @@ class Router:
         return load is not None and load.is_alive and self.hello[rank] == load.incarnation
 
     @property
+    def alive_ranks(self) -> list[int]:
+        """Ranks the coordinator says are alive, whether or not we heard them yet."""
+        return [r for r, load in enumerate(self.loads) if load is not None and load.is_alive]
+
+    @property
     def routable_ranks(self) -> list[int]:
         return [r for r in range(self.size) if self.routable(r)]
 

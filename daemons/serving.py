@@ -173,13 +173,10 @@ class OpenAIServing:
         params = self._sampling(req, len(ids), max_tokens)
         stops = stop_strings(req)
         pinned = parse_rank_header(request.headers.get("X-data-parallel-rank"), self.router.size)
-        rank = self.router.pick(pinned)
         request_id = f"{self._id_prefix}-{next(self._ids):x}"
         state = RequestState(request_id, len(ids) + max_tokens)
-        try:
-            self.client.send(state, AddRequest(request_id, ids, params, time.time()), rank)
-        except zmq.ZMQError:
-            raise ApiError(503, f"Engine rank {rank} is unreachable.", type="service_unavailable", code="rank_unavailable", headers={"Retry-After": "1"}) from None
+        add = AddRequest(request_id, ids, params, time.time())
+        rank = self._send(state, add, pinned)
         self.metrics.routed_to(rank)
         self.num_active += 1
         try:
@@ -199,6 +196,21 @@ class OpenAIServing:
             self.num_active -= 1
             if not state.is_finished:
                 self.client.abort(state)  # client went away, or a stop string ended it early
+
+    def _send(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
+        """Send to the best rank; a rank whose socket is gone is skipped, not fatal."""
+        for _ in range(self.router.size):
+            rank = self.router.pick(pinned)
+            try:
+                self.client.send(state, add, rank)
+                return rank
+            except zmq.ZMQError:
+                # The engine's connection closed before the table said so (it just
+                # died): stop routing to it until it says hello again.
+                self.router.engine_dead(rank, self.router.hello[rank])
+                if pinned is not None:
+                    break
+        raise ApiError(503, "No engine rank is reachable right now.", type="service_unavailable", code="rank_unavailable", headers={"Retry-After": "1"})
 
     async def _events(self, state: RequestState, stops: list[str]) -> AsyncIterator[tuple[str, str | None]]:
         """(new text, finish_reason or None) as outputs arrive; raises EngineFailure."""

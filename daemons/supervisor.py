@@ -121,7 +121,10 @@ class Supervisor:
             parent_pid=me,
             log_level=cfg.log_level,
         )
-        self._add(Child("coordinator", "coordinator", -1, "dpserve.daemons.coordinator", _enc(coord)))
+        self._add(Child("coordinator", "coordinator", -1, "dpserve.daemons.coordinator", _enc(coord), extra_env={"OMP_NUM_THREADS": "1"}))
+        # CPU ranks share the node's cores; oversubscribed torch threads stall each
+        # other by orders of magnitude (a 4 ms step became 300-800 ms in tests).
+        engine_threads = max(1, len(os.sched_getaffinity(0)) // cfg.data_parallel_size)
         for rank in range(cfg.data_parallel_size):
             name = f"engine-dp{rank}"
             ecfg = EngineProcessConfig(
@@ -142,7 +145,7 @@ class Supervisor:
                 parent_pid=me,
                 log_level=cfg.log_level,
             )
-            self._add(Child(name, "engine", rank, "dpserve.engine.process", _enc(ecfg)))
+            self._add(Child(name, "engine", rank, "dpserve.engine.process", _enc(ecfg), extra_env={"OMP_NUM_THREADS": str(engine_threads)}))
         fd = self.listen_sock.fileno()
         for i in range(cfg.api_server_count):
             name = f"api-{i}"
@@ -166,7 +169,17 @@ class Supervisor:
                 parent_pid=me,
                 log_level=cfg.log_level,
             )
-            child = Child(name, "api", i, "dpserve.daemons.api_server", _enc(acfg), pass_fds=(fd,), port=self.port, probe_path=addr.api_probes[i])
+            child = Child(
+                name,
+                "api",
+                i,
+                "dpserve.daemons.api_server",
+                _enc(acfg),
+                pass_fds=(fd,),
+                port=self.port,
+                probe_path=addr.api_probes[i],
+                extra_env={"OMP_NUM_THREADS": "1"},
+            )
             self._add(child)
 
     def _add(self, child: Child) -> None:

@@ -71,12 +71,12 @@ class EngineCore:
         error output carrying that id; the request already running under it
         is not affected.
         """
-        error = self._validate(req)
-        if error is None:
-            try:
+        try:
+            error = self._validate(req)
+            if error is None:
                 seq = Sequence(req.request_id, req.prompt_token_ids, req.params, req.arrival_time, self.device)
-            except (RuntimeError, ValueError, TypeError, OverflowError) as e:
-                error = f"invalid request: {e}"
+        except Exception as e:  # a malformed request fails alone, never the engine loop
+            error = f"invalid request: {e!r}"
         if error is not None:
             return RequestOutput(req.request_id, [], finish_reason=FINISH_ERROR, error=error)
         self._requests[seq.request_id] = seq

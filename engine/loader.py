@@ -97,8 +97,8 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype, device: torch.device):
             )
             return model.to(device)
         except (ValueError, ImportError) as e:
-            if "attn" not in str(e).lower() and "sdpa" not in str(e).lower():
-                raise
+            if "attn_implementation" not in str(e) and "scaled_dot_product_attention" not in str(e):
+                raise  # not about attention: a real loading error
             last_error = e
     raise RuntimeError(f"cannot load {model_dir} with sdpa or eager attention") from last_error
 

@@ -154,6 +154,3 @@ class ModelRunner:
         layers = [(k[index, :, start:], v[index, :, start:]) for k, v in batch.layers()]
         mask = batch.attention_mask[index, start:]
         self.batch = KVBatch(DynamicCache(ddp_cache_data=layers), mask, lengths)
-
-    def reset(self) -> None:
-        self.batch = None

@@ -16,6 +16,7 @@ import time
 import uuid
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .config import EngineProcessConfig
 from .procutil import (
@@ -69,14 +70,15 @@ class _EngineIO:
         self.coordinator.setsockopt(zmq.IDENTITY, f"engine-{self.rank}-{incarnation}".encode())
         self.coordinator.connect(cfg.coordinator_address)
         self.api: list[zmq.Socket] = []
+        self.monitors: dict[zmq.Socket, int] = {}
         self.poller = zmq.Poller()
         self.owner: dict[str, int] = {}
 
-    def register(self, fingerprint: str, log) -> list[str]:
+    def register(self, fingerprint: str, log, should_stop) -> list[str]:
         """HELLO until the coordinator answers; returns the API-server addresses."""
         hello = EngineRegister(self.rank, self.incarnation, fingerprint, os.getpid(), socket.gethostname())
         started = time.monotonic()
-        while True:
+        while not should_stop():
             self.coordinator.send(self.coord_codec.encode(hello))
             if self.coordinator.poll(REGISTER_RETRY_S * 1000):
                 reply = self.coord_codec.decode(self.coordinator.recv())
@@ -89,19 +91,33 @@ class _EngineIO:
             waited = time.monotonic() - started
             if int(waited) % 10 < REGISTER_RETRY_S:
                 log.info("waiting for the coordinator", waited_s=round(waited, 1))
+        return []
 
     def connect_api_servers(self, addresses: list[str]) -> None:
-        hello = self.out_codec.encode(EngineHello(self.rank, self.incarnation))
-        for address in addresses:
+        """One DEALER per API server. Each (re)connection is greeted with EngineHello,
+        so an API server that restarted learns this rank again without a new handshake."""
+        for index, address in enumerate(addresses):
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             sock.connect(address)
-            sock.send(hello)
             self.api.append(sock)
+            self.monitors[monitor] = index
             self.poller.register(sock, zmq.POLLIN)
+            self.poller.register(monitor, zmq.POLLIN)
+
+    def _greet(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.send_to(self.monitors[monitor], EngineHello(self.rank, self.incarnation))
 
     def receive(self, timeout_ms: int) -> list[tuple[int, object]]:
         """Every message waiting on the API-server sockets, tagged with the socket index."""
@@ -109,6 +125,9 @@ class _EngineIO:
         events = dict(self.poller.poll(timeout_ms))
         if not events:
             return got
+        for monitor in self.monitors:
+            if monitor in events:
+                self._greet(monitor)
         for index, sock in enumerate(self.api):
             if sock not in events:
                 continue
@@ -190,7 +209,9 @@ class EngineProcess:
             max_model_len=self.core.max_model_len,
         )
         self.supervisor.heartbeat()
-        addresses = self.io.register(self.cfg.fingerprint, self.log)
+        addresses = self.io.register(self.cfg.fingerprint, self.log, lambda: self.should_stop)
+        if self.should_stop:
+            return
         self.io.connect_api_servers(addresses)
         self.io.report(EngineReady(self.rank, self.incarnation))
         self._report_load(force=True)

@@ -18,9 +18,11 @@ def loaded_demo_model(demo_model_dir):
     from dpserve.engine.config import EngineConfig
     from dpserve.engine.loader import load_model
 
-    loaded = load_model(EngineConfig(model=demo_model_dir, device="cpu", dtype="float32"))
-    # One intra-op thread: the demo model's matrices are too small to gain from
-    # more, and on a busy CI machine OpenMP barriers across contended cores
-    # made each forward up to 100x slower.
-    torch.set_num_threads(1)
+    # One intra-op thread (the loader honours OMP_NUM_THREADS): the demo model's
+    # matrices are too small to gain from more, and on a busy CI machine OpenMP
+    # barriers across contended cores made each forward up to 100x slower.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        loaded = load_model(EngineConfig(model=demo_model_dir, device="cpu", dtype="float32"))
+    assert torch.get_num_threads() == 1
     return loaded

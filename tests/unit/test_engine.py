@@ -16,7 +16,7 @@ import torch
 from dpserve.engine import demo_model
 from dpserve.engine.config import EngineConfig
 from dpserve.engine.core import EngineCore
-from dpserve.engine.loader import read_eos_token_ids, resolve_device, resolve_dtype
+from dpserve.engine.loader import load_model, read_eos_token_ids, resolve_device, resolve_dtype
 from dpserve.engine.protocol import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, AddRequest, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -139,6 +139,39 @@ def test_first_token_comes_with_the_prefill_step(loaded_demo_model, reference):
     outputs = engine.step()
     assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", reference(prompt, 4)[:1])]
     assert engine.last_step_ms > 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "mistral-sliding-window"])
+def test_other_architectures_match_generate(arch, tmp_path, monkeypatch):
+    """Not just Llama: learned absolute positions (GPT-2) and a sliding window
+    shorter than the prompt (Mistral) both survive left padding and compaction."""
+    import transformers as tf
+
+    if arch == "gpt2":
+        config = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=128, eos_token_id=1)
+        cls = tf.GPT2LMHeadModel
+    else:
+        config = tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=128,
+                                  sliding_window=8, eos_token_id=1)
+        cls = tf.MistralForCausalLM
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as for the demo model (see conftest)
+    loaded = load_model(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32"))
+    prompts = [[t % 512 for t in random_prompt(i, n)] for i, n in enumerate((3, 20, 11))]
+    engine = make_engine(loaded)
+    add(engine, *(request(str(i), p, max_tokens=12, ignore_eos=True) for i, p in enumerate(prompts[:2])))
+    got = Collector()
+    got.feed(engine.step())
+    add(engine, request("2", prompts[2], max_tokens=12, ignore_eos=True))
+    got.run(engine)
+    loaded.model.generation_config.eos_token_id = None  # generate()'s ignore_eos
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        ref = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                    do_sample=False, pad_token_id=0)
+        assert got.tokens[str(i)] == ref[0, len(p):].tolist(), i
 
 
 # ---------------------------------------------------------------- stopping
@@ -316,6 +349,15 @@ def test_duplicate_id_is_refused_and_the_original_runs_on(loaded_demo_model):
     assert out.finish_reason == FINISH_ERROR and "duplicate" in out.error
     assert len(Collector().run(engine).tokens["x"]) == 4
     assert engine.add_request(request("x", [8, 9], max_tokens=2)) is None  # finished ids may be reused
+
+
+def test_malformed_request_fails_alone_and_any_int_seed_is_accepted(loaded_demo_model):
+    engine = make_engine(loaded_demo_model)
+    out = engine.add_request(AddRequest("m", [5, "x"], SamplingParams(max_tokens=2), 0.0))
+    assert out.finish_reason == FINISH_ERROR and out.error
+    for rid, seed in (("neg", -1), ("huge", 2**70)):
+        add(engine, request(rid, [5, 6], temperature=1.0, seed=seed, max_tokens=2))
+    assert set(Collector().run(engine).finish) == {"neg", "huge"}
 
 
 # ---------------------------------------------------------------- demo model and loader
