@@ -17,7 +17,6 @@ import tempfile
 import time
 
 import torch
-
 from dpserve.engine.config import EngineConfig
 from dpserve.engine.core import EngineCore
 from dpserve.engine.demo_model import create_demo_model

@@ -14,9 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
 from dpserve.daemons.tokenizer import IncrementalDetokenizer, StopChecker, TextTokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SHORT_PROMPT = "Write a haiku about the ocean at night, then translate it into French."
 STREAM_TEXT = (

@@ -10,7 +10,6 @@ SIGTERM -> cleanup, exit 0.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 import signal
 import socket
@@ -19,14 +18,19 @@ import time
 import zmq
 import zmq.asyncio
 from aiohttp import web
-
 from dpserve.engine.logs import setup_logging
-from dpserve.engine.procutil import EXIT_OK, EXIT_STARTUP, SupervisorLink, child_config_from_env, die_with_parent
+from dpserve.engine.procutil import (
+    EXIT_OK,
+    EXIT_STARTUP,
+    SupervisorLink,
+    child_config_from_env,
+    die_with_parent,
+)
 
 from .config import ApiServerConfig
 from .engine_client import EngineClient
 from .metrics import ApiMetrics
-from .openai_types import ApiError, error_body, encode
+from .openai_types import ApiError, encode, error_body
 from .router import Router
 from .serving import OpenAIServing
 from .tokenizer import TextTokenizer

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
 
 import click
-
 from dpserve.engine.procutil import EXIT_CONFIG
 
 from .config import LB_POLICIES, RESTART_POLICIES, ServeConfig

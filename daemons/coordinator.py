@@ -15,9 +15,13 @@ import signal
 import time
 
 import zmq
-
 from dpserve.engine.logs import setup_logging
-from dpserve.engine.procutil import EXIT_OK, SupervisorLink, child_config_from_env, die_with_parent
+from dpserve.engine.procutil import (
+    EXIT_OK,
+    SupervisorLink,
+    child_config_from_env,
+    die_with_parent,
+)
 from dpserve.engine.protocol import (
     PROTOCOL_VERSION,
     Codec,

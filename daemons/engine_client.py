@@ -10,9 +10,9 @@ fails or is aborted, and its rank's in-flight count covers exactly that span.
 from __future__ import annotations
 
 import asyncio
+
 import zmq
 import zmq.asyncio
-
 from dpserve.engine.protocol import (
     FINISH_ERROR,
     AbortRequests,

@@ -16,7 +16,6 @@ from typing import AsyncIterator
 import msgspec
 import zmq
 from aiohttp import web
-
 from dpserve.engine.protocol import FINISH_ERROR, AddRequest, SamplingParams
 
 from .config import ApiServerConfig

@@ -21,8 +21,11 @@ import time
 import msgspec
 import zmq
 import zmq.asyncio
-
-from dpserve.engine.config import EngineConfig, EngineProcessConfig, resolve_max_model_len
+from dpserve.engine.config import (
+    EngineConfig,
+    EngineProcessConfig,
+    resolve_max_model_len,
+)
 from dpserve.engine.procutil import (
     EXIT_CONFIG,
     EXIT_NOTHING_SERVES,
@@ -30,7 +33,15 @@ from dpserve.engine.procutil import (
     EXIT_STARTUP,
     describe_exit,
 )
-from dpserve.engine.protocol import Codec, CoordinatorInput, RankDown, ToSupervisor, ChildReady, Heartbeat, config_fingerprint
+from dpserve.engine.protocol import (
+    ChildReady,
+    Codec,
+    CoordinatorInput,
+    Heartbeat,
+    RankDown,
+    ToSupervisor,
+    config_fingerprint,
+)
 
 from .children import Child, ChildState, spawn
 from .config import Addresses, ApiServerConfig, CoordinatorConfig, ServeConfig

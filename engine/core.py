@@ -16,7 +16,13 @@ import torch
 from .config import EngineConfig, resolve_max_model_len
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner
-from .protocol import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, AddRequest, RequestOutput
+from .protocol import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    AddRequest,
+    RequestOutput,
+)
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence

@@ -14,7 +14,6 @@ import pytest
 def loaded_demo_model(demo_model_dir):
     """The demo model loaded once on CPU in float32; engines in tests share it."""
     import torch
-
     from dpserve.engine.config import EngineConfig
     from dpserve.engine.loader import load_model
 

@@ -12,12 +12,22 @@ from functools import lru_cache
 
 import pytest
 import torch
-
 from dpserve.engine import demo_model
 from dpserve.engine.config import EngineConfig
 from dpserve.engine.core import EngineCore
-from dpserve.engine.loader import load_model, read_eos_token_ids, resolve_device, resolve_dtype
-from dpserve.engine.protocol import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, AddRequest, SamplingParams
+from dpserve.engine.loader import (
+    load_model,
+    read_eos_token_ids,
+    resolve_device,
+    resolve_dtype,
+)
+from dpserve.engine.protocol import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    AddRequest,
+    SamplingParams,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
 from dpserve.daemons.tokenizer import IncrementalDetokenizer, StopChecker, TextTokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 CHATML = (

@@ -1,0 +1,34 @@
+# dpserve developer entry points. `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU-only machines: a pinned CPU build (this project's machines carry its wheel).
+# CUDA machines: `make demo TORCH_SPEC=torch` takes the regular CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install -q -e '.[test,fast]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/dpserve serve --port $(PORT)
+
+test: setup
+	$(VENV)/bin/python -m pytest -q -rs $(PYTEST_ARGS)
+
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m "not slow and not system" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/pip install -q ruff
+	$(VENV)/bin/ruff check engine daemons tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info
