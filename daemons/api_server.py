@@ -18,6 +18,7 @@ import time
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from dpserve.engine.auth import CurveKeys, make_client, start_authenticator
 from dpserve.engine.logs import setup_logging
 from dpserve.engine.procutil import (
     EXIT_OK,
@@ -26,6 +27,7 @@ from dpserve.engine.procutil import (
     child_config_from_env,
     die_with_parent,
 )
+from dpserve.engine.protocol import ApiServerRegister, Codec
 
 from .config import ApiServerConfig
 from .engine_client import EngineClient
@@ -79,8 +81,20 @@ class ApiServer:
         self.zctx = zmq.asyncio.Context()
         self.supervisor = SupervisorLink(self.zctx, cfg.supervisor_address, cfg.name)
         self.tokenizer = TextTokenizer.from_dir(cfg.model_dir)
-        self.router = Router(cfg.data_parallel_size, cfg.lb_policy, cfg.max_waiting_per_rank)
-        self.client = EngineClient(self.zctx, self.router, cfg.engine_address, cfg.table_address, log)
+        self.router = Router(cfg.data_parallel_size, cfg.lb_policy, cfg.max_waiting_per_rank, cfg.eligible_ranks)
+        self.keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
+        self.auth = start_authenticator(self.zctx, self.keys, log)
+        self.client = EngineClient(self.zctx, self.router, cfg.engine_address, cfg.table_address, log, self.keys)
+        # Tell the coordinator (maybe on another node) where engines reach us, every
+        # second, so a restarted coordinator relearns it without anyone's help.
+        self.coordinator = self.zctx.socket(zmq.DEALER)
+        self.coordinator.setsockopt(zmq.LINGER, 0)
+        self.coordinator.setsockopt(zmq.SNDHWM, 10)
+        make_client(self.coordinator, self.keys)
+        self.coordinator.connect(cfg.coordinator_address)
+        self._register = Codec(ApiServerRegister).encode(
+            ApiServerRegister(cfg.node_rank, cfg.index, cfg.engine_address, os.urandom(6).hex())
+        )
         self.metrics = ApiMetrics(cfg, self.router)
         self.serving = OpenAIServing(cfg, self.tokenizer, self.client, self.metrics, log)
         self.stop_event = asyncio.Event()
@@ -111,11 +125,12 @@ class ApiServer:
 
     async def readyz(self, request: web.Request) -> web.Response:
         ranks = self.router.routable_ranks
+        body = {"routable_ranks": ranks, "eligible_ranks": self.router.eligible, "alive_ranks": self.router.alive_ranks}
         if self.serving.draining:
-            return _json(encode({"status": "draining", "routable_ranks": ranks}), 503)
+            return _json(encode({"status": "draining", **body}), 503)
         if not ranks:
-            return _json(encode({"status": "no routable rank", "routable_ranks": ranks}), 503)
-        return _json(encode({"status": "ready", "routable_ranks": ranks}))
+            return _json(encode({"status": "no routable rank", **body}), 503)
+        return _json(encode({"status": "ready", **body}))
 
     async def version(self, request: web.Request) -> web.Response:
         return _json(encode({"version": VERSION}))
@@ -127,6 +142,7 @@ class ApiServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
         self.client.start()
+        await self.coordinator.send(self._register)
         self.runner = web.AppRunner(self.build_app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
         await self.runner.setup()
         sock = socket.socket(fileno=self.cfg.listen_fd)
@@ -154,6 +170,9 @@ class ApiServer:
         await self.drain()
         await self.runner.cleanup()
         await self.client.close()
+        self.coordinator.close(0)
+        if self.auth is not None:
+            self.auth.stop()
         self.zctx.destroy(linger=0)
         self.log.info("api server stopped")
         return EXIT_OK
@@ -178,6 +197,10 @@ class ApiServer:
     async def _heartbeat(self) -> None:
         while True:
             self.supervisor.heartbeat(len(self.client.requests))
+            try:
+                await self.coordinator.send(self._register, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
             await asyncio.sleep(1.0)
 
     async def drain(self) -> None:

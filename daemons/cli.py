@@ -35,43 +35,62 @@ def main() -> None:
     """dpserve: data-parallel LLM serving with an OpenAI-compatible API."""
 
 
-@main.command()
-@click.argument("model", required=False, envvar="DPSERVE_MODEL")
-@_opt("--host", default="127.0.0.1", help="Address the API listens on.")
-@_opt("--port", default=8000, type=int, help="API port, shared by every API server (0: any free port).")
-@_opt("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.")
-@_opt("--served-model-name", default=None, help="Model name clients send (default: MODEL as given).")
-@_opt("--data-parallel-size", "-dp", default=1, type=click.IntRange(1), help="Number of engine ranks.")
-@_opt("--api-server-count", default=None, type=click.IntRange(1), help="API-server processes on the port (default: data-parallel size).")
-@_opt("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="auto: float32 on CPU, bfloat16 on CUDA.")
-@_opt("--max-model-len", default=0, type=click.IntRange(0), help="Context length (0: the model's own).")
-@_opt("--max-num-seqs", default=256, type=click.IntRange(1), help="Running sequences per rank.")
-@_opt("--max-num-batched-tokens", default=8192, type=click.IntRange(1), help="Prompt tokens prefilled per step per rank.")
-@_opt("--lb-policy", default="queue", type=click.Choice(LB_POLICIES), help="queue: 4 x waiting + running; tokens: outstanding tokens.")
-@_opt("--max-waiting-per-rank", default=4096, type=click.IntRange(1), help="Admission limit: beyond it requests get 429.")
-@_opt("--max-request-body-bytes", default=4 * 1024 * 1024, type=click.IntRange(1024), help="Larger bodies get 413.")
-@_opt("--seed", default=0, type=int, help="Seed for unseeded sampling.")
-@_opt("--data-parallel-supervisor-port", default=9256, type=click.IntRange(0, 65535), help="Aggregated health port (/health /readyz /status /metrics).")
-@_opt("--supervisor-host", default=None, help="Address of the health port (default: --host).")
-@_opt("--dp-supervisor-probe-interval-s", default=5.0, type=click.FloatRange(min=0.05), help="Seconds between probes of each child.")
-@_opt("--dp-supervisor-probe-timeout-s", default=5.0, type=click.FloatRange(min=0.05), help="Probe timeout.")
-@_opt("--dp-supervisor-probe-failure-threshold", default=3, type=click.IntRange(1), help="Consecutive failed probes that mark a child dead.")
-@_opt("--engine-startup-timeout-s", default=600.0, type=click.FloatRange(min=1), help="Model load budget per engine.")
-@_opt("--api-server-startup-timeout-base-s", default=30.0, type=click.FloatRange(min=1), help="API-server startup budget: base ...")
-@_opt("--api-server-startup-timeout-per-server-s", default=5.0, type=click.FloatRange(min=0), help="... plus this times --api-server-count.")
-@_opt("--restart-policy", default="always", type=click.Choice(RESTART_POLICIES), help="When a dead child is restarted.")
-@_opt("--max-restarts", default=10, type=click.IntRange(1), help="Restarts per child within --restart-window-s before giving up on it.")
-@_opt("--restart-window-s", default=300.0, type=click.FloatRange(min=1), help="Window for --max-restarts.")
-@_opt("--shutdown-timeout", default=30.0, type=click.FloatRange(min=0), help="Seconds API servers drain in-flight requests on stop.")
-@_opt("--kill-grace-s", default=5.0, type=click.FloatRange(min=0.1), help="SIGTERM to SIGKILL grace for engines.")
-@_opt("--run-dir", default="", help="Directory for the node's IPC sockets (default: a private temp dir).")
-@_opt("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
-@_opt("--ports-file", default=None, hidden=True, help="Write the bound ports as JSON here (for tests).")
-def serve(model, **opts) -> None:
-    """Serve MODEL (a local Hugging Face directory; default: the built-in demo model)."""
-    from dpserve.engine.logs import setup_logging
+_SERVE_OPTIONS = [
+    _opt("--host", default="127.0.0.1", help="Address the API listens on."),
+    _opt("--port", default=8000, type=int, help="API port, shared by every API server (0: any free port)."),
+    _opt("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*."),
+    _opt("--served-model-name", default=None, help="Model name clients send (default: MODEL as given)."),
+    _opt("--data-parallel-size", "-dp", default=1, type=click.IntRange(1), help="Number of engine ranks (in the whole deployment)."),
+    _opt("--api-server-count", default=None, type=click.IntRange(1), help="API-server processes on the port (default: local ranks)."),
+    _opt("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="auto: float32 on CPU, bfloat16 on CUDA."),
+    _opt("--max-model-len", default=0, type=click.IntRange(0), help="Context length (0: the model's own)."),
+    _opt("--max-num-seqs", default=256, type=click.IntRange(1), help="Running sequences per rank."),
+    _opt("--max-num-batched-tokens", default=8192, type=click.IntRange(1), help="Prompt tokens prefilled per step per rank."),
+    _opt("--lb-policy", default="queue", type=click.Choice(LB_POLICIES), help="queue: 4 x waiting + running; tokens: outstanding tokens."),
+    _opt("--max-waiting-per-rank", default=4096, type=click.IntRange(1), help="Admission limit: beyond it requests get 429."),
+    _opt("--max-request-body-bytes", default=4 * 1024 * 1024, type=click.IntRange(1024), help="Larger bodies get 413."),
+    _opt("--seed", default=0, type=int, help="Seed for unseeded sampling."),
+    _opt("--data-parallel-supervisor-port", default=9256, type=click.IntRange(0, 65535), help="Aggregated health port (/health /readyz /status /metrics)."),
+    _opt("--supervisor-host", default=None, help="Address of the health port (default: --host)."),
+    _opt("--dp-supervisor-probe-interval-s", default=5.0, type=click.FloatRange(min=0.05), help="Seconds between probes of each child."),
+    _opt("--dp-supervisor-probe-timeout-s", default=5.0, type=click.FloatRange(min=0.05), help="Probe timeout."),
+    _opt("--dp-supervisor-probe-failure-threshold", default=3, type=click.IntRange(1), help="Consecutive failed probes that mark a child dead."),
+    _opt("--engine-startup-timeout-s", default=600.0, type=click.FloatRange(min=1), help="Model load budget per engine."),
+    _opt("--api-server-startup-timeout-base-s", default=30.0, type=click.FloatRange(min=1), help="API-server startup budget: base ..."),
+    _opt("--api-server-startup-timeout-per-server-s", default=5.0, type=click.FloatRange(min=0), help="... plus this times --api-server-count."),
+    _opt("--restart-policy", default="always", type=click.Choice(RESTART_POLICIES), help="When a dead child is restarted."),
+    _opt("--max-restarts", default=10, type=click.IntRange(1), help="Restarts per child within --restart-window-s before giving up on it."),
+    _opt("--restart-window-s", default=300.0, type=click.FloatRange(min=1), help="Window for --max-restarts."),
+    _opt("--shutdown-timeout", default=30.0, type=click.FloatRange(min=0), help="Seconds API servers drain in-flight requests on stop."),
+    _opt("--kill-grace-s", default=5.0, type=click.FloatRange(min=0.1), help="SIGTERM to SIGKILL grace for engines."),
+    _opt("--run-dir", default="", help="Directory for the node's IPC sockets (default: a private temp dir)."),
+    _opt("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"])),
+    _opt("--ports-file", default=None, hidden=True, help="Write the bound ports as JSON here (for tests)."),
+]
 
-    log = setup_logging("supervisor", opts["log_level"])
+_MULTINODE_OPTIONS = [
+    _opt("--data-parallel-size-local", "-dpl", default=None, type=click.IntRange(1), help="Ranks on this node (default: all)."),
+    _opt("--data-parallel-start-rank", "-dpr", default=0, type=click.IntRange(0), help="First rank on this node."),
+    _opt("--data-parallel-address", "-dpa", default="127.0.0.1", help="The head node's address."),
+    _opt("--data-parallel-rpc-port", "-dpp", default=29550, type=click.IntRange(1, 65533), help="The head's coordinator port (rpc-port+1: load table; rpc-port+2+i: API server i)."),
+    _opt("--node-address", default="", help="This node's address for engines to reach its API servers (default: the route to the head)."),
+    _opt("--data-parallel-hybrid-lb", "lb_hybrid", is_flag=True, envvar="DPSERVE_DATA_PARALLEL_HYBRID_LB", help="API servers on every node, each routing to its node's ranks."),
+    _opt("--data-parallel-multi-port-external-lb", "lb_external", is_flag=True, envvar="DPSERVE_DATA_PARALLEL_MULTI_PORT_EXTERNAL_LB", help="One API server per local rank on port + i, for an external load balancer."),
+    _opt("--api-servers-on-every-node", "lb_global", is_flag=True, envvar="DPSERVE_API_SERVERS_ON_EVERY_NODE", help="API servers on every node, each routing to every rank in the cluster."),
+    _opt("--data-parallel-key-file", default="", help="Shared secret authenticating inter-node traffic (same file on every node; required multi-node)."),
+]
+
+
+def _apply(options):
+    def decorate(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
     served = opts.pop("served_model_name")
     if model is None:
         from dpserve.engine.demo_model import ensure_demo_model
@@ -79,15 +98,25 @@ def serve(model, **opts) -> None:
         log.info("no model given; serving the built-in demo model")
         model = ensure_demo_model()
         served = served or DEMO_MODEL_NAME
-    dp = opts.pop("data_parallel_size")
-    cfg = ServeConfig(
+    dp = opts["data_parallel_size"]
+    local = opts.get("data_parallel_size_local") or (dp if role == "serve" else None)
+    modes = [m for m, on in (("hybrid", opts.get("lb_hybrid")), ("external", opts.get("lb_external")), ("global", opts.get("lb_global"))) if on]
+    if len(modes) > 1:
+        raise ValueError("choose one load-balancing mode: " + ", ".join(modes) + " were all given")
+    if role != "serve" and local is None:
+        raise ValueError("give --data-parallel-size-local: how many of the ranks run on this node")
+    local = local or dp
+    lb_mode = modes[0] if modes else "internal"
+    headless = bool(opts.get("headless"))
+    api_count = opts["api_server_count"] or local
+    return ServeConfig(
         model=model,
         served_model_name=served or model,
         host=opts["host"],
         port=opts["port"],
         api_key=opts["api_key"],
         data_parallel_size=dp,
-        api_server_count=opts["api_server_count"] or dp,
+        api_server_count=api_count,
         dtype=opts["dtype"],
         max_model_len=opts["max_model_len"],
         max_num_seqs=opts["max_num_seqs"],
@@ -111,15 +140,57 @@ def serve(model, **opts) -> None:
         kill_grace_s=opts["kill_grace_s"],
         run_dir=opts["run_dir"],
         log_level=opts["log_level"],
+        role=role,
+        data_parallel_size_local=local,
+        data_parallel_start_rank=opts.get("data_parallel_start_rank") or 0,
+        data_parallel_address=opts.get("data_parallel_address") or "127.0.0.1",
+        data_parallel_rpc_port=opts.get("data_parallel_rpc_port") or 29550,
+        node_address=opts.get("node_address") or "",
+        headless=headless,
+        lb_mode=lb_mode,
+        key_file=opts.get("data_parallel_key_file") or "",
     )
+
+
+def _run(role: str, model: str | None, opts: dict) -> None:
+    from dpserve.engine.logs import setup_logging
+
+    log = setup_logging("supervisor", opts["log_level"])
+    ports_file = opts.pop("ports_file")
     try:
+        cfg = _build_config(role, model, opts, log)
         cfg.validate()
     except ValueError as exc:
         log.error("invalid configuration", error=str(exc))
         sys.exit(EXIT_CONFIG)
     from .supervisor import Supervisor
 
-    sys.exit(asyncio.run(Supervisor(cfg, log, ports_file=opts["ports_file"]).run()))
+    sys.exit(asyncio.run(Supervisor(cfg, log, ports_file=ports_file).run()))
+
+
+@main.command()
+@click.argument("model", required=False, envvar="DPSERVE_MODEL")
+@_apply(_SERVE_OPTIONS)
+def serve(model, **opts) -> None:
+    """Serve MODEL on this node (a local Hugging Face directory; default: the built-in demo model)."""
+    _run("serve", model, opts)
+
+
+@main.command()
+@click.argument("model", required=False, envvar="DPSERVE_MODEL")
+@_apply(_SERVE_OPTIONS + _MULTINODE_OPTIONS)
+def head(model, **opts) -> None:
+    """Run the head node of a multi-node deployment: coordinator, ranks 0..size-local-1, API servers."""
+    _run("head", model, opts)
+
+
+@main.command()
+@click.argument("model", required=False, envvar="DPSERVE_MODEL")
+@_apply(_SERVE_OPTIONS + _MULTINODE_OPTIONS)
+@_opt("--headless", is_flag=True, help="Run engines only (internal load balancing): the head's API servers route to them.")
+def worker(model, **opts) -> None:
+    """Run a worker node: its ranks join the head at --data-parallel-address:--data-parallel-rpc-port."""
+    _run("worker", model, opts)
 
 
 @main.command("demo-model")

@@ -14,6 +14,8 @@ from dpserve.engine.config import EngineConfig, EngineProcessConfig  # noqa: F40
 from dpserve.engine.procutil import CHILD_CONFIG_ENV, child_config_from_env  # noqa: F401
 
 LB_POLICIES = ("queue", "tokens", "round-robin")
+LB_MODES = ("internal", "hybrid", "external", "global")
+ROLES = ("serve", "head", "worker")
 RESTART_POLICIES = ("always", "on-failure", "never")
 
 
@@ -53,6 +55,42 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     kill_grace_s: float = 5.0
     run_dir: str = ""  # ipc sockets; a private temp dir when empty
     log_level: str = "info"
+    # multi-node (vLLM's flag names and meanings)
+    role: str = "serve"  # serve: one node; head: coordinator + local ranks; worker: joins a head
+    data_parallel_size_local: int = 0  # 0: all ranks on this node
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"  # the head's address
+    data_parallel_rpc_port: int = 29550
+    node_address: str = ""  # this node's address for its API servers (workers; default: route to head)
+    headless: bool = False
+    lb_mode: str = "internal"
+    key_file: str = ""
+
+    @property
+    def size_local(self) -> int:
+        return self.data_parallel_size_local or self.data_parallel_size
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.data_parallel_start_rank, self.data_parallel_start_rank + self.size_local)
+
+    @property
+    def is_multi_node(self) -> bool:
+        return self.role != "serve"
+
+    @property
+    def runs_coordinator(self) -> bool:
+        return self.role in ("serve", "head")
+
+    @property
+    def runs_api_servers(self) -> bool:
+        return not self.headless
+
+    def eligible_ranks(self) -> list[int]:
+        """Ranks this node's API servers route to (per API server in external mode: see api_ranks)."""
+        if self.lb_mode in ("hybrid", "external"):
+            return list(self.local_ranks)
+        return list(range(self.data_parallel_size))
 
     @property
     def api_server_startup_timeout_s(self) -> float:
@@ -73,6 +111,37 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"--restart-policy must be one of {', '.join(RESTART_POLICIES)}")
         if self.probe_interval_s <= 0 or self.probe_timeout_s <= 0 or self.probe_failure_threshold < 1:
             raise ValueError("probe interval and timeout must be positive, threshold at least 1")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}")
+        if self.lb_mode not in LB_MODES:
+            raise ValueError(f"load-balancing mode must be one of {', '.join(LB_MODES)}")
+        size, local, start = self.data_parallel_size, self.size_local, self.data_parallel_start_rank
+        if local < 1 or local > size:
+            raise ValueError(f"--data-parallel-size-local {local} must be in [1, --data-parallel-size {size}]")
+        if start < 0 or start + local > size:
+            raise ValueError(
+                f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} exceeds --data-parallel-size {size}"
+            )
+        if self.role == "serve" and (local != size or start != 0 or self.headless):
+            raise ValueError("`dpserve serve` runs every rank on this node; use `dpserve head` / `dpserve worker` for multi-node")
+        if self.role == "head" and start != 0:
+            raise ValueError("the head holds ranks from 0: --data-parallel-start-rank must be 0 on the head")
+        if self.role == "worker" and start == 0:
+            raise ValueError("a worker cannot hold rank 0 (the head does): set --data-parallel-start-rank")
+        if self.headless and self.role != "worker":
+            raise ValueError("--headless is for workers")
+        if self.headless and self.lb_mode != "internal":
+            raise ValueError(f"--headless contradicts --{self.lb_mode} load balancing: that mode runs API servers on every node")
+        if self.role == "worker" and not self.headless and self.lb_mode == "internal":
+            raise ValueError("in internal load balancing only the head runs API servers: start workers with --headless")
+        if self.lb_mode == "external" and self.api_server_count != local:
+            raise ValueError("external load balancing runs one API server per local rank: --api-server-count must equal --data-parallel-size-local")
+        if self.is_multi_node and local < size and not self.key_file:
+            raise ValueError(
+                "multi-node traffic must be authenticated: give --data-parallel-key-file (the same secret on every node)"
+            )
+        if self.key_file and not os.path.isfile(self.key_file):
+            raise ValueError(f"key file {self.key_file!r} does not exist")
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory {self.model!r} does not exist")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -89,19 +158,40 @@ class Addresses(msgspec.Struct, kw_only=True):
     api_probes: list[str]  # unix socket paths for per-API-server HTTP probes
 
     @classmethod
-    def for_run_dir(cls, run_dir: str, api_server_count: int) -> "Addresses":
+    def for_node(cls, cfg: "ServeConfig", run_dir: str, node_address: str) -> "Addresses":
+        """ipc:// on a single node; tcp:// on the advertised addresses when multi-node.
+
+        Ports on a multi-node deployment: rpc-port (coordinator: registration,
+        load reports), rpc-port+1 (load table), rpc-port+2+i (API server i's
+        engine channel, on the node that runs it).
+        """
+        n = cfg.api_server_count if cfg.runs_api_servers else 0
+        probes = [f"{run_dir}/api-{i}.http" for i in range(n)]
+        if not cfg.is_multi_node:
+            return cls(
+                supervisor=f"ipc://{run_dir}/supervisor.ctl",
+                coordinator_engines=f"ipc://{run_dir}/coordinator.engines",
+                coordinator_table=f"ipc://{run_dir}/coordinator.table",
+                api_engines=[f"ipc://{run_dir}/api-{i}.engines" for i in range(n)],
+                api_probes=probes,
+            )
+        head, rpc = cfg.data_parallel_address, cfg.data_parallel_rpc_port
         return cls(
             supervisor=f"ipc://{run_dir}/supervisor.ctl",
-            coordinator_engines=f"ipc://{run_dir}/coordinator.engines",
-            coordinator_table=f"ipc://{run_dir}/coordinator.table",
-            api_engines=[f"ipc://{run_dir}/api-{i}.engines" for i in range(api_server_count)],
-            api_probes=[f"{run_dir}/api-{i}.http" for i in range(api_server_count)],
+            coordinator_engines=f"tcp://{head}:{rpc}",
+            coordinator_table=f"tcp://{head}:{rpc + 1}",
+            api_engines=[f"tcp://{node_address}:{rpc + 2 + i}" for i in range(n)],
+            api_probes=probes,
         )
 
 
 class ApiServerConfig(msgspec.Struct, kw_only=True):
     name: str
     index: int
+    node_rank: int
+    coordinator_address: str
+    eligible_ranks: list[int]  # ranks this API server may route to
+    key_file: str
     model_dir: str
     served_model_name: str
     api_key: str | None
@@ -122,10 +212,11 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
 
 class CoordinatorConfig(msgspec.Struct, kw_only=True):
     name: str
+    lb_mode: str
+    key_file: str
     engines_address: str
     table_address: str
     supervisor_address: str
-    api_server_addresses: list[str]
     data_parallel_size: int
     fingerprint: str
     heartbeat_interval_s: float

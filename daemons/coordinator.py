@@ -15,6 +15,7 @@ import signal
 import time
 
 import zmq
+from dpserve.engine.auth import CurveKeys, make_server, start_authenticator
 from dpserve.engine.logs import setup_logging
 from dpserve.engine.procutil import (
     EXIT_OK,
@@ -24,12 +25,16 @@ from dpserve.engine.procutil import (
 )
 from dpserve.engine.protocol import (
     PROTOCOL_VERSION,
+    ApiServerList,
+    ApiServerRegister,
     Codec,
     CoordinatorInput,
+    CoordinatorToEngine,
     EngineReady,
     EngineRegister,
     LoadReport,
     LoadTable,
+    PleaseRegister,
     RankDown,
     RankLoad,
     RegisterReply,
@@ -78,18 +83,23 @@ class RankTable:
         self.dirty = True
         return ""
 
-    def ready(self, msg: EngineReady, now: float) -> None:
-        entry = self.ranks.get(msg.rank)
-        if entry is not None and entry.incarnation == msg.incarnation:
-            entry.is_alive = True
-            entry.down_reason = ""
-            self.last_seen[msg.rank] = now
-            self.dirty = True
-
-    def load(self, msg: LoadReport, now: float) -> None:
+    def ready(self, msg: EngineReady, now: float) -> bool:
         entry = self.ranks.get(msg.rank)
         if entry is None or entry.incarnation != msg.incarnation:
-            return
+            return False
+        entry.is_alive = True
+        entry.down_reason = ""
+        self.last_seen[msg.rank] = now
+        self.dirty = True
+        return True
+
+    def load(self, msg: LoadReport, now: float) -> bool:
+        """False when the report comes from an engine this table does not hold."""
+        entry = self.ranks.get(msg.rank)
+        if entry is None or entry.incarnation != msg.incarnation:
+            return False
+        if not entry.is_alive and entry.down_reason != "registering":
+            return False  # declared lost: it must register again
         self.last_seen[msg.rank] = now
         entry.num_running = msg.num_running
         entry.num_waiting = msg.num_waiting
@@ -99,6 +109,7 @@ class RankTable:
         entry.num_requests_finished = msg.num_requests_finished
         entry.num_requests_aborted = msg.num_requests_aborted
         self.dirty = True
+        return True
 
     def down(self, rank: int, reason: str) -> bool:
         entry = self.ranks.get(rank)
@@ -130,15 +141,24 @@ class Coordinator:
         self.cfg = cfg
         self.log = log
         self.ctx = zmq.Context()
-        self.codec = Codec(CoordinatorInput | RegisterReply)
+        self.codec = Codec(CoordinatorInput | CoordinatorToEngine)
         self.table_codec = Codec(LoadTable)
+        self.keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
+        self.auth = start_authenticator(self.ctx, self.keys, log)
         self.engines = self.ctx.socket(zmq.ROUTER)
         self.engines.setsockopt(zmq.LINGER, 0)
+        make_server(self.engines, self.keys)
         self.engines.bind(cfg.engines_address)
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 10_000)
+        make_server(self.pub, self.keys)
         self.pub.bind(cfg.table_address)
+        # API servers anywhere in the cluster: (node_rank, index) -> address
+        self.api_servers: dict[tuple[int, int], str] = {}
+        # registered engines: rank -> (zmq identity, node_rank)
+        self.engine_peers: dict[int, tuple[bytes, int]] = {}
+        self._asked_to_register: dict[bytes, float] = {}
         self.supervisor = SupervisorLink(self.ctx, cfg.supervisor_address, cfg.name)
         self.table = RankTable(cfg.data_parallel_size, cfg.fingerprint, cfg.stale_after_s)
         self.should_stop = False
@@ -188,23 +208,56 @@ class Coordinator:
                 self.log.warning("undecodable message dropped", peer=identity.decode(errors="replace"), error=str(exc))
                 continue
             if isinstance(msg, LoadReport):
-                self.table.load(msg, now)
+                if not self.table.load(msg, now):
+                    self._ask_to_register(identity, now, f"rank {msg.rank} is not registered here")
             elif isinstance(msg, EngineRegister):
                 reason = self.table.register(msg, now)
                 if reason:
                     self.log.error("engine registration refused", rank=msg.rank, host=msg.host, pid=msg.pid, reason=reason)
+                    reply = RegisterReply(False, reason, [])
                 else:
-                    self.log.info("engine registered", rank=msg.rank, host=msg.host, pid=msg.pid)
-                reply = RegisterReply(not reason, reason, self.cfg.api_server_addresses if not reason else [])
-                self.engines.send_multipart([identity, self.codec.encode(reply)])
+                    self.log.info("engine registered", rank=msg.rank, host=msg.host, pid=msg.pid, node_rank=msg.node_rank)
+                    self.engine_peers[msg.rank] = (identity, msg.node_rank)
+                    reply = RegisterReply(True, "", self._addresses_for(msg.node_rank))
+                self._send(identity, reply)
             elif isinstance(msg, EngineReady):
-                self.table.ready(msg, now)
-                self.log.info("rank in routing", rank=msg.rank)
+                if self.table.ready(msg, now):
+                    self.log.info("rank in routing", rank=msg.rank)
+                else:
+                    self._ask_to_register(identity, now, f"rank {msg.rank} is not registered here")
+            elif isinstance(msg, ApiServerRegister):
+                key = (msg.node_rank, msg.index)
+                if self.api_servers.get(key) != msg.address:
+                    self.api_servers[key] = msg.address
+                    self.log.info("api server registered", node_rank=msg.node_rank, index=msg.index, address=msg.address)
+                    self._push_api_servers()
             elif isinstance(msg, RankDown):
                 if self.table.down(msg.rank, msg.reason):
                     self.log.warning("rank taken out of routing", rank=msg.rank, reason=msg.reason)
 
+    def _addresses_for(self, node_rank: int) -> list[str]:
+        """The API servers an engine on `node_rank` serves: all of them, or its own node's."""
+        local_only = self.cfg.lb_mode in ("hybrid", "external")
+        return [a for (node, _), a in sorted(self.api_servers.items()) if not local_only or node == node_rank]
+
+    def _push_api_servers(self) -> None:
+        for identity, node_rank in self.engine_peers.values():
+            self._send(identity, ApiServerList(self._addresses_for(node_rank)))
+
+    def _ask_to_register(self, identity: bytes, now: float, reason: str) -> None:
+        if now - self._asked_to_register.get(identity, 0.0) >= 1.0:
+            self._asked_to_register[identity] = now
+            self._send(identity, PleaseRegister(reason))
+
+    def _send(self, identity: bytes, msg: object) -> None:
+        try:
+            self.engines.send_multipart([identity, self.codec.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the peer is gone; it will register again when it returns
+
     def close(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.destroy(linger=0)
 
 

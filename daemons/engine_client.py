@@ -13,6 +13,7 @@ import asyncio
 
 import zmq
 import zmq.asyncio
+from dpserve.engine.auth import CurveKeys, make_client, make_server
 from dpserve.engine.protocol import (
     FINISH_ERROR,
     AbortRequests,
@@ -85,7 +86,15 @@ class RequestState:
 
 
 class EngineClient:
-    def __init__(self, ctx: zmq.asyncio.Context, router: Router, engine_address: str, table_address: str, log) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        router: Router,
+        engine_address: str,
+        table_address: str,
+        log,
+        keys: CurveKeys | None = None,
+    ) -> None:
         self.ctx = ctx
         self.router = router
         self.log = log
@@ -99,10 +108,14 @@ class EngineClient:
         self.engines.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
         self.engines.setsockopt(zmq.SNDHWM, 0)
         self.engines.setsockopt(zmq.RCVHWM, 0)
+        make_server(self.engines, keys)
         self.engines.bind(engine_address)
         self.table = ctx.socket(zmq.SUB)
         self.table.setsockopt(zmq.LINGER, 0)
         self.table.setsockopt(zmq.SUBSCRIBE, b"")
+        self.table.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.table.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        make_client(self.table, keys)
         self.table.connect(table_address)
         self._identities = [str(r).encode() for r in range(router.size)]
         self._tasks: list[asyncio.Task] = []

@@ -27,6 +27,7 @@ class Prober:
     def __init__(self, sup: "Supervisor") -> None:
         self.sup = sup
         self.all_ranks_routable = False
+        self.num_alive_ranks = 0  # as the API servers see the cluster (coordinator's table)
         self._sessions: dict[str, aiohttp.ClientSession] = {}
 
     def _session(self, path: str) -> aiohttp.ClientSession:
@@ -42,18 +43,26 @@ class Prober:
             return resp.status, await resp.read()
 
     async def check_routable(self) -> None:
-        """During startup: does every API server route to every rank yet?"""
+        """During startup: does every API server route to every rank it should,
+        and does the cluster hold all data-parallel-size ranks?"""
         size = self.sup.cfg.data_parallel_size
         apis = [c for c in self.sup.children.values() if c.kind == "api"]
+        if not apis:
+            self.all_ranks_routable = True  # a headless worker: its engines' readiness is the test
+            return
         try:
             results = await asyncio.gather(*(self._get(c, "/readyz", 1.0) for c in apis))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return
         ok = True
+        alive = size
         for status, body in results:
-            ranks = msgspec.json.decode(body).get("routable_ranks", []) if body else []
-            ok = ok and status == 200 and len(ranks) == size
-        self.all_ranks_routable = ok
+            info = msgspec.json.decode(body) if body else {}
+            routable, eligible = info.get("routable_ranks", []), info.get("eligible_ranks", [None])
+            alive = min(alive, len(info.get("alive_ranks", [])))
+            ok = ok and status == 200 and routable == eligible
+        self.num_alive_ranks = alive
+        self.all_ranks_routable = ok and alive == size
 
     async def run(self) -> None:
         sup = self.sup
@@ -63,6 +72,7 @@ class Prober:
                 await asyncio.sleep(interval)
                 children = [c for c in sup.children.values() if c.state == ChildState.READY]
                 await asyncio.gather(*(self._probe(c) for c in children))
+                await self.check_routable()
         finally:
             for session in self._sessions.values():
                 await session.close()

@@ -28,10 +28,13 @@ class Router:
         "inflight_tokens",
         "_rotate",
         "table_seq",
+        "eligible",
     )
 
-    def __init__(self, size: int, policy: str = "queue", max_waiting_per_rank: int = 4096) -> None:
+    def __init__(self, size: int, policy: str = "queue", max_waiting_per_rank: int = 4096, eligible: list[int] | None = None) -> None:
         self.size = size
+        # the ranks this API server routes to: all (internal, global), its node's (hybrid), one (external)
+        self.eligible = list(eligible) if eligible is not None else list(range(size))
         self.policy = policy
         self.max_waiting_per_rank = max_waiting_per_rank
         self.loads: list[RankLoad | None] = [None] * size
@@ -95,6 +98,17 @@ class Router:
         load = self.loads[rank]
         return load is not None and load.is_alive and self.hello[rank] == load.incarnation
 
+    def check_pin(self, rank: int) -> None:
+        """A pin to a rank this API server does not route to is the client's error."""
+        if rank not in self.eligible:
+            ranks = ", ".join(map(str, self.eligible))
+            raise ApiError(
+                400,
+                f"X-data-parallel-rank {rank} is not served through this API server; it routes to rank(s) {ranks}.",
+                param="X-data-parallel-rank",
+                code="invalid_rank",
+            )
+
     @property
     def alive_ranks(self) -> list[int]:
         """Ranks the coordinator says are alive, whether or not we heard them yet."""
@@ -102,7 +116,7 @@ class Router:
 
     @property
     def routable_ranks(self) -> list[int]:
-        return [r for r in range(self.size) if self.routable(r)]
+        return [r for r in self.eligible if self.routable(r)]
 
     def score(self, rank: int) -> int:
         load = self.loads[rank]
@@ -126,14 +140,15 @@ class Router:
                     headers={"Retry-After": "1"},
                 )
             return pinned
-        size = self.size
+        eligible = self.eligible
+        n = len(eligible)
         start = self._rotate
-        self._rotate = (start + 1) % size
+        self._rotate = (start + 1) % n
         best = -1
         best_score = 0
         any_routable = False
-        for i in range(size):
-            rank = (start + i) % size
+        for i in range(n):
+            rank = eligible[(start + i) % n]
             if not self.routable(rank):
                 continue
             any_routable = True

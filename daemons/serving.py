@@ -172,6 +172,8 @@ class OpenAIServing:
         params = self._sampling(req, len(ids), max_tokens)
         stops = stop_strings(req)
         pinned = parse_rank_header(request.headers.get("X-data-parallel-rank"), self.router.size)
+        if pinned is not None:
+            self.router.check_pin(pinned)
         request_id = f"{self._id_prefix}-{next(self._ids):x}"
         state = RequestState(request_id, len(ids) + max_tokens)
         add = AddRequest(request_id, ids, params, time.time())

@@ -10,6 +10,7 @@ no SO_REUSEPORT) and hands it to every API server.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import time
 import msgspec
 import zmq
 import zmq.asyncio
+from dpserve.engine.auth import CurveKeys, make_client
 from dpserve.engine.config import (
     EngineConfig,
     EngineProcessConfig,
@@ -58,6 +60,26 @@ class StartupError(Exception):
         self.code = code
 
 
+def model_identity(model_dir: str) -> str:
+    """What nodes must agree on about the model: its config.json, not its path."""
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def node_address_towards(head: str) -> str:
+    """This node's address on the route to the head (no packet is sent)."""
+    if head.startswith("127.") or head in ("localhost", "::1"):
+        return head
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((head, 9))
+        return probe.getsockname()[0]
+    except OSError:
+        return head
+    finally:
+        probe.close()
+
+
 def bind_listen_socket(host: str, port: int) -> socket.socket:
     """Bind the API port once for every API server. No SO_REUSEPORT: a second
     instance on the same port fails here instead of silently splitting traffic."""
@@ -80,7 +102,8 @@ class Supervisor:
         self.phase = "starting"  # starting -> serving -> stopping
         self.exit_code = EXIT_OK
         self.heartbeat_interval_s = min(1.0, cfg.probe_interval_s / 2)
-        self.listen_sock: socket.socket | None = None
+        self.listen_socks: list[socket.socket] = []
+        self.keys = None
         self.run_dir = ""
         self._own_run_dir = False
         self.health = HealthServer(self)
@@ -96,47 +119,56 @@ class Supervisor:
     def _prepare(self) -> None:
         cfg = self.cfg
         self.max_model_len = resolve_max_model_len(cfg.model, cfg.max_model_len)
-        self.listen_sock = bind_listen_socket(cfg.host, cfg.port)
-        self.port = self.listen_sock.getsockname()[1]
+        self.keys = CurveKeys.from_file(cfg.key_file, self.log) if cfg.key_file else None
+        if cfg.runs_api_servers:
+            count = cfg.api_server_count if cfg.lb_mode == "external" else 1
+            # external LB: one port per local rank (port + i); otherwise one shared port
+            self.listen_socks = [bind_listen_socket(cfg.host, cfg.port + i if cfg.port else 0) for i in range(count)]
+            self.port = self.listen_socks[0].getsockname()[1]
         if cfg.run_dir:
             os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
             self.run_dir = cfg.run_dir
         else:
             self.run_dir = tempfile.mkdtemp(prefix="dpserve-")
             self._own_run_dir = True
-        self.addr = Addresses.for_run_dir(self.run_dir, cfg.api_server_count)
+        self.node_address = cfg.node_address or node_address_towards(cfg.data_parallel_address)
+        self.addr = Addresses.for_node(cfg, self.run_dir, self.node_address)
         self.ctl = self.zctx.socket(zmq.PULL)
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.ctl.bind(self.addr.supervisor)
         self.coord_link = self.zctx.socket(zmq.DEALER)
         self.coord_link.setsockopt(zmq.LINGER, 0)
-        self.coord_link.setsockopt(zmq.IDENTITY, b"supervisor")
+        self.coord_link.setsockopt(zmq.IDENTITY, f"supervisor-{cfg.data_parallel_start_rank}".encode())
+        make_client(self.coord_link, self.keys)
         self.coord_link.connect(self.addr.coordinator_engines)
         self._coord_codec = Codec(CoordinatorInput)
         self._build_children()
 
     def _build_children(self) -> None:
         cfg, addr = self.cfg, self.addr
-        fingerprint = config_fingerprint(os.path.realpath(cfg.model), cfg.dtype, self.max_model_len, cfg.data_parallel_size)
+        fingerprint = config_fingerprint(model_identity(cfg.model), cfg.dtype, self.max_model_len, cfg.data_parallel_size)
         me = os.getpid()
-        coord = CoordinatorConfig(
-            name="coordinator",
-            engines_address=addr.coordinator_engines,
-            table_address=addr.coordinator_table,
-            supervisor_address=addr.supervisor,
-            api_server_addresses=addr.api_engines,
-            data_parallel_size=cfg.data_parallel_size,
-            fingerprint=fingerprint,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            stale_after_s=cfg.probe_interval_s * cfg.probe_failure_threshold,
-            parent_pid=me,
-            log_level=cfg.log_level,
-        )
-        self._add(Child("coordinator", "coordinator", -1, "dpserve.daemons.coordinator", _enc(coord), extra_env={"OMP_NUM_THREADS": "1"}))
+        key_file = os.path.abspath(cfg.key_file) if cfg.key_file else ""
+        if cfg.runs_coordinator:
+            coord = CoordinatorConfig(
+                name="coordinator",
+                lb_mode=cfg.lb_mode,
+                key_file=key_file,
+                engines_address=addr.coordinator_engines,
+                table_address=addr.coordinator_table,
+                supervisor_address=addr.supervisor,
+                data_parallel_size=cfg.data_parallel_size,
+                fingerprint=fingerprint,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                stale_after_s=cfg.probe_interval_s * cfg.probe_failure_threshold,
+                parent_pid=me,
+                log_level=cfg.log_level,
+            )
+            self._add(Child("coordinator", "coordinator", -1, "dpserve.daemons.coordinator", _enc(coord), extra_env={"OMP_NUM_THREADS": "1"}))
         # CPU ranks share the node's cores; oversubscribed torch threads stall each
         # other by orders of magnitude (a 4 ms step became 300-800 ms in tests).
-        engine_threads = max(1, len(os.sched_getaffinity(0)) // cfg.data_parallel_size)
-        for rank in range(cfg.data_parallel_size):
+        engine_threads = max(1, len(os.sched_getaffinity(0)) // cfg.size_local)
+        for rank in cfg.local_ranks:
             name = f"engine-dp{rank}"
             ecfg = EngineProcessConfig(
                 name=name,
@@ -149,6 +181,8 @@ class Supervisor:
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
                     seed=cfg.seed,
                 ),
+                node_rank=cfg.data_parallel_start_rank,
+                key_file=key_file,
                 coordinator_address=addr.coordinator_engines,
                 supervisor_address=addr.supervisor,
                 fingerprint=fingerprint,
@@ -157,12 +191,20 @@ class Supervisor:
                 log_level=cfg.log_level,
             )
             self._add(Child(name, "engine", rank, "dpserve.engine.process", _enc(ecfg), extra_env={"OMP_NUM_THREADS": str(engine_threads)}))
-        fd = self.listen_sock.fileno()
+        if not cfg.runs_api_servers:
+            return
+        external = cfg.lb_mode == "external"
         for i in range(cfg.api_server_count):
             name = f"api-{i}"
+            sock = self.listen_socks[i if external else 0]
+            fd = sock.fileno()
             acfg = ApiServerConfig(
                 name=name,
                 index=i,
+                node_rank=cfg.data_parallel_start_rank,
+                coordinator_address=addr.coordinator_engines,
+                eligible_ranks=[cfg.data_parallel_start_rank + i] if external else cfg.eligible_ranks(),
+                key_file=key_file,
                 model_dir=cfg.model,
                 served_model_name=cfg.served_model_name,
                 api_key=cfg.api_key,
@@ -187,7 +229,7 @@ class Supervisor:
                 "dpserve.daemons.api_server",
                 _enc(acfg),
                 pass_fds=(fd,),
-                port=self.port,
+                port=sock.getsockname()[1],
                 probe_path=addr.api_probes[i],
                 extra_env={"OMP_NUM_THREADS": "1"},
             )
@@ -280,6 +322,13 @@ class Supervisor:
                         self.log.error("child died during startup", child=child.name, how=child.last_exit)
                         return rc if rc in (EXIT_CONFIG, EXIT_STARTUP) else EXIT_STARTUP
             late = [c for c in self.children.values() if c.state != ChildState.READY and now > c.deadline]
+            if not late and now > budget_end and not self.prober.all_ranks_routable:
+                self.log.error(
+                    "startup timed out waiting for the cluster",
+                    ranks_registered=self.prober.num_alive_ranks,
+                    data_parallel_size=cfg.data_parallel_size,
+                )
+                return EXIT_STARTUP
             if late:
                 names = ", ".join(c.name for c in late)
                 self.log.error("startup timed out", children=names, timeouts_s={c.name: round(c.deadline - c.started_at, 1) for c in late})
@@ -505,8 +554,8 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.health.stop()
         self.zctx.destroy(linger=0)
-        if self.listen_sock is not None:
-            self.listen_sock.close()
+        for sock in self.listen_socks:
+            sock.close()
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self.log.info("stopped", exit_code=self.exit_code)
@@ -535,12 +584,16 @@ class Supervisor:
         ready_e = sum(c.state == ChildState.READY for c in engines)
         ready_a = sum(c.state == ChildState.READY for c in apis)
         text = f"{ready_e}/{len(engines)} ranks ready, {ready_a}/{len(apis)} API servers ready"
+        if self.cfg.is_multi_node:
+            text = f"{ready_e}/{len(engines)} local ranks ready"
+            if apis:
+                text += f", {ready_a}/{len(apis)} API servers ready, {self.prober.num_alive_ranks}/{self.cfg.data_parallel_size} ranks registered"
         if self.phase == "starting":
             loading = [str(c.rank) for c in engines if c.state == ChildState.STARTING]
             if loading:
                 text += f", loading rank {','.join(loading)}"
         elif self.phase == "serving":
-            text = f"serving on port {self.port}: " + text
+            text = (f"serving on port {self.port}: " if apis else "serving: ") + text
         return text
 
     def _update_status(self) -> None:

@@ -51,6 +51,8 @@ def resolve_max_model_len(model_dir: str, requested: int) -> int:
 class EngineProcessConfig(msgspec.Struct, kw_only=True):
     name: str
     engine: EngineConfig
+    node_rank: int
+    key_file: str
     coordinator_address: str
     supervisor_address: str
     fingerprint: str

@@ -18,6 +18,7 @@ import uuid
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .auth import CurveKeys, make_client
 from .config import EngineProcessConfig
 from .procutil import (
     EXIT_CONFIG,
@@ -31,8 +32,10 @@ from .procutil import (
 from .protocol import (
     AbortRequests,
     AddRequest,
+    ApiServerList,
     Codec,
     CoordinatorInput,
+    CoordinatorToEngine,
     EngineDead,
     EngineHello,
     EngineInput,
@@ -42,6 +45,7 @@ from .protocol import (
     EngineToApi,
     LoadReport,
     Ping,
+    PleaseRegister,
     Pong,
     RegisterReply,
     RequestOutput,
@@ -58,28 +62,40 @@ class _EngineIO:
     sent the request, for every request the core still holds.
     """
 
-    def __init__(self, ctx: zmq.Context, cfg: EngineProcessConfig, incarnation: str) -> None:
+    def __init__(self, ctx: zmq.Context, cfg: EngineProcessConfig, incarnation: str, keys: CurveKeys | None) -> None:
         self.ctx = ctx
+        self.cfg = cfg
         self.rank = cfg.engine.rank
         self.incarnation = incarnation
+        self.keys = keys
         self.in_codec = Codec(EngineInput)
         self.out_codec = Codec(EngineToApi)
-        self.coord_codec = Codec(CoordinatorInput | RegisterReply)
+        self.coord_codec = Codec(CoordinatorInput | CoordinatorToEngine)
         self.coordinator = ctx.socket(zmq.DEALER)
         self.coordinator.setsockopt(zmq.LINGER, 0)
         self.coordinator.setsockopt(zmq.IDENTITY, f"engine-{self.rank}-{incarnation}".encode())
+        self.coordinator.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.coordinator.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        make_client(self.coordinator, keys)
         self.coordinator.connect(cfg.coordinator_address)
         self.api: list[zmq.Socket] = []
+        self.api_addresses: list[str] = []
         self.monitors: dict[zmq.Socket, int] = {}
         self.poller = zmq.Poller()
+        self.poller.register(self.coordinator, zmq.POLLIN)
         self.owner: dict[str, int] = {}
 
-    def register(self, fingerprint: str, log, should_stop) -> list[str]:
+    def registration(self) -> EngineRegister:
+        return EngineRegister(
+            self.rank, self.incarnation, self.cfg.fingerprint, os.getpid(), socket.gethostname(), self.cfg.node_rank
+        )
+
+    def register(self, log, should_stop) -> list[str]:
         """HELLO until the coordinator answers; returns the API-server addresses."""
-        hello = EngineRegister(self.rank, self.incarnation, fingerprint, os.getpid(), socket.gethostname())
+        hello = self.coord_codec.encode(self.registration())
         started = time.monotonic()
         while not should_stop():
-            self.coordinator.send(self.coord_codec.encode(hello))
+            self.coordinator.send(hello)
             if self.coordinator.poll(REGISTER_RETRY_S * 1000):
                 reply = self.coord_codec.decode(self.coordinator.recv())
                 if not isinstance(reply, RegisterReply):
@@ -90,13 +106,17 @@ class _EngineIO:
                 return reply.api_server_addresses
             waited = time.monotonic() - started
             if int(waited) % 10 < REGISTER_RETRY_S:
-                log.info("waiting for the coordinator", waited_s=round(waited, 1))
+                log.info("waiting for the coordinator", address=self.cfg.coordinator_address, waited_s=round(waited, 1))
         return []
 
     def connect_api_servers(self, addresses: list[str]) -> None:
-        """One DEALER per API server. Each (re)connection is greeted with EngineHello,
-        so an API server that restarted learns this rank again without a new handshake."""
-        for index, address in enumerate(addresses):
+        """One DEALER per API server, added as API servers appear (never removed:
+        a lost one is simply reconnected by ZeroMQ when it returns). Each
+        (re)connection is greeted with EngineHello, so an API server that
+        restarted learns this rank again without a new handshake."""
+        for address in addresses:
+            if address in self.api_addresses:
+                continue
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
@@ -104,10 +124,12 @@ class _EngineIO:
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            make_client(sock, self.keys)
             monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             sock.connect(address)
+            self.monitors[monitor] = len(self.api)
             self.api.append(sock)
-            self.monitors[monitor] = index
+            self.api_addresses.append(address)
             self.poller.register(sock, zmq.POLLIN)
             self.poller.register(monitor, zmq.POLLIN)
 
@@ -119,12 +141,26 @@ class _EngineIO:
                 break
             self.send_to(self.monitors[monitor], EngineHello(self.rank, self.incarnation))
 
+    def coordinator_messages(self) -> list[object]:
+        got = []
+        while True:
+            try:
+                data = self.coordinator.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return got
+            try:
+                got.append(self.coord_codec.decode(data))
+            except Exception:
+                continue
+
     def receive(self, timeout_ms: int) -> list[tuple[int, object]]:
         """Every message waiting on the API-server sockets, tagged with the socket index."""
         got = []
         events = dict(self.poller.poll(timeout_ms))
         if not events:
             return got
+        if self.coordinator in events:
+            got.extend((-1, msg) for msg in self.coordinator_messages())
         for monitor in self.monitors:
             if monitor in events:
                 self._greet(monitor)
@@ -179,7 +215,8 @@ class EngineProcess:
         self.incarnation = uuid.uuid4().hex[:12]
         self.ctx = zmq.Context()
         self.supervisor = SupervisorLink(self.ctx, cfg.supervisor_address, cfg.name)
-        self.io = _EngineIO(self.ctx, cfg, self.incarnation)
+        keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
+        self.io = _EngineIO(self.ctx, cfg, self.incarnation, keys)
         self.core = None
         self.should_stop = False
         self._last_load: tuple = ()
@@ -209,7 +246,7 @@ class EngineProcess:
             max_model_len=self.core.max_model_len,
         )
         self.supervisor.heartbeat()
-        addresses = self.io.register(self.cfg.fingerprint, self.log, lambda: self.should_stop)
+        addresses = self.io.register(self.log, lambda: self.should_stop)
         if self.should_stop:
             return
         self.io.connect_api_servers(addresses)
@@ -245,7 +282,9 @@ class EngineProcess:
         return EXIT_OK
 
     def _handle(self, index: int, msg: object) -> None:
-        if isinstance(msg, AddRequest):
+        if index < 0:
+            self._from_coordinator(msg)
+        elif isinstance(msg, AddRequest):
             self.io.owner[msg.request_id] = index
             rejected = self.core.add_request(msg)
             if rejected is not None:
@@ -258,6 +297,23 @@ class EngineProcess:
                     self.num_aborted += 1
         elif isinstance(msg, Ping):
             self.io.send_to(index, Pong(self.rank, msg.nonce))
+
+    def _from_coordinator(self, msg: object) -> None:
+        """Membership changes: new API servers, or a coordinator that lost us."""
+        io = self.io
+        if isinstance(msg, ApiServerList):
+            io.connect_api_servers(msg.api_server_addresses)
+        elif isinstance(msg, PleaseRegister):
+            self.log.warning("coordinator asks us to register again", reason=msg.reason)
+            io.report(io.registration())
+        elif isinstance(msg, RegisterReply):
+            if not msg.accepted:
+                self.log.error("coordinator refused registration", reason=msg.reason)
+                return
+            io.connect_api_servers(msg.api_server_addresses)
+            io.report(EngineReady(self.rank, self.incarnation))
+            self._report_load(force=True)
+            self.log.info("registered again with the coordinator")
 
     def _report_load(self, force: bool = False) -> None:
         core = self.core

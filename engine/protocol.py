@@ -130,6 +130,7 @@ class EngineRegister(msgspec.Struct, tag="register", array_like=True):
     fingerprint: str
     pid: int
     host: str
+    node_rank: int = 0  # the node's first rank: identifies the node
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -137,6 +138,27 @@ class RegisterReply(msgspec.Struct, tag="welcome", array_like=True):
     accepted: bool
     reason: str
     api_server_addresses: list[str]
+
+
+class ApiServerList(msgspec.Struct, tag="api_list", array_like=True):
+    """Coordinator -> engine: the API servers this engine must connect to (grows as nodes join)."""
+
+    api_server_addresses: list[str]
+
+
+class PleaseRegister(msgspec.Struct, tag="reregister", array_like=True):
+    """Coordinator -> engine: I do not know you (I restarted, or declared you lost)."""
+
+    reason: str
+
+
+class ApiServerRegister(msgspec.Struct, tag="api_register", array_like=True):
+    """API server -> coordinator, repeated every second: where engines reach me."""
+
+    node_rank: int
+    index: int
+    address: str
+    incarnation: str
 
 
 class LoadReport(msgspec.Struct, tag="load", array_like=True):
@@ -168,7 +190,8 @@ class RankDown(msgspec.Struct, tag="rank_down", array_like=True):
     reason: str
 
 
-CoordinatorInput = EngineRegister | LoadReport | EngineReady | RankDown
+CoordinatorInput = EngineRegister | LoadReport | EngineReady | RankDown | ApiServerRegister
+CoordinatorToEngine = RegisterReply | ApiServerList | PleaseRegister
 
 
 class RankLoad(msgspec.Struct, array_like=True):
@@ -232,6 +255,10 @@ class Codec:
 
 
 def config_fingerprint(model: str, dtype: str, max_model_len: int, data_parallel_size: int) -> str:
-    """A short hash of everything two nodes of one deployment must agree on."""
+    """A short hash of everything two nodes of one deployment must agree on.
+
+    `model` is the model's identity (its config.json content hash, not its
+    path: nodes may keep the same model in different directories).
+    """
     text = f"{PROTOCOL_VERSION}|{model}|{dtype}|{max_model_len}|{data_parallel_size}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

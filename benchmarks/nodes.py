@@ -1,0 +1,421 @@
+"""Servers the benchmarks start, measure and stop: dpserve nodes and vLLM.
+
+Owns process lifecycles (own session per server, loopback only, ports from the
+kernel), readiness timing, and the psutil view of each server's API-server
+processes (CPU seconds, RSS). Every process started here is stopped by
+process group, even when the benchmark fails; nothing here asserts figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import psutil
+
+from benchmarks.load import LoadConfig, LoadResult, run_load
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_VLLM_VENV = "/work/vllm-venv"
+SERVED_MODEL = "demo"
+# vLLM's fastest single-node configuration on the 2-core machine (ANCHORS.md).
+VLLM_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_demo_model(directory: Optional[str] = None) -> str:
+    """The demo model via `dpserve demo-model DIR` (a no-op once it is complete)."""
+    if directory is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        directory = os.path.join(base, "dpserve-bench", "demo-model")
+    if not os.path.isfile(os.path.join(directory, "model.safetensors")):
+        subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "demo-model", directory],
+                       check=True, stdout=subprocess.DEVNULL)
+    return os.path.abspath(directory)
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def machine_info() -> dict:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"nproc": os.cpu_count(), "cpu_model": model,
+            "mem_gib": round(psutil.virtual_memory().total / 2**30, 1), "loadavg": load_average()}
+
+
+# ----------------------------------------------------------------- processes
+
+
+def _cpu_seconds(procs: Sequence[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _rss_mb(procs: Sequence[psutil.Process]) -> list[float]:
+    out = []
+    for p in procs:
+        try:
+            out.append(p.memory_info().rss / 2**20)
+        except psutil.Error:
+            pass
+    return out
+
+
+class Server:
+    """A server in its own session; subclasses say how to start and find its API processes."""
+
+    name = "server"
+
+    def __init__(self, env: Optional[dict] = None, log_dir: Optional[str] = None) -> None:
+        self.env = env or {}
+        self.tmp = tempfile.mkdtemp(prefix=f"{self.name}-bench-", dir=log_dir)
+        self.log_path = os.path.join(self.tmp, "server.log")
+        self.proc: Optional[subprocess.Popen] = None
+        self.port = 0
+        self.ready_s: Optional[float] = None
+        self._log = None
+        self._t0 = 0.0
+        self._known: set[int] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def spawn(self) -> None:
+        env = {**os.environ, **self.env}
+        self._log = open(self.log_path, "wb")
+        self._t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=self.tmp)
+
+    def is_ready(self) -> bool:
+        raise NotImplementedError
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds from spawn to ready; raises RuntimeError if it exits or times out."""
+        deadline = self._t0 + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            try:
+                if self.is_ready():
+                    self.ready_s = time.monotonic() - self._t0
+                    self._remember_pids()
+                    return self.ready_s
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
+
+    def start(self, timeout: float = 300.0) -> "Server":
+        self.spawn()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _remember_pids(self) -> None:
+        try:
+            root = psutil.Process(self.proc.pid)
+            self._known |= {root.pid} | {c.pid for c in root.children(recursive=True)}
+        except psutil.Error:
+            pass
+
+    def api_processes(self) -> list[psutil.Process]:
+        raise NotImplementedError
+
+    def all_processes(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root] + root.children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the group, wait against one deadline, SIGKILL what is left, reap."""
+        if self.proc is None:
+            return
+        self._remember_pids()
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in self._known:  # children that left the group (none should) go too
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() <= time.time():
+                    p.kill()
+            except psutil.Error:
+                pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._log is not None and not self._log.closed:
+            self._log.close()
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class DpNode(Server):
+    """`dpserve serve` on port 0; ready when the supervisor's /readyz says 200."""
+
+    name = "dpserve"
+
+    def __init__(self, model_dir: str, dp: int = 1, api: int = 1, extra: Sequence[str] = (),
+                 env: Optional[dict] = None, log_dir: Optional[str] = None) -> None:
+        super().__init__(env, log_dir)
+        self.model_dir = model_dir
+        self.dp, self.api = dp, api
+        self.extra = list(extra)
+        self.ports_file = os.path.join(self.tmp, "ports.json")
+        self.supervisor_port = 0
+        self.label = f"dpserve dp{dp}/api{api}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "dpserve.daemons.cli", "serve", self.model_dir,
+                "--served-model-name", SERVED_MODEL, "--port", "0",
+                "--data-parallel-supervisor-port", "0", "--ports-file", self.ports_file,
+                "--data-parallel-size", str(self.dp), "--api-server-count", str(self.api),
+                "--run-dir", os.path.join(self.tmp, "run"), *self.extra]
+
+    def is_ready(self) -> bool:
+        if not self.supervisor_port:
+            if not os.path.exists(self.ports_file):
+                return False
+            ports = json.loads(Path(self.ports_file).read_text())
+            self.port, self.supervisor_port = ports["port"], ports["supervisor_port"]
+        return http_get(f"http://127.0.0.1:{self.supervisor_port}/readyz", 2)[0] == 200
+
+    def status(self) -> dict:
+        code, body = http_get(f"http://127.0.0.1:{self.supervisor_port}/status")
+        if code != 200:
+            raise RuntimeError(f"/status answered {code}")
+        return json.loads(body)
+
+    def api_processes(self) -> list[psutil.Process]:
+        out = []
+        for child in self.status()["children"]:
+            if child["kind"] == "api" and child["pid"]:
+                try:
+                    out.append(psutil.Process(child["pid"]))
+                except psutil.Error:
+                    pass
+        return out
+
+
+def vllm_python(venv: Optional[str]) -> Optional[str]:
+    """The vLLM venv's python if vLLM is installed there, else None."""
+    venv = venv or os.environ.get("DPSERVE_VLLM_VENV") or DEFAULT_VLLM_VENV
+    py = os.path.join(venv, "bin", "python")
+    if not os.path.isfile(os.path.join(venv, "bin", "vllm")) or not os.access(py, os.X_OK):
+        return None
+    probe = subprocess.run([py, "-c", "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('vllm') else 1)"],
+                           capture_output=True, timeout=60)
+    return py if probe.returncode == 0 else None
+
+
+class VllmNode(Server):
+    """`vllm serve` (CPU build) in its own venv; ready when /health and /v1/models answer 200."""
+
+    name = "vllm"
+
+    def __init__(self, venv: str, model_dir: str, api: int = 1, max_model_len: int = 512,
+                 dtype: str = "bfloat16", extra: Sequence[str] = (), env: Optional[dict] = None,
+                 log_dir: Optional[str] = None) -> None:
+        super().__init__({**VLLM_ENV, **(env or {})}, log_dir)
+        self.venv = venv
+        self.model_dir = model_dir
+        self.api = api
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.extra = list(extra)
+        self.label = f"vllm uni/api{api}"
+
+    def command(self) -> list[str]:
+        self.port = free_port()
+        return [os.path.join(self.venv, "bin", "vllm"), "serve", self.model_dir,
+                "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1", "--port", str(self.port),
+                "--max-model-len", str(self.max_model_len), "--dtype", self.dtype,
+                "--distributed-executor-backend", "uni", "--api-server-count", str(self.api),
+                *self.extra]
+
+    def is_ready(self) -> bool:
+        return (http_get(self.url + "/health", 2)[0] == 200
+                and http_get(self.url + "/v1/models", 2)[0] == 200)
+
+    def api_processes(self) -> list[psutil.Process]:
+        """The processes that serve HTTP: the ones listening on the port.
+
+        With one API server and VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core
+        runs inside the API-server process, so its CPU includes the model's
+        (see api_includes_engine)."""
+        out = []
+        for p in self.all_processes():
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == self.port
+                       for c in p.net_connections(kind="tcp")):
+                    out.append(p)
+            except psutil.Error:
+                pass
+        # The parent that bound the port for its API-server children also
+        # listens on it but serves nothing when there are several children.
+        if self.api > 1 and len(out) > self.api:
+            out = [p for p in out if p.pid != self.proc.pid]
+        return out
+
+    @property
+    def api_includes_engine(self) -> bool:
+        return self.api == 1 and self.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+# ----------------------------------------------------------------- measuring
+
+
+@dataclass
+class Measured:
+    """One load run against one server, with the server's API-process CPU and RSS."""
+
+    label: str
+    result: LoadResult
+    api_cpu_s_per_s: Optional[float] = None  # CPU seconds per wall second, all API processes
+    api_cpu_us_per_req: Optional[float] = None
+    api_rss_mb: list[float] = field(default_factory=list)
+    loadavg: str = ""
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "api_cpu_s_per_s": self.api_cpu_s_per_s,
+                "api_cpu_us_per_req": self.api_cpu_us_per_req, "api_rss_mb": self.api_rss_mb,
+                "loadavg": self.loadavg, "result": self.result.to_dict()}
+
+
+async def measure(server: Server, cfg: LoadConfig, label: str = "") -> Measured:
+    """run_load against `server` while sampling its API processes' CPU over the
+    measurement window. CPU per request = (CPU s per wall s) / (req per wall s):
+    both are rates over nearly the same window, so a slightly misaligned edge
+    costs nothing."""
+    procs = server.api_processes()
+    task = asyncio.ensure_future(run_load(cfg))
+    cpu_rate = None
+    try:
+        await asyncio.sleep(max(0.0, cfg.warmup))
+        if not task.done():
+            c0, t0 = _cpu_seconds(procs), time.perf_counter()
+            await asyncio.sleep(max(0.1, (cfg.duration or 10.0) - 0.05))
+            c1, t1 = _cpu_seconds(procs), time.perf_counter()
+            cpu_rate = (c1 - c0) / (t1 - t0)
+        result = await task
+    finally:
+        if not task.done():
+            task.cancel()
+    m = Measured(label or getattr(server, "label", server.name), result, cpu_rate,
+                 api_rss_mb=[round(x, 1) for x in _rss_mb(procs)], loadavg=load_average())
+    if cpu_rate is not None and result.req_per_s > 0:
+        m.api_cpu_us_per_req = cpu_rate / result.req_per_s * 1e6
+    return m
+
+
+def measure_sync(server: Server, cfg: LoadConfig, label: str = "") -> Measured:
+    from benchmarks.load import _new_loop
+
+    loop = _new_loop()
+    try:
+        return loop.run_until_complete(measure(server, cfg, label))
+    finally:
+        loop.close()
+
+
+def fmt(v: Optional[float], nd: int = 1) -> str:
+    return "-" if v is None else f"{v:,.{nd}f}"
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def render(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    table = [list(header)] + [list(r) for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    out = []
+    for j, line in enumerate(table):
+        cells = [line[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(line[1:], widths[1:])]
+        out.append("  ".join(cells).rstrip())
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)

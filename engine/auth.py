@@ -1,0 +1,88 @@
+"""Authenticated inter-node ZeroMQ traffic: CURVE keys derived from one shared secret.
+
+Every node of a deployment reads the same key file. From it we derive a
+server key pair (held by every binding socket: coordinator, API servers) and
+a client key pair (held by every connecting socket). A process without the
+file cannot connect (it does not know the server key), cannot pass ZAP (its
+client key is not the derived one), and cannot read traffic (CURVE encrypts).
+Single-node ipc:// sockets need none of this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+import zmq
+from zmq.utils import z85
+
+MIN_SECRET_BYTES = 16
+
+
+class CurveKeys:
+    __slots__ = ("server_public", "server_secret", "client_public", "client_secret")
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the data-parallel key must hold at least {MIN_SECRET_BYTES} bytes of secret")
+        self.server_secret = z85.encode(hashlib.sha256(b"dpserve-curve-server\0" + secret).digest())
+        self.client_secret = z85.encode(hashlib.sha256(b"dpserve-curve-client\0" + secret).digest())
+        self.server_public = zmq.curve_public(self.server_secret)
+        self.client_public = zmq.curve_public(self.client_secret)
+
+    @classmethod
+    def from_file(cls, path: str, log=None) -> "CurveKeys":
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+        mode = os.stat(path).st_mode
+        if log is not None and mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("the data-parallel key file is readable by others; chmod 600 it", path=path)
+        return cls(secret)
+
+
+def make_server(sock: zmq.Socket, keys: CurveKeys | None) -> None:
+    """Before bind: only holders of the shared secret may connect."""
+    if keys is None:
+        return
+    sock.curve_secretkey = keys.server_secret
+    sock.curve_publickey = keys.server_public
+    sock.curve_server = True
+
+
+def make_client(sock: zmq.Socket, keys: CurveKeys | None) -> None:
+    """Before connect: prove we hold the shared secret, and check the server does."""
+    if keys is None:
+        return
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.client_public
+    sock.curve_secretkey = keys.client_secret
+
+
+class _AllowOnly:
+    def __init__(self, client_public: bytes, log) -> None:
+        self.client_public = client_public
+        self.log = log
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = z85.encode(key) == self.client_public if len(key) == 32 else key == self.client_public
+        if not ok and self.log is not None:
+            self.log.warning("refused a ZeroMQ peer without the deployment key")
+        return ok
+
+
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys | None, log=None):
+    """A ZAP handler for `ctx` that admits only the deployment's client key.
+
+    Returns the authenticator (stop it at shutdown) or None without keys.
+    Works for zmq.asyncio contexts too (the handler thread uses a shadow).
+    """
+    if keys is None:
+        return None
+    from zmq.auth.thread import ThreadAuthenticator
+
+    sync_ctx = zmq.Context.shadow(ctx.underlying)
+    auth = ThreadAuthenticator(sync_ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_AllowOnly(keys.client_public, log))
+    return auth
