@@ -278,6 +278,28 @@ class DpNode(Server):
         return out
 
 
+class BaselineNode(Server):
+    """benchmarks/baseline_aiohttp.py: the bare-aiohttp ceiling (parse the body, fixed answer)."""
+
+    name = "baseline"
+    label = "bare aiohttp"
+
+    def command(self) -> list[str]:
+        return [sys.executable, str(ROOT / "benchmarks" / "baseline_aiohttp.py"), "--host", "127.0.0.1", "--port", "0"]
+
+    def is_ready(self) -> bool:
+        if not self.port:
+            for line in self.log_tail(2000).splitlines():
+                if line.startswith("listening on http://"):
+                    self.port = int(line.rsplit(":", 1)[1])
+            if not self.port:
+                return False
+        return http_get(self.url + "/v1/models", 2)[0] == 200
+
+    def api_processes(self) -> list[psutil.Process]:
+        return [psutil.Process(self.proc.pid)]
+
+
 def vllm_python(venv: Optional[str]) -> Optional[str]:
     """The vLLM venv's python if vLLM is installed there, else None."""
     venv = venv or os.environ.get("DPSERVE_VLLM_VENV") or DEFAULT_VLLM_VENV

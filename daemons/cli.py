@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import urllib.error
 import urllib.request
 
 import click
-from dpserve.engine.procutil import EXIT_CONFIG
+from dpserve.engine.procutil import EXIT_CONFIG, die_with_parent
 
 from .config import LB_POLICIES, RESTART_POLICIES, ServeConfig
 
@@ -156,6 +158,9 @@ def _run(role: str, model: str | None, opts: dict) -> None:
     from dpserve.engine.logs import setup_logging
 
     log = setup_logging("supervisor", opts["log_level"])
+    if os.environ.get("DPSERVE_DIE_WITH_PARENT"):
+        # For harnesses (tests): if whoever started us dies, stop cleanly too.
+        die_with_parent(os.getppid(), signal.SIGTERM)
     ports_file = opts.pop("ports_file")
     try:
         cfg = _build_config(role, model, opts, log)
@@ -230,6 +235,11 @@ def status(url: str, as_json: bool) -> None:
             f"{c['name']:<14} {c['state']:<9} {c['pid'] or '-':>8} {c['restarts']:>8} {running:>8} {waiting:>8} "
             f"{c['uptime_s']:>8.1f}s  {c['last_exit'] or ''}"
         )
+
+
+from .install import install_units  # noqa: E402
+
+main.add_command(install_units)
 
 
 if __name__ == "__main__":

@@ -60,10 +60,10 @@ class Router:
             was = self.routable(entry.rank)
             old = self.loads[entry.rank]
             self.loads[entry.rank] = entry
-            if was and not self.routable(entry.rank):
-                lost.append((entry.rank, entry.down_reason or "rank went down"))
-            elif was and old is not None and old.incarnation != entry.incarnation:
+            if was and old is not None and old.incarnation != entry.incarnation:
                 lost.append((entry.rank, "rank restarted"))
+            elif was and not self.routable(entry.rank):
+                lost.append((entry.rank, entry.down_reason or "rank went down"))
         self.sent = [0] * self.size
         self.sent_tokens = [0] * self.size
         return lost

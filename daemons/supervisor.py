@@ -617,7 +617,7 @@ class Supervisor:
     def node_ready(self) -> tuple[bool, str]:
         if self.phase != "serving":
             return False, self.phase
-        if not any(c.state == ChildState.READY for c in self._children("api")):
+        if self.cfg.runs_api_servers and not any(c.state == ChildState.READY for c in self._children("api")):
             return False, "no API server is ready"
         if not any(c.state == ChildState.READY for c in self._children("engine")):
             return False, "no rank is ready"

@@ -79,7 +79,7 @@ class DpServer:
             "--ports-file", self.ports_file,
             *self.args,
         ]
-        env = {**os.environ, **(self.env or {})}
+        env = {**os.environ, "DPSERVE_DIE_WITH_PARENT": "1", **(self.env or {})}
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         wait_until(lambda: os.path.exists(self.ports_file) or self.proc.poll() is not None, 60, what="ports file")
