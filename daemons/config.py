@@ -158,7 +158,7 @@ class Addresses(msgspec.Struct, kw_only=True):
     api_probes: list[str]  # unix socket paths for per-API-server HTTP probes
 
     @classmethod
-    def for_node(cls, cfg: "ServeConfig", run_dir: str, node_address: str) -> "Addresses":
+    def for_node(cls, cfg: ServeConfig, run_dir: str, node_address: str) -> Addresses:
         """ipc:// on a single node; tcp:// on the advertised addresses when multi-node.
 
         Ports on a multi-node deployment: rpc-port (coordinator: registration,

@@ -26,7 +26,7 @@ def _json(obj, status: int = 200) -> web.Response:
 
 
 class HealthServer:
-    def __init__(self, sup: "Supervisor") -> None:
+    def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
         self.runner: web.AppRunner | None = None
         self.port = 0

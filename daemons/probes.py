@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class Prober:
-    def __init__(self, sup: "Supervisor") -> None:
+    def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
         self.all_ranks_routable = False
         self.num_alive_ranks = 0  # as the API servers see the cluster (coordinator's table)

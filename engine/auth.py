@@ -32,7 +32,7 @@ class CurveKeys:
         self.client_public = zmq.curve_public(self.client_secret)
 
     @classmethod
-    def from_file(cls, path: str, log=None) -> "CurveKeys":
+    def from_file(cls, path: str, log=None) -> CurveKeys:
         with open(path, "rb") as f:
             secret = f.read().strip()
         mode = os.stat(path).st_mode

@@ -70,7 +70,7 @@ class DpServer:
 
     # ---------------------------------------------------------------- lifecycle
 
-    def start(self, wait_ready: bool = True) -> "DpServer":
+    def start(self, wait_ready: bool = True) -> DpServer:
         cmd = [
             sys.executable, "-m", "dpserve.daemons.cli", "serve", self.model_dir,
             "--served-model-name", self.model,
@@ -137,7 +137,7 @@ class DpServer:
         if not self._log.closed:
             self._log.close()
 
-    def __enter__(self) -> "DpServer":
+    def __enter__(self) -> DpServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

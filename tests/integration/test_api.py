@@ -185,7 +185,7 @@ def test_pinned_requests_land_on_the_pinned_rank(server):
             status, body, headers = raw(server, "/v1/completions", json.dumps({"model": "demo", "prompt": "pin", "max_tokens": 2}).encode(), {"X-data-parallel-rank": str(rank)})
             assert status == 200, body
             assert headers["X-data-parallel-rank"] == str(rank)
-        wait_until(lambda: server.rank_finished()[rank] - before.get(rank, 0) >= 5, 5, what=f"rank {rank}'s counter")
+        wait_until(lambda r=rank, b=before: server.rank_finished()[r] - b.get(r, 0) >= 5, 5, what=f"rank {rank}'s counter")
 
 
 @pytest.mark.parametrize("value", ["abc", "1.5", "", "2", "-1", "99999999999999999999"])

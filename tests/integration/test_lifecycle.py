@@ -36,7 +36,7 @@ class NotifySocket:
         while not self._stop:
             try:
                 data = self.sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -44,7 +44,7 @@ def _in(pid: int, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class Node:
-    def __init__(self, net: "Network", name: str, address: str) -> None:
+    def __init__(self, net: Network, name: str, address: str) -> None:
         self.net = net
         self.name = name
         self.address = address
