@@ -101,12 +101,12 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
         model = ensure_demo_model()
         served = served or DEMO_MODEL_NAME
     dp = opts["data_parallel_size"]
-    local = opts.get("data_parallel_size_local") or (dp if role == "serve" else None)
+    local = opts.get("data_parallel_size_local") or (dp if role in ("serve", "head") else None)
     modes = [m for m, on in (("hybrid", opts.get("lb_hybrid")), ("external", opts.get("lb_external")), ("global", opts.get("lb_global"))) if on]
     if len(modes) > 1:
         raise ValueError("choose one load-balancing mode: " + ", ".join(modes) + " were all given")
-    if role != "serve" and local is None:
-        raise ValueError("give --data-parallel-size-local: how many of the ranks run on this node")
+    if local is None:
+        raise ValueError("give --data-parallel-size-local: how many of the ranks run on this worker")
     local = local or dp
     lb_mode = modes[0] if modes else "internal"
     headless = bool(opts.get("headless"))
