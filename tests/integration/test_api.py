@@ -296,3 +296,36 @@ def test_client_disconnect_aborts_the_request(server):
     conn.sock.shutdown(2)
     conn.close()
     wait_until(lambda: aborted() > before, 10, 0.05, "rank 0 to report the aborted request")
+
+
+def test_greedy_output_equals_transformers_generate_for_mixed_lengths(server, demo_model_dir):
+    """Concurrent requests of mixed prompt lengths (batched together in the engines)
+    produce exactly what transformers' own generate(do_sample=False) produces alone."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    prompts = ["Hi", "The quick brown fox", "A much longer prompt that goes on " * 6, "data parallel serving with many ranks"]
+    tok = Tokenizer.from_file(f"{demo_model_dir}/tokenizer.json")
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # as ignore_eos: EOS is an ordinary token
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([tok.encode(p).ids])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        expected.append(tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+
+    async def all_at_once():
+        import aiohttp
+
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session:
+
+            async def one(p):
+                body = {"model": "demo", "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+                async with session.post(server.url + "/v1/completions", json=body, headers={"X-data-parallel-rank": "0"}) as resp:
+                    return (await resp.json())["choices"][0]["text"]
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(all_at_once()) == expected

@@ -103,7 +103,17 @@ def test_notify_ready_watchdog_and_drain_on_sigterm(demo_model_dir, tmp_path):
         t.start()
         wait_until(lambda: "started" in result, 30, 0.01, "stream start")
         srv.proc.send_signal(signal.SIGTERM)
+        # while it drains, the node says it is not ready (and why)
+        seen = []
+        while t.is_alive() and srv.proc.poll() is None:
+            try:
+                code, body = http_get(srv.health_url + "/readyz", 1)
+                seen.append((code, json.loads(body).get("phase")))
+            except OSError:
+                break
+            time.sleep(0.01)
         t.join(60)
+        assert (503, "stopping") in seen, seen
         assert result.get("done"), result
         assert result["finishes"] == ["length"], result
         assert "error" not in result and "exception" not in result, result
