@@ -44,6 +44,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     probe_timeout_s: float = 5.0
     probe_failure_threshold: int = 3
     engine_startup_timeout_s: float = 600.0
+    coordinator_startup_timeout_s: float = 60.0
     api_server_startup_timeout_base_s: float = 30.0
     api_server_startup_timeout_per_server_s: float = 5.0
     restart_policy: str = "always"

@@ -10,7 +10,6 @@ no SO_REUSEPORT) and hands it to every API server.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import shutil
 import signal
@@ -24,8 +23,6 @@ import zmq
 import zmq.asyncio
 from dpserve.engine.auth import CurveKeys, make_client
 from dpserve.engine.config import (
-    EngineConfig,
-    EngineProcessConfig,
     resolve_max_model_len,
 )
 from dpserve.engine.procutil import (
@@ -42,53 +39,16 @@ from dpserve.engine.protocol import (
     Heartbeat,
     RankDown,
     ToSupervisor,
-    config_fingerprint,
 )
 
 from .children import Child, ChildState, spawn
-from .config import Addresses, ApiServerConfig, CoordinatorConfig, ServeConfig
+from .config import Addresses, ServeConfig
 from .health import HealthServer
 from .notify import Notifier
+from .plan import StartupError, bind_listen_socket, node_address_towards, plan_children
 from .probes import Prober
 
 _enc = msgspec.json.Encoder().encode
-
-
-class StartupError(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def model_identity(model_dir: str) -> str:
-    """What nodes must agree on about the model: its config.json, not its path."""
-    with open(os.path.join(model_dir, "config.json"), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
-
-
-def node_address_towards(head: str) -> str:
-    """This node's address on the route to the head (no packet is sent)."""
-    if head.startswith("127.") or head in ("localhost", "::1"):
-        return head
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((head, 9))
-        return probe.getsockname()[0]
-    except OSError:
-        return head
-    finally:
-        probe.close()
-
-
-def bind_listen_socket(host: str, port: int) -> socket.socket:
-    """Bind the API port once for every API server. No SO_REUSEPORT: a second
-    instance on the same port fails here instead of silently splitting traffic."""
-    try:
-        sock = socket.create_server((host, port), backlog=4096, reuse_port=False)
-    except OSError as exc:
-        raise StartupError(EXIT_CONFIG, f"cannot bind {host}:{port}: {exc.strerror or exc} (is another server running on this port?)") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 class Supervisor:
@@ -142,97 +102,7 @@ class Supervisor:
         make_client(self.coord_link, self.keys)
         self.coord_link.connect(self.addr.coordinator_engines)
         self._coord_codec = Codec(CoordinatorInput)
-        self._build_children()
-
-    def _build_children(self) -> None:
-        cfg, addr = self.cfg, self.addr
-        fingerprint = config_fingerprint(model_identity(cfg.model), cfg.dtype, self.max_model_len, cfg.data_parallel_size)
-        me = os.getpid()
-        key_file = os.path.abspath(cfg.key_file) if cfg.key_file else ""
-        if cfg.runs_coordinator:
-            coord = CoordinatorConfig(
-                name="coordinator",
-                lb_mode=cfg.lb_mode,
-                key_file=key_file,
-                engines_address=addr.coordinator_engines,
-                table_address=addr.coordinator_table,
-                supervisor_address=addr.supervisor,
-                data_parallel_size=cfg.data_parallel_size,
-                fingerprint=fingerprint,
-                heartbeat_interval_s=self.heartbeat_interval_s,
-                stale_after_s=cfg.probe_interval_s * cfg.probe_failure_threshold,
-                parent_pid=me,
-                log_level=cfg.log_level,
-            )
-            self._add(Child("coordinator", "coordinator", -1, "dpserve.daemons.coordinator", _enc(coord), extra_env={"OMP_NUM_THREADS": "1"}))
-        # CPU ranks share the node's cores; oversubscribed torch threads stall each
-        # other by orders of magnitude (a 4 ms step became 300-800 ms in tests).
-        engine_threads = max(1, len(os.sched_getaffinity(0)) // cfg.size_local)
-        for rank in cfg.local_ranks:
-            name = f"engine-dp{rank}"
-            ecfg = EngineProcessConfig(
-                name=name,
-                engine=EngineConfig(
-                    model=cfg.model,
-                    rank=rank,
-                    dtype=cfg.dtype,
-                    max_num_seqs=cfg.max_num_seqs,
-                    max_model_len=self.max_model_len,
-                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    seed=cfg.seed,
-                ),
-                node_rank=cfg.data_parallel_start_rank,
-                key_file=key_file,
-                coordinator_address=addr.coordinator_engines,
-                supervisor_address=addr.supervisor,
-                fingerprint=fingerprint,
-                heartbeat_interval_s=self.heartbeat_interval_s,
-                parent_pid=me,
-                log_level=cfg.log_level,
-            )
-            self._add(Child(name, "engine", rank, "dpserve.engine.process", _enc(ecfg), extra_env={"OMP_NUM_THREADS": str(engine_threads)}))
-        if not cfg.runs_api_servers:
-            return
-        external = cfg.lb_mode == "external"
-        for i in range(cfg.api_server_count):
-            name = f"api-{i}"
-            sock = self.listen_socks[i if external else 0]
-            fd = sock.fileno()
-            acfg = ApiServerConfig(
-                name=name,
-                index=i,
-                node_rank=cfg.data_parallel_start_rank,
-                coordinator_address=addr.coordinator_engines,
-                eligible_ranks=[cfg.data_parallel_start_rank + i] if external else cfg.eligible_ranks(),
-                key_file=key_file,
-                model_dir=cfg.model,
-                served_model_name=cfg.served_model_name,
-                api_key=cfg.api_key,
-                data_parallel_size=cfg.data_parallel_size,
-                max_model_len=self.max_model_len,
-                lb_policy=cfg.lb_policy,
-                max_waiting_per_rank=cfg.max_waiting_per_rank,
-                max_request_body_bytes=cfg.max_request_body_bytes,
-                shutdown_timeout_s=cfg.shutdown_timeout_s,
-                listen_fd=fd,
-                engine_address=addr.api_engines[i],
-                table_address=addr.coordinator_table,
-                supervisor_address=addr.supervisor,
-                probe_path=addr.api_probes[i],
-                parent_pid=me,
-                log_level=cfg.log_level,
-            )
-            child = Child(
-                name,
-                "api",
-                i,
-                "dpserve.daemons.api_server",
-                _enc(acfg),
-                pass_fds=(fd,),
-                port=sock.getsockname()[1],
-                probe_path=addr.api_probes[i],
-                extra_env={"OMP_NUM_THREADS": "1"},
-            )
+        for child in plan_children(cfg, self.addr, self.listen_socks, self.max_model_len, self.heartbeat_interval_s):
             self._add(child)
 
     def _add(self, child: Child) -> None:
@@ -270,7 +140,7 @@ class Supervisor:
         )
         self._tasks.append(asyncio.create_task(self._read_ctl(), name="ctl"))
         try:
-            code = await self._startup()
+            code = self.exit_code = await self._startup()
             if code == EXIT_OK:
                 self._tasks.append(asyncio.create_task(self.prober.run(), name="prober"))
                 code = await self._serve()
@@ -294,7 +164,7 @@ class Supervisor:
             timeout = {
                 "engine": cfg.engine_startup_timeout_s,
                 "api": cfg.api_server_startup_timeout_s,
-            }.get(child.kind, cfg.api_server_startup_timeout_base_s)
+            }.get(child.kind, cfg.coordinator_startup_timeout_s)
             child.deadline = now + timeout
         await asyncio.gather(*(self._start(c) for c in self.children.values()))
         budget_end = max(c.deadline for c in self.children.values())

@@ -151,17 +151,17 @@ def test_second_instance_on_the_same_port_fails_clearly(demo_model_dir, tmp_path
 
 
 def test_api_server_startup_timeout_scales_with_count(demo_model_dir):
-    """base + per-server x N: with a 5 s readiness delay, 1 API server (3.5 s budget)
-    fails to start, naming the late children; 3 API servers (8.5 s budget) start."""
-    delay = {"DPSERVE_FAULT_API_STARTUP_DELAY_S": "5"}
-    timeouts = ("--api-server-startup-timeout-base-s", "1", "--api-server-startup-timeout-per-server-s", "2.5")
+    """base + per-server x N: with an 8 s readiness delay, 1 API server (6 s budget)
+    fails to start, naming the late children; 3 API servers (16 s budget) start."""
+    delay = {"DPSERVE_FAULT_API_STARTUP_DELAY_S": "8"}
+    timeouts = ("--api-server-startup-timeout-base-s", "1", "--api-server-startup-timeout-per-server-s", "5")
     slow = DpServer(demo_model_dir, "--api-server-count", "1", *timeouts, env=delay)
     try:
         slow.start(wait_ready=False)
         assert slow.proc.wait(60) == 3
         log = slow.log()
         assert "startup timed out" in log and "api-0" in log, log
-        assert "'api-0': 3.5" in log, log
+        assert "'api-0': 6.0" in log, log
     finally:
         slow.stop()
     ok = DpServer(demo_model_dir, "--api-server-count", "3", *timeouts, env=delay)

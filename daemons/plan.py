@@ -1,0 +1,159 @@
+"""What a node runs: its children and their configs, derived from one ServeConfig.
+
+Pure planning (no process is started here), plus the few facts about the host
+the plan needs: the model's identity, this node's address, the bound API port.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+
+import msgspec
+from dpserve.engine.config import EngineConfig, EngineProcessConfig
+from dpserve.engine.procutil import EXIT_CONFIG
+from dpserve.engine.protocol import config_fingerprint
+
+from .children import Child
+from .config import Addresses, ApiServerConfig, CoordinatorConfig, ServeConfig
+
+_enc = msgspec.json.Encoder().encode
+
+
+class StartupError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def model_identity(model_dir: str) -> str:
+    """What nodes must agree on about the model: its config.json, not its path."""
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def node_address_towards(head: str) -> str:
+    """This node's address on the route to the head (no packet is sent)."""
+    if head.startswith("127.") or head in ("localhost", "::1"):
+        return head
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((head, 9))
+        return probe.getsockname()[0]
+    except OSError:
+        return head
+    finally:
+        probe.close()
+
+
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """Bind the API port once for every API server. No SO_REUSEPORT: a second
+    instance on the same port fails here instead of silently splitting traffic."""
+    try:
+        sock = socket.create_server((host, port), backlog=4096, reuse_port=False)
+    except OSError as exc:
+        raise StartupError(EXIT_CONFIG, f"cannot bind {host}:{port}: {exc.strerror or exc} (is another server running on this port?)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def plan_children(
+    cfg: ServeConfig,
+    addr: Addresses,
+    listen_socks: list[socket.socket],
+    max_model_len: int,
+    heartbeat_interval_s: float,
+) -> list[Child]:
+    """Every child this node runs, with its typed config: the coordinator (head
+    only), one engine per local rank, and the API servers (unless headless)."""
+    children: list[Child] = []
+    fingerprint = config_fingerprint(model_identity(cfg.model), cfg.dtype, max_model_len, cfg.data_parallel_size)
+    me = os.getpid()
+    key_file = os.path.abspath(cfg.key_file) if cfg.key_file else ""
+    if cfg.runs_coordinator:
+        coord = CoordinatorConfig(
+            name="coordinator",
+            lb_mode=cfg.lb_mode,
+            key_file=key_file,
+            engines_address=addr.coordinator_engines,
+            table_address=addr.coordinator_table,
+            supervisor_address=addr.supervisor,
+            data_parallel_size=cfg.data_parallel_size,
+            fingerprint=fingerprint,
+            heartbeat_interval_s=heartbeat_interval_s,
+            stale_after_s=cfg.probe_interval_s * cfg.probe_failure_threshold,
+            parent_pid=me,
+            log_level=cfg.log_level,
+        )
+        children.append(Child("coordinator", "coordinator", -1, "dpserve.daemons.coordinator", _enc(coord), extra_env={"OMP_NUM_THREADS": "1"}))
+    # CPU ranks share the node's cores; oversubscribed torch threads stall each
+    # other by orders of magnitude (a 4 ms step became 300-800 ms in tests).
+    engine_threads = max(1, len(os.sched_getaffinity(0)) // cfg.size_local)
+    for rank in cfg.local_ranks:
+        name = f"engine-dp{rank}"
+        ecfg = EngineProcessConfig(
+            name=name,
+            engine=EngineConfig(
+                model=cfg.model,
+                rank=rank,
+                dtype=cfg.dtype,
+                max_num_seqs=cfg.max_num_seqs,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                seed=cfg.seed,
+            ),
+            node_rank=cfg.data_parallel_start_rank,
+            key_file=key_file,
+            coordinator_address=addr.coordinator_engines,
+            supervisor_address=addr.supervisor,
+            fingerprint=fingerprint,
+            heartbeat_interval_s=heartbeat_interval_s,
+            parent_pid=me,
+            log_level=cfg.log_level,
+        )
+        children.append(Child(name, "engine", rank, "dpserve.engine.process", _enc(ecfg), extra_env={"OMP_NUM_THREADS": str(engine_threads)}))
+    if not cfg.runs_api_servers:
+        return children
+    external = cfg.lb_mode == "external"
+    for i in range(cfg.api_server_count):
+        name = f"api-{i}"
+        sock = listen_socks[i if external else 0]
+        fd = sock.fileno()
+        acfg = ApiServerConfig(
+            name=name,
+            index=i,
+            node_rank=cfg.data_parallel_start_rank,
+            coordinator_address=addr.coordinator_engines,
+            eligible_ranks=[cfg.data_parallel_start_rank + i] if external else cfg.eligible_ranks(),
+            key_file=key_file,
+            model_dir=cfg.model,
+            served_model_name=cfg.served_model_name,
+            api_key=cfg.api_key,
+            data_parallel_size=cfg.data_parallel_size,
+            max_model_len=max_model_len,
+            lb_policy=cfg.lb_policy,
+            max_waiting_per_rank=cfg.max_waiting_per_rank,
+            max_request_body_bytes=cfg.max_request_body_bytes,
+            shutdown_timeout_s=cfg.shutdown_timeout_s,
+            listen_fd=fd,
+            engine_address=addr.api_engines[i],
+            table_address=addr.coordinator_table,
+            supervisor_address=addr.supervisor,
+            probe_path=addr.api_probes[i],
+            parent_pid=me,
+            log_level=cfg.log_level,
+        )
+        child = Child(
+            name,
+            "api",
+            i,
+            "dpserve.daemons.api_server",
+            _enc(acfg),
+            pass_fds=(fd,),
+            port=sock.getsockname()[1],
+            probe_path=addr.api_probes[i],
+            extra_env={"OMP_NUM_THREADS": "1"},
+        )
+        children.append(child)
+    return children
