@@ -28,13 +28,11 @@ _EXEC_LINE = re.compile(r"^(ExecStart=|ExecReload=|ExecStop=|ExecStartPre=|ExecS
 
 
 def units_source_dir() -> Path:
-    """Where the canonical unit files are: the wheel's data files (PREFIX/share/dpserve/units),
-    or the source tree's units/ beside daemons/ (editable install, checkout)."""
-    here = Path(__file__).resolve().parent
+    """Where the canonical unit files are: the checkout's units/ beside daemons/ (editable
+    install; it wins, so edits apply at once), else a wheel's data files in PREFIX/share/dpserve/units."""
     candidates = [
+        Path(__file__).resolve().parent.parent / "units",
         Path(sys.prefix) / "share" / "dpserve" / "units",
-        here / "units",
-        here.parent / "units",
     ]
     for path in candidates:
         if all((path / name).is_file() for name in (*UNIT_FILES, ENV_EXAMPLE, GPU_DROPIN)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -47,6 +48,12 @@ VOLATILE_SYSCTLS = (
 )
 
 
+# Top-level cgroups that come and go with other work on a shared machine: other
+# testbeds (each checks its own tag) and per-command groups named by a UUID or hash.
+FOREIGN_CGROUP = re.compile(r"^(dpserve-tb-.*|[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}|[0-9a-f]{32})$")
+TAG_PREFIX = "dpserve-tb-"
+
+
 class TestbedError(RuntimeError):
     """The testbed could not be built or driven; the message says which step failed."""
 
@@ -55,9 +62,9 @@ def unsupported_reason() -> str | None:
     """Why this machine cannot run the testbed, or None when it can."""
     if os.geteuid() != 0:
         return "system tests need root (they boot systemd-nspawn nodes in network namespaces)"
-    missing = [t for t in ("systemd-nspawn", "systemd-id128", "unshare", "nsenter", "ip", "mount") if shutil.which(t) is None]
+    missing = [t for t in ("systemd-nspawn", "systemd-id128", "unshare", "nsenter", "ip", "mount", "curl") if shutil.which(t) is None]
     if missing:
-        return f"system tests need {', '.join(missing)} (apt-get install systemd-container iproute2 util-linux)"
+        return f"system tests need {', '.join(missing)} (apt-get install systemd-container iproute2 util-linux curl)"
     if cgroup_layout() is None:
         return "system tests need a writable cgroup hierarchy (hybrid: /sys/fs/cgroup/{systemd,unified}, or unified cgroup2)"
     return None
@@ -167,7 +174,7 @@ class _Sleeper:
 class Node:
     """One booted node. Commands run inside all of its namespaces with a clean environment."""
 
-    def __init__(self, testbed: "Testbed", name: str, address: str, netns: _Sleeper, workdir: Path) -> None:
+    def __init__(self, testbed: Testbed, name: str, address: str, netns: _Sleeper, workdir: Path) -> None:
         self.testbed = testbed
         self.name = name
         self.address = address
@@ -338,16 +345,18 @@ class Testbed:
     node. Use as a context manager, or call close() in a finally block.
     """
 
+    __test__ = False  # not a pytest test class
+
     def __init__(self, binds: list[tuple[str, str]] = (), tag: str | None = None) -> None:
         self.binds = list(binds)
-        self.tag = tag or f"dpserve-tb-{os.getpid()}-{int(time.monotonic() * 1000) % 100000}"
+        self.tag = tag or f"{TAG_PREFIX}{os.getpid()}-{int(time.monotonic() * 1000) % 100000}"
         self.layout = cgroup_layout()
         self.workdir = Path(tempfile.mkdtemp(prefix=self.tag + "-"))
         self.nodes: list[Node] = []
         self.switch: _Sleeper | None = None
         self._sleepers: list[_Sleeper] = []
 
-    def __enter__(self) -> "Testbed":
+    def __enter__(self) -> Testbed:
         self.start()
         return self
 
@@ -367,6 +376,14 @@ class Testbed:
         sleeper = _Sleeper()
         self._sleepers.append(sleeper)
         return sleeper
+
+    def leftovers(self) -> list[str]:
+        """What of this testbed is still on the host (empty after close())."""
+        left = [str(d) for d in self.cgroup_dirs() if d.exists()]
+        left += [f"sleeper {s.pid}" for s in self._sleepers if s.proc.poll() is None]
+        left += [f"nspawn of {n.name}" for n in self.nodes if n.nspawn is not None and n.nspawn.poll() is None]
+        left += [str(self.workdir)] if self.workdir.exists() else []
+        return left
 
     def cgroup_dirs(self) -> list[Path]:
         """This testbed's own cgroup subtrees (one per hierarchy the nodes join)."""
@@ -416,8 +433,6 @@ class Testbed:
             _kill_cgroup(cgroup)
             _remove_cgroup(cgroup)
         shutil.rmtree(self.workdir, ignore_errors=True)
-        self.nodes.clear()
-        self._sleepers.clear()
         if errors:
             raise TestbedError("teardown: " + "; ".join(errors))
 
@@ -462,7 +477,8 @@ def _cgroup_roots() -> dict[str, list[str]]:
     for hierarchy in sorted(os.listdir(CGROUP_ROOT)) if CGROUP_ROOT.is_dir() else []:
         path = CGROUP_ROOT / hierarchy
         if path.is_dir() and not path.is_symlink():
-            roots[hierarchy] = sorted(e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False))
+            roots[hierarchy] = sorted(e.name for e in os.scandir(path)
+                                      if e.is_dir(follow_symlinks=False) and not FOREIGN_CGROUP.match(e.name))
     return roots
 
 
