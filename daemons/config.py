@@ -77,7 +77,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
 
     @property
     def is_multi_node(self) -> bool:
-        return self.role != "serve"
+        """Ranks live on other nodes too (a head holding every rank is a single node)."""
+        return self.size_local < self.data_parallel_size
 
     @property
     def runs_coordinator(self) -> bool:
@@ -137,7 +138,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError("in internal load balancing only the head runs API servers: start workers with --headless")
         if self.lb_mode == "external" and self.api_server_count != local:
             raise ValueError("external load balancing runs one API server per local rank: --api-server-count must equal --data-parallel-size-local")
-        if self.is_multi_node and local < size and not self.key_file:
+        if self.is_multi_node and not self.key_file:
             raise ValueError(
                 "multi-node traffic must be authenticated: give --data-parallel-key-file (the same secret on every node)"
             )

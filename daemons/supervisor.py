@@ -406,9 +406,18 @@ class Supervisor:
 
     # ================================================================ shutdown
 
+    async def _keep_watchdog_fed(self) -> None:
+        """While shutting down: systemd re-arms its watchdog on every ping, so one
+        sent as the stop began would kill a drain longer than WatchdogSec."""
+        while True:
+            self._watchdog(time.monotonic())
+            await asyncio.sleep(0.5)
+
     async def _shutdown(self) -> None:
         self.phase = "stopping"
         self.notifier.stopping("stopping: draining API servers")
+        pinger = asyncio.create_task(self._keep_watchdog_fed())
+        self._tasks.append(pinger)
         cfg = self.cfg
         apis = [c for c in self._children("api") if c.proc is not None and c.proc.returncode is None]
         for child in apis:

@@ -387,9 +387,6 @@ def test_stop_drains_in_flight_requests_and_leaves_no_process(head_node, record_
 
 
 @pytest.mark.system
-@pytest.mark.xfail(strict=True, reason="daemon: the supervisor's loop sends WATCHDOG=1 after the stop request (the "
-                   "iteration that handles SIGTERM), which re-arms systemd's watchdog, then sends none while it drains; "
-                   "a drain longer than WatchdogSec then ends in SIGABRT and Result=watchdog")
 def test_stop_with_a_drain_longer_than_the_watchdog_period_ends_cleanly(head_node):
     """systemd stops watching at `stop`, but any WATCHDOG=1 that arrives afterwards re-arms it.
     Made deterministic: the supervisor is held (SIGSTOP) just past one ping interval, so its
@@ -422,11 +419,9 @@ MN_PORTS = {"DPSERVE_PORT": "8100", "DPSERVE_DATA_PARALLEL_SUPERVISOR_PORT": "93
 
 
 @pytest.mark.system
-@pytest.mark.skipif(os.environ.get("DPSERVE_SYSTEM_TEST_WORKER") != "1",
-                    reason="needs multi-node: issue 5 (runs with DPSERVE_SYSTEM_TEST_WORKER=1)")
 def test_worker_unit_joins_the_head(testbed, head_node, demo_model_dir):
-    """dpserve-worker@mn on a second node joins a head running `dpserve head` (an instance
-    drop-in until the head unit runs it, issue 5); a request pinned to the worker's rank succeeds."""
+    """dpserve-worker@mn on a second node joins the head unit's `dpserve head`; a request
+    pinned to the worker's rank succeeds."""
     head = head_node
     worker = testbed.add_node("worker", binds=[(demo_model_dir, NODE_MODEL_DIR)])
     worker.run(dpserve_bin(), "install-units", timeout=120)
@@ -438,8 +433,6 @@ def test_worker_unit_joins_the_head(testbed, head_node, demo_model_dir):
         node.write_file(f"/etc/dpserve/{MN}.env", "".join(f"{k}={v}\n" for k, v in {**settings, **extra}.items()), mode=0o640)
         node.write_file(f"/etc/dpserve/{MN}.key", "system-test-shared-secret-0123456789abcdef\n", mode=0o600)
         node.run("chown", "dpserve:dpserve", f"/etc/dpserve/{MN}.key")
-    head.write_file(f"/etc/systemd/system/dpserve-head@{MN}.service.d/60-head.conf",
-                    f"[Service]\nExecStart=\nExecStart={dpserve_bin()} head\n")
     for node in (head, worker):
         node.systemctl("daemon-reload")
     units = ((head, f"dpserve-head@{MN}.service"), (worker, f"dpserve-worker@{MN}.service"))
