@@ -249,6 +249,7 @@ class EngineProcess:
         addresses = self.io.register(self.log, lambda: self.should_stop)
         if self.should_stop:
             return
+        self.log.info("registered with the coordinator", address=self.cfg.coordinator_address, node_rank=self.cfg.node_rank)
         self.io.connect_api_servers(addresses)
         self.io.report(EngineReady(self.rank, self.incarnation))
         self._report_load(force=True)

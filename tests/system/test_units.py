@@ -97,7 +97,7 @@ def test_install_units_renders_exec_start_and_is_idempotent(tmp_path):
 def test_install_units_default_bin_is_this_environments_dpserve(tmp_path):
     install(tmp_path)
     text = (tmp_path / "etc/systemd/system/dpserve-head@.service").read_text()
-    assert f"ExecStart={dpserve_bin()} serve\n" in text
+    assert f"ExecStart={dpserve_bin()} head\n" in text
 
 
 def test_install_units_rejects_a_relative_bin(tmp_path):
