@@ -429,7 +429,7 @@ def test_worker_unit_joins_the_head(testbed, head_node, demo_model_dir):
     settings = {**MN_PORTS, "DPSERVE_MODEL": NODE_MODEL_DIR, "DPSERVE_SERVED_MODEL_NAME": "demo", "DPSERVE_HOST": "0.0.0.0",
                 "DPSERVE_DATA_PARALLEL_SIZE": "2", "DPSERVE_DATA_PARALLEL_SIZE_LOCAL": "1", "DPSERVE_API_SERVER_COUNT": "1",
                 "DPSERVE_DATA_PARALLEL_ADDRESS": head.address, "DPSERVE_DATA_PARALLEL_KEY_FILE": f"/etc/dpserve/{MN}.key"}
-    for node, extra in ((head, {}), (worker, {"DPSERVE_DATA_PARALLEL_START_RANK": "1"})):
+    for node, extra in ((head, {}), (worker, {"DPSERVE_DATA_PARALLEL_START_RANK": "1", "DPSERVE_HEADLESS": "true"})):
         node.write_file(f"/etc/dpserve/{MN}.env", "".join(f"{k}={v}\n" for k, v in {**settings, **extra}.items()), mode=0o640)
         node.write_file(f"/etc/dpserve/{MN}.key", "system-test-shared-secret-0123456789abcdef\n", mode=0o600)
         node.run("chown", "dpserve:dpserve", f"/etc/dpserve/{MN}.key")
