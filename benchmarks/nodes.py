@@ -9,6 +9,7 @@ process group, even when the benchmark fails; nothing here asserts figures.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import signal
@@ -19,9 +20,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
 
 import psutil
 
@@ -43,6 +44,25 @@ VLLM_ENV = {
 }
 
 
+_LIVE: set[Server] = set()  # spawned and not yet stopped
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for server in list(_LIVE):
+        server.stop(timeout=5)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (e.g. from `timeout`) into SystemExit, so that `finally`
+    blocks and the atexit hook stop every server this process started."""
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -57,7 +77,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_demo_model(directory: Optional[str] = None) -> str:
+def ensure_demo_model(directory: str | None = None) -> str:
     """The demo model via `dpserve demo-model DIR` (a no-op once it is complete)."""
     if directory is None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -66,6 +86,26 @@ def ensure_demo_model(directory: Optional[str] = None) -> str:
         subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "demo-model", directory],
                        check=True, stdout=subprocess.DEVNULL)
     return os.path.abspath(directory)
+
+
+def code_tree_env(tree: str, into: str | None = None) -> dict:
+    """Env that makes `import dpserve.*` load `tree`'s engine/ and daemons/ instead of
+    the installed (editable) ones: a dpserve/{engine,daemons} shim first on PYTHONPATH,
+    which the import system searches before the editable finder. `tree` is any folder
+    holding engine/ and daemons/, e.g. `git archive HEAD engine daemons | tar -x -C DIR`."""
+    tree = os.path.abspath(tree)
+    for sub in ("engine", "daemons"):
+        if not os.path.isfile(os.path.join(tree, sub, "__init__.py")):
+            raise ValueError(f"{tree} has no {sub}/__init__.py: not a dpserve source tree")
+    into = into or tempfile.mkdtemp(prefix="dpserve-code-")
+    pkg = os.path.join(into, "dpserve")
+    os.makedirs(pkg, exist_ok=True)
+    for sub in ("engine", "daemons"):
+        link = os.path.join(pkg, sub)
+        if not os.path.islink(link):
+            os.symlink(os.path.join(tree, sub), link)
+    extra = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": into + (os.pathsep + extra if extra else "")}
 
 
 def load_average() -> str:
@@ -115,16 +155,16 @@ class Server:
 
     name = "server"
 
-    def __init__(self, env: Optional[dict] = None, log_dir: Optional[str] = None) -> None:
+    def __init__(self, env: dict | None = None, log_dir: str | None = None) -> None:
         self.env = env or {}
         self.tmp = tempfile.mkdtemp(prefix=f"{self.name}-bench-", dir=log_dir)
         self.log_path = os.path.join(self.tmp, "server.log")
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.port = 0
-        self.ready_s: Optional[float] = None
+        self.ready_s: float | None = None
         self._log = None
         self._t0 = 0.0
-        self._known: set[int] = set()
+        self._known: dict[int, float] = {}  # pid -> create time, of every process seen in the tree
 
     @property
     def url(self) -> str:
@@ -139,6 +179,7 @@ class Server:
         self._t0 = time.monotonic()
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, cwd=self.tmp)
+        _LIVE.add(self)
 
     def is_ready(self) -> bool:
         raise NotImplementedError
@@ -160,7 +201,7 @@ class Server:
             time.sleep(0.05)
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
 
-    def start(self, timeout: float = 300.0) -> "Server":
+    def start(self, timeout: float = 300.0) -> Server:
         self.spawn()
         try:
             self.wait_ready(timeout)
@@ -172,7 +213,8 @@ class Server:
     def _remember_pids(self) -> None:
         try:
             root = psutil.Process(self.proc.pid)
-            self._known |= {root.pid} | {c.pid for c in root.children(recursive=True)}
+            for p in [root, *root.children(recursive=True)]:
+                self._known[p.pid] = p.create_time()
         except psutil.Error:
             pass
 
@@ -190,6 +232,7 @@ class Server:
         """SIGTERM the group, wait against one deadline, SIGKILL what is left, reap."""
         if self.proc is None:
             return
+        _LIVE.discard(self)
         self._remember_pids()
         if self.proc.poll() is None:
             try:
@@ -204,10 +247,10 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        for pid in self._known:  # children that left the group (none should) go too
+        for pid, created in self._known.items():  # children that left the group (none should) go too
             try:
                 p = psutil.Process(pid)
-                if p.create_time() <= time.time():
+                if p.create_time() == created:  # not a recycled pid
                     p.kill()
             except psutil.Error:
                 pass
@@ -224,7 +267,7 @@ class Server:
         except OSError:
             return ""
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -237,7 +280,7 @@ class DpNode(Server):
     name = "dpserve"
 
     def __init__(self, model_dir: str, dp: int = 1, api: int = 1, extra: Sequence[str] = (),
-                 env: Optional[dict] = None, log_dir: Optional[str] = None) -> None:
+                 env: dict | None = None, log_dir: str | None = None) -> None:
         super().__init__(env, log_dir)
         self.model_dir = model_dir
         self.dp, self.api = dp, api
@@ -300,7 +343,7 @@ class BaselineNode(Server):
         return [psutil.Process(self.proc.pid)]
 
 
-def vllm_python(venv: Optional[str]) -> Optional[str]:
+def vllm_python(venv: str | None) -> str | None:
     """The vLLM venv's python if vLLM is installed there, else None."""
     venv = venv or os.environ.get("DPSERVE_VLLM_VENV") or DEFAULT_VLLM_VENV
     py = os.path.join(venv, "bin", "python")
@@ -317,8 +360,8 @@ class VllmNode(Server):
     name = "vllm"
 
     def __init__(self, venv: str, model_dir: str, api: int = 1, max_model_len: int = 512,
-                 dtype: str = "bfloat16", extra: Sequence[str] = (), env: Optional[dict] = None,
-                 log_dir: Optional[str] = None) -> None:
+                 dtype: str = "bfloat16", extra: Sequence[str] = (), env: dict | None = None,
+                 log_dir: str | None = None) -> None:
         super().__init__({**VLLM_ENV, **(env or {})}, log_dir)
         self.venv = venv
         self.model_dir = model_dir
@@ -343,9 +386,9 @@ class VllmNode(Server):
     def api_processes(self) -> list[psutil.Process]:
         """The processes that serve HTTP: the ones listening on the port.
 
-        With one API server and VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine core
-        runs inside the API-server process, so its CPU includes the model's
-        (see api_includes_engine)."""
+        `vllm serve` runs its engine core in a process of its own (VLLM::EngineCore)
+        even with VLLM_ENABLE_V1_MULTIPROCESSING=0, so these hold no model work;
+        engine_separate says whether that held for this run."""
         out = []
         for p in self.all_processes():
             try:
@@ -361,8 +404,15 @@ class VllmNode(Server):
         return out
 
     @property
-    def api_includes_engine(self) -> bool:
-        return self.api == 1 and self.env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    def engine_separate(self) -> bool:
+        api = {p.pid for p in self.api_processes()}
+        for p in self.all_processes():
+            try:
+                if p.pid not in api and "EngineCore" in p.name():
+                    return True
+            except psutil.Error:
+                pass
+        return False
 
 
 # ----------------------------------------------------------------- measuring
@@ -374,58 +424,65 @@ class Measured:
 
     label: str
     result: LoadResult
-    api_cpu_s_per_s: Optional[float] = None  # CPU seconds per wall second, all API processes
-    api_cpu_us_per_req: Optional[float] = None
+    api_cpu_s_per_s: float | None = None  # CPU seconds per wall second, all API processes
+    api_cpu_us_per_req: float | None = None
     api_rss_mb: list[float] = field(default_factory=list)
     loadavg: str = ""
+    bystander_cpu_s_per_s: float | None = None  # CPU of other servers left running meanwhile
 
     def to_dict(self) -> dict:
         return {"label": self.label, "api_cpu_s_per_s": self.api_cpu_s_per_s,
                 "api_cpu_us_per_req": self.api_cpu_us_per_req, "api_rss_mb": self.api_rss_mb,
-                "loadavg": self.loadavg, "result": self.result.to_dict()}
+                "loadavg": self.loadavg, "bystander_cpu_s_per_s": self.bystander_cpu_s_per_s,
+                "result": self.result.to_dict()}
 
 
-async def measure(server: Server, cfg: LoadConfig, label: str = "") -> Measured:
+async def measure(server: Server, cfg: LoadConfig, label: str = "",
+                  bystanders: Sequence[Server] = ()) -> Measured:
     """run_load against `server` while sampling its API processes' CPU over the
     measurement window. CPU per request = (CPU s per wall s) / (req per wall s):
     both are rates over nearly the same window, so a slightly misaligned edge
-    costs nothing."""
+    costs nothing. `bystanders` (servers left running meanwhile) have all their
+    processes' CPU sampled over the same window, to show any interference."""
     procs = server.api_processes()
+    others = [p for b in bystanders for p in b.all_processes()]
     task = asyncio.ensure_future(run_load(cfg))
-    cpu_rate = None
+    cpu_rate = other_rate = None
     try:
         await asyncio.sleep(max(0.0, cfg.warmup))
         if not task.done():
-            c0, t0 = _cpu_seconds(procs), time.perf_counter()
+            c0, o0, t0 = _cpu_seconds(procs), _cpu_seconds(others), time.perf_counter()
             await asyncio.sleep(max(0.1, (cfg.duration or 10.0) - 0.05))
-            c1, t1 = _cpu_seconds(procs), time.perf_counter()
+            c1, o1, t1 = _cpu_seconds(procs), _cpu_seconds(others), time.perf_counter()
             cpu_rate = (c1 - c0) / (t1 - t0)
+            other_rate = (o1 - o0) / (t1 - t0) if others else None
         result = await task
     finally:
         if not task.done():
             task.cancel()
     m = Measured(label or getattr(server, "label", server.name), result, cpu_rate,
-                 api_rss_mb=[round(x, 1) for x in _rss_mb(procs)], loadavg=load_average())
+                 api_rss_mb=[round(x, 1) for x in _rss_mb(procs)], loadavg=load_average(),
+                 bystander_cpu_s_per_s=other_rate)
     if cpu_rate is not None and result.req_per_s > 0:
         m.api_cpu_us_per_req = cpu_rate / result.req_per_s * 1e6
     return m
 
 
-def measure_sync(server: Server, cfg: LoadConfig, label: str = "") -> Measured:
+def measure_sync(server: Server, cfg: LoadConfig, label: str = "", bystanders: Sequence[Server] = ()) -> Measured:
     from benchmarks.load import _new_loop
 
     loop = _new_loop()
     try:
-        return loop.run_until_complete(measure(server, cfg, label))
+        return loop.run_until_complete(measure(server, cfg, label, bystanders))
     finally:
         loop.close()
 
 
-def fmt(v: Optional[float], nd: int = 1) -> str:
+def fmt(v: float | None, nd: int = 1) -> str:
     return "-" if v is None else f"{v:,.{nd}f}"
 
 
-def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
     return a / b

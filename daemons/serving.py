@@ -11,7 +11,7 @@ import hmac
 import itertools
 import os
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import msgspec
 import zmq
@@ -51,6 +51,16 @@ from .tokenizer import IncrementalDetokenizer, StopChecker, TextTokenizer
 _json_str = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_RANK_HEADER = "X-data-parallel-rank"
+
+
+class _EventStream(web.StreamResponse):
+    """An SSE response whose headers leave with its first event: one socket write, not two.
+
+    (aiohttp's own Response uses the same switch; the bytes on the wire are unchanged.)
+    """
+
+    _send_headers_immediately = False
 
 
 class EngineFailure(Exception):
@@ -76,6 +86,9 @@ class OpenAIServing:
         self._id_prefix = f"{cfg.index:x}{os.urandom(4).hex()}"
         self._ids = itertools.count()
         self._created = int(time.time())
+        # Response headers per serving rank, built once: aiohttp copies them per response anyway.
+        self._json_headers = [{"Content-Type": "application/json", _RANK_HEADER: str(r)} for r in range(self.router.size)]
+        self._sse_headers = [{**_SSE_HEADERS, _RANK_HEADER: str(r)} for r in range(self.router.size)]
 
     # ---------------------------------------------------------------- endpoints
 
@@ -171,7 +184,7 @@ class OpenAIServing:
         endpoint = "chat" if chat else "completions"
         params = self._sampling(req, len(ids), max_tokens)
         stops = stop_strings(req)
-        pinned = parse_rank_header(request.headers.get("X-data-parallel-rank"), self.router.size)
+        pinned = parse_rank_header(request.headers.get(_RANK_HEADER), self.router.size)
         if pinned is not None:
             self.router.check_pin(pinned)
         request_id = f"{self._id_prefix}-{next(self._ids):x}"
@@ -181,12 +194,15 @@ class OpenAIServing:
         self.metrics.routed_to(rank)
         self.num_active += 1
         try:
-            events = self._events(state, stops)
             if req.stream:
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
-                resp = await self._stream(request, state, events, len(ids), chat, include_usage)
+                resp = await self._stream(request, state, self._events(state, stops), len(ids), chat, include_usage)
+            elif stops:
+                text, reason = await self._join(self._events(state, stops))
+                resp = self._complete(state, text, reason, len(ids), chat)
             else:
-                resp = await self._complete(state, events, len(ids), chat)
+                text, reason = await self._collect(state)
+                resp = self._complete(state, text, reason, len(ids), chat)
             self.metrics.observe(endpoint, resp.status, time.perf_counter() - t0)
             return resp
         except EngineFailure as exc:
@@ -244,21 +260,44 @@ class OpenAIServing:
             if text:
                 yield text, None
 
-    async def _complete(self, state: RequestState, events, num_prompt: int, chat: bool) -> web.Response:
+    async def _collect(self, state: RequestState) -> tuple[str, str]:
+        """A whole answer without stop strings: wait for the end, then decode once.
+
+        Same text as _events would give (for byte-level BPE the incremental
+        detokenizer's pieces concatenate to one decode), without its per-step work.
+        """
+        ids: list[int] = []
+        while True:
+            if not state.pending and not state.is_finished:
+                await state.event.wait()
+            last = state.take()
+            finished = state.finish_reason
+            if finished == FINISH_ERROR:
+                raise EngineFailure(state.error_status, state.error or "engine error")
+            if finished and state.stop_token_id is not None and last and last[-1] == state.stop_token_id:
+                last = last[:-1]  # a stop token ends the text; it is counted, not shown
+            ids += last
+            if finished:
+                return (self.tokenizer.decode(ids) if ids else ""), finished
+
+    @staticmethod
+    async def _join(events) -> tuple[str, str]:
         parts = []
         reason = "stop"
         async for text, fin in events:
             parts.append(text)
             if fin:
                 reason = fin
-        text = "".join(parts)
+        return "".join(parts), reason
+
+    def _complete(self, state: RequestState, text: str, reason: str, num_prompt: int, chat: bool) -> web.Response:
         usage = Usage(num_prompt, state.num_output_tokens, num_prompt + state.num_output_tokens)
         rid = state.request_id
         if chat:
             body = ChatCompletionResponse(f"chatcmpl-{rid}", int(time.time()), self.model_name, [ChatChoice(0, AssistantMessage(text), None, reason)], usage=usage)
         else:
             body = CompletionResponse(f"cmpl-{rid}", int(time.time()), self.model_name, [CompletionChoice(0, text, None, reason)], usage=usage)
-        resp = web.Response(body=encode(body), content_type="application/json", headers={"X-data-parallel-rank": str(state.rank)})
+        resp = web.Response(body=encode(body), headers=self._json_headers[state.rank])
         if self.draining:
             resp.force_close()
         return resp
@@ -273,13 +312,16 @@ class OpenAIServing:
         else:
             prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
             suffix_open = b',"logprobs":null,"finish_reason":null}]}\n\n'
-        resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, "X-data-parallel-rank": str(state.rank)})
+        resp = _EventStream(status=200, headers=self._sse_headers[state.rank])
         if self.draining:
             resp.force_close()
         await resp.prepare(request)
         if chat:
             first = ChatCompletionChunk(rid, created, self.model_name, [ChatChunkChoice(0, Delta(role="assistant", content=""), None, None)])
             await resp.write(b"data: " + encode(first) + b"\n\n")
+        # The last event, the usage chunk, [DONE] and the end of the chunked body
+        # leave in one write: nothing is awaited between them anyway.
+        tail = b""
         try:
             async for text, fin in events:
                 if fin is None:
@@ -289,18 +331,15 @@ class OpenAIServing:
                     last = ChatCompletionChunk(rid, created, self.model_name, [ChatChunkChoice(0, Delta(content=text or None), None, fin)])
                 else:
                     last = CompletionResponse(rid, created, self.model_name, [CompletionChoice(0, text, None, fin)])
-                await resp.write(b"data: " + encode(last) + b"\n\n")
+                tail = b"data: " + encode(last) + b"\n\n"
         except EngineFailure as exc:
             err = ErrorResponse(ErrorBody(str(exc), "service_unavailable" if exc.status == 503 else "invalid_request_error", None, "engine_error"))
-            await resp.write(b"data: " + encode(err) + b"\n\n" + _DONE)
-            await resp.write_eof()
+            await resp.write_eof(b"data: " + encode(err) + b"\n\n" + _DONE)
             self.metrics.observe("stream", exc.status)
             return resp
         if include_usage:
             usage = Usage(num_prompt, state.num_output_tokens, num_prompt + state.num_output_tokens)
             tail_cls = ChatCompletionChunk if chat else CompletionResponse
-            await resp.write(b"data: " + encode(tail_cls(rid, created, self.model_name, [], usage=usage)) + b"\n\n" + _DONE)
-        else:
-            await resp.write(_DONE)
-        await resp.write_eof()
+            tail += b"data: " + encode(tail_cls(rid, created, self.model_name, [], usage=usage)) + b"\n\n"
+        await resp.write_eof(tail + _DONE)
         return resp

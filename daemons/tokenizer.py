@@ -7,9 +7,10 @@ transformers (directly or through a dependency): API servers start in well under
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import jinja2
 from jinja2 import nodes
