@@ -12,6 +12,7 @@ import asyncio
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -165,6 +166,7 @@ class Server:
         self._log = None
         self._t0 = 0.0
         self._known: dict[int, float] = {}  # pid -> create time, of every process seen in the tree
+        self.keep_logs = bool(os.environ.get("DPSERVE_BENCH_KEEP_LOGS"))  # else removed on stop, unless start failed
 
     @property
     def url(self) -> str:
@@ -189,6 +191,7 @@ class Server:
         deadline = self._t0 + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.keep_logs = True
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while starting; "
                                    f"log {self.log_path}:\n{self.log_tail()}")
             try:
@@ -199,6 +202,7 @@ class Server:
             except OSError:
                 pass
             time.sleep(0.05)
+        self.keep_logs = True
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
 
     def start(self, timeout: float = 300.0) -> Server:
@@ -260,6 +264,8 @@ class Server:
             pass
         if self._log is not None and not self._log.closed:
             self._log.close()
+        if not self.keep_logs:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def log_tail(self, n: int = 4000) -> str:
         try:

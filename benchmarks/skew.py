@@ -26,8 +26,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -113,6 +116,9 @@ def main(argv=None) -> int:
         f"{args.long_fraction:.0%} long ({long_words} words, ~{long_mean} tokens, max {long_max}); "
         f"max_model_len {max_len}; load {load_average()}")
 
+    scratch = tempfile.mkdtemp(prefix="skew-code-")
+    tree_envs = {tree: code_tree_env(tree, os.path.join(scratch, str(i)))
+                 for i, tree in enumerate(sorted({p.partition("@")[2] for p in policies} - {""}))}
     runs: dict[str, list[Measured]] = {pol: [] for pol in policies}
     errors: dict[str, str] = {}
     for rnd in range(rounds):
@@ -120,7 +126,7 @@ def main(argv=None) -> int:
         for pol in order:
             policy, _, tree = pol.partition("@")
             extra = ["--lb-policy", policy, "--max-model-len", str(max_len)]
-            node_env = {**env, **(code_tree_env(tree) if tree else {})}
+            node_env = {**env, **tree_envs.get(tree, {})}
             node = DpNode(model, args.dp, args.api or args.dp, extra=extra, env=node_env)
             try:
                 node.start()
@@ -138,6 +144,8 @@ def main(argv=None) -> int:
                 log(f"  round {rnd + 1} {pol}: FAILED: {errors[pol][:500]}")
             finally:
                 node.stop()
+
+    shutil.rmtree(scratch, ignore_errors=True)
 
     def med(pol: str, fn) -> float | None:
         xs = [fn(m) for m in runs[pol]]

@@ -89,7 +89,10 @@ def plan_children(
         children.append(Child("coordinator", "coordinator", -1, "dpserve.daemons.coordinator", _enc(coord), extra_env={"OMP_NUM_THREADS": "1"}))
     # CPU ranks share the node's cores; oversubscribed torch threads stall each
     # other by orders of magnitude (a 4 ms step became 300-800 ms in tests).
-    engine_threads = max(1, len(os.sched_getaffinity(0)) // cfg.size_local)
+    # The API servers need cores too: reserve one per API server, up to half the node.
+    ncpu = len(os.sched_getaffinity(0))
+    api_count = cfg.api_server_count if cfg.runs_api_servers else 0
+    engine_threads = max(1, (ncpu - min(api_count, ncpu // 2)) // cfg.size_local)
     for rank in cfg.local_ranks:
         name = f"engine-dp{rank}"
         ecfg = EngineProcessConfig(

@@ -121,8 +121,12 @@ class Router:
     def score(self, rank: int) -> int:
         load = self.loads[rank]
         if self.policy == "tokens":
-            # Outstanding work in tokens; our own unreported sends count in full.
-            return load.num_waiting_prefill_tokens + load.num_remaining_decode_tokens + self.sent_tokens[rank]
+            # Outstanding work in tokens; our own unreported sends count in full,
+            # and never less than what we alone still have in flight there: a
+            # prompt admitted at once is never reported as waiting, so without
+            # this floor a rank busy prefilling a long prompt looks light.
+            reported = load.num_waiting_prefill_tokens + load.num_remaining_decode_tokens + self.sent_tokens[rank]
+            return max(reported, self.inflight_tokens[rank])
         # queue: the table's counts plus what we sent since it was published,
         # never less than what we alone still have in flight there.
         reported = QUEUE_WAITING_WEIGHT * load.num_waiting + load.num_running + self.sent[rank]

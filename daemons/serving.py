@@ -263,8 +263,8 @@ class OpenAIServing:
     async def _collect(self, state: RequestState) -> tuple[str, str]:
         """A whole answer without stop strings: wait for the end, then decode once.
 
-        Same text as _events would give (for byte-level BPE the incremental
-        detokenizer's pieces concatenate to one decode), without its per-step work.
+        The same text as _events: the incremental detokenizer exists to reproduce
+        exactly this one decode piece by piece, which a whole answer does not need.
         """
         ids: list[int] = []
         while True:

@@ -1,4 +1,5 @@
-"""One shared DP=2 / api-server-count=2 server for the integration tests that can share it."""
+"""One shared DP=2 / api-server-count=2 server per test module that asks for it (stopped
+when the module ends, so it does not sit on the 2 cores through later suites)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ MAX_MODEL_LEN = 256
 MAX_BODY = 65536
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(demo_model_dir):
     srv = DpServer(
         demo_model_dir,
@@ -32,7 +33,7 @@ def server(demo_model_dir):
         srv.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def client(server):
     import openai
 

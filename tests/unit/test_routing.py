@@ -142,3 +142,11 @@ def test_rank_table_expiry_and_reregistration():
     assert t.register(register(0, "a"), 2.2) == ""
     assert t.ready(EngineReady(0, "a"), 2.2)
     assert t.snapshot().ranks[0].is_alive
+
+
+def test_tokens_policy_counts_own_inflight_work_the_table_has_not_seen():
+    # a long prompt admitted at once never shows up as waiting; our in-flight count does
+    router = live_router(2, "tokens")
+    router.on_send(0, 1800)
+    router.update_table(table(2, RankLoad(0, "i0", True, 1, 0, 0, 0), RankLoad(1, "i1", True, 1, 0, 0, 40)))
+    assert router.pick() == 1
