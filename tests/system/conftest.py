@@ -39,6 +39,7 @@ TEST_DROPIN = "/etc/systemd/system/dpserve-head@.service.d/50-system-test.conf"
 TEST_WATCHDOG_S = 10
 TEST_START_TIMEOUT_S = 6
 HOME_ROOTS = ("/root", "/home", "/run/user")
+TMP_ROOTS = ("/tmp", "/var/tmp")  # hidden by the units' PrivateTmp=yes
 API_PORT = 8000
 HEALTH_PORT = 9256
 
@@ -72,6 +73,10 @@ def dpserve_bin() -> str:
 
 def _under_home(path: str) -> bool:
     return any(path == h or path.startswith(h + "/") for h in HOME_ROOTS)
+
+
+def _under_tmp(path: str) -> bool:
+    return any(path.startswith(t + "/") for t in TMP_ROOTS)
 
 
 def project_paths() -> list[str]:
@@ -158,13 +163,17 @@ def dropin_text(paths: list[str]) -> str:
         f"TimeoutStartSec={TEST_START_TIMEOUT_S}",
         "RestartSec=1",
     ]
-    hidden = [p for p in paths if _under_home(p)]
-    if hidden:
+    in_home = [p for p in paths if _under_home(p)]
+    in_tmp = [p for p in paths if _under_tmp(p)]
+    if in_home:
         lines += [
             "# The checkout or interpreter lives in a home directory: show exactly those paths.",
             "ProtectHome=tmpfs",
-            "BindReadOnlyPaths=" + " ".join(hidden),
         ]
+    if in_tmp:
+        lines.append("# The checkout lives under /tmp (a CI clone): bind it into the private /tmp.")
+    if in_home or in_tmp:
+        lines.append("BindReadOnlyPaths=" + " ".join(in_home + in_tmp))
     return "\n".join(lines) + "\n"
 
 
