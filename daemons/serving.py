@@ -69,6 +69,20 @@ class EngineFailure(Exception):
         self.status = status
 
 
+def _take_outputs(state: RequestState) -> tuple[list[int], str | None]:
+    """The token ids that arrived and the finish reason, if any; raises EngineFailure.
+
+    A stop token ends the text: it is counted in usage, not shown.
+    """
+    ids = state.take()
+    finished = state.finish_reason
+    if finished == FINISH_ERROR:
+        raise EngineFailure(state.error_status, state.error or "engine error")
+    if finished and state.stop_token_id is not None and ids and ids[-1] == state.stop_token_id:
+        ids = ids[:-1]
+    return ids, finished
+
+
 class OpenAIServing:
     def __init__(self, cfg: ApiServerConfig, tokenizer: TextTokenizer, client: EngineClient, metrics: ApiMetrics, log) -> None:
         self.cfg = cfg
@@ -236,12 +250,7 @@ class OpenAIServing:
         while True:
             if not state.pending and not state.is_finished:
                 await state.event.wait()
-            ids = state.take()
-            finished = state.finish_reason
-            if finished == FINISH_ERROR:
-                raise EngineFailure(state.error_status, state.error or "engine error")
-            if finished and state.stop_token_id is not None and ids and ids[-1] == state.stop_token_id:
-                ids = ids[:-1]  # a stop token ends the text; it is counted, not shown
+            ids, finished = _take_outputs(state)
             text = detok.step(ids) if ids else ""
             if finished:
                 text += detok.flush()
@@ -270,12 +279,7 @@ class OpenAIServing:
         while True:
             if not state.pending and not state.is_finished:
                 await state.event.wait()
-            last = state.take()
-            finished = state.finish_reason
-            if finished == FINISH_ERROR:
-                raise EngineFailure(state.error_status, state.error or "engine error")
-            if finished and state.stop_token_id is not None and last and last[-1] == state.stop_token_id:
-                last = last[:-1]  # a stop token ends the text; it is counted, not shown
+            last, finished = _take_outputs(state)
             ids += last
             if finished:
                 return (self.tokenizer.decode(ids) if ids else ""), finished

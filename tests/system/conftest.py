@@ -24,12 +24,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.system.testbed import Node, Testbed, diff_host_state, host_state, unsupported_reason
+from tests.system.testbed import Node, Testbed, diff_host_state, host_state, unsupported_reason, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_MODEL_DIR = "/opt/dpserve-test/model"
@@ -211,14 +210,8 @@ def ensure_serving(node: Node) -> int:
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    """The testbed's deadline poll, with the tests' default interval."""
+    return wait_for(predicate, timeout, what, interval)
 
 
 def journal_cursor(node: Node) -> str:
