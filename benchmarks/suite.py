@@ -133,18 +133,23 @@ def run_baseline(wls: list[Workload], args, log) -> dict:
     return entry
 
 
-def ready_times(model: str, counts: list[int], repeats: int, args, log) -> dict[int, list[float]]:
-    """Start-to-ready seconds for DP=1 and each api-server count, alternating the order per repeat."""
-    out: dict[int, list[float]] = {n: [] for n in counts}
+def ready_times(model: str, counts: list[int], repeats: int, args, log) -> dict[str, list[float]]:
+    """Start-to-ready seconds for DP=1 and each api-server count (and launch mode),
+    alternating the order per repeat. Keys: "8", or "8 exec" when several modes run."""
+    modes = args.ready_launch.split(",")
+    runs = [(n, mode) for n in counts for mode in modes]
+    label = {(n, m): f"{n} {m}" if len(modes) > 1 else str(n) for n, m in runs}
+    out: dict[str, list[float]] = {label[r]: [] for r in runs}
     for rep in range(repeats):
-        for n in (counts if rep % 2 == 0 else list(reversed(counts))):
-            node = DpNode(model, 1, n, extra=args.serve_arg, env=node_env(args))
+        for n, mode in (runs if rep % 2 == 0 else list(reversed(runs))):
+            extra = [*args.serve_arg, "--api-server-launch", mode]
+            node = DpNode(model, 1, n, extra=extra, env=node_env(args))
             try:
                 node.start(timeout=args.ready_timeout)
-                out[n].append(node.ready_s)
-                log(f"  api-server-count {n}: ready in {node.ready_s:.2f} s (load {load_average()})")
+                out[label[n, mode]].append(node.ready_s)
+                log(f"  api-server-count {label[n, mode]}: ready in {node.ready_s:.2f} s (load {load_average()})")
             except Exception as exc:
-                log(f"  api-server-count {n}: FAILED: {exc}"[:500])
+                log(f"  api-server-count {label[n, mode]}: FAILED: {exc}"[:500])
             finally:
                 node.stop()
     return out
@@ -202,13 +207,21 @@ def main_table(entries: list[dict], baseline: dict | None, wls: list[Workload]) 
     return render([""] + [e["label"] for e in cols], rows)
 
 
-def ready_table(times: dict[int, list[float]]) -> str:
-    base = statistics.median(times[min(times)]) if times.get(min(times)) else None
+def ready_table(times: dict[str, list[float]]) -> str:
+    """Each row against the smallest api-server count of the same launch mode."""
+    def count(key: str) -> int:
+        return int(key.split()[0])
+
+    def mode(key: str) -> str:
+        return key.split(" ", 1)[1] if " " in key else ""
+
     rows = []
-    for n, ts in times.items():
+    for key, ts in times.items():
+        first = min((k for k in times if mode(k) == mode(key)), key=count)
+        base = statistics.median(times[first]) if times[first] else None
         med = statistics.median(ts) if ts else None
-        rows.append([str(n), fmt(med, 2), " ".join(f"{t:.2f}" for t in ts) or "-", fmt(ratio(med, base), 2)])
-    return render(["api-server-count (dp1)", "ready s (median)", "runs", f"vs {min(times)}"], rows)
+        rows.append([key, fmt(med, 2), " ".join(f"{t:.2f}" for t in ts) or "-", fmt(ratio(med, base), 2)])
+    return render(["api-server-count (dp1)", "ready s (median)", "runs", "vs fewest"], rows)
 
 
 def to_json(info: dict, entries: list[dict], baseline: dict | None, times: dict) -> dict:
@@ -219,7 +232,7 @@ def to_json(info: dict, entries: list[dict], baseline: dict | None, times: dict)
         d["workloads"] = {k: m.to_dict() for k, m in e.get("workloads", {}).items()}
         return d
     return {**info, "configs": [conv(e) for e in entries], "baseline": conv(baseline),
-            "ready_times_s": {str(n): ts for n, ts in times.items()}}
+            "ready_times_s": times}
 
 
 def main(argv=None) -> int:
@@ -235,6 +248,7 @@ def main(argv=None) -> int:
     p.add_argument("--ready-counts", default=None, help="api-server counts to time (default 1,2,4,8; quick 1,8)")
     p.add_argument("--ready-repeats", type=int, default=None, help="starts per count (default 2; quick 1)")
     p.add_argument("--no-ready", action="store_true", help="skip the start-to-ready timings")
+    p.add_argument("--ready-launch", default="prefork", help="--api-server-launch mode(s) to time, e.g. exec,prefork")
     p.add_argument("--no-baseline", action="store_true", help="skip the bare aiohttp ceiling")
     p.add_argument("--omp-threads", default="1",
                    help="OMP_NUM_THREADS for dpserve's children (default 1, as vLLM's best CPU config; "

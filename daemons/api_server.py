@@ -26,6 +26,7 @@ from dpserve.engine.procutil import (
     SupervisorLink,
     child_config_from_env,
     die_with_parent,
+    set_process_name,
 )
 from dpserve.engine.protocol import ApiServerRegister, Codec
 
@@ -223,6 +224,7 @@ class ApiServer:
 def main() -> None:
     cfg = child_config_from_env(ApiServerConfig)
     die_with_parent(cfg.parent_pid)
+    set_process_name(f"dpserve-{cfg.name}")
     log = setup_logging(cfg.name, cfg.log_level).bind(api_server=cfg.index)
     async def run() -> int:
         server = ApiServer(cfg, log)

@@ -83,7 +83,7 @@ class Child:
         self.pass_fds = tuple(pass_fds)
         self.port = port
         self.probe_path = probe_path
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc = None  # asyncio.subprocess.Process, or launcher.AdoptedProcess
         self.pid = 0
         self.state = ChildState.NEW
         self.started_at = 0.0
@@ -130,37 +130,46 @@ class Child:
         }
 
 
-async def spawn(child: Child, log_stream) -> None:
-    """Start the child's process; its output is pumped into `log_stream` line by line."""
+async def spawn(child: Child, log_stream, launcher=None) -> None:
+    """Start the child's process; its output is pumped into `log_stream` line by line.
+
+    API servers are forked from the prefork launcher when one is given and
+    able; otherwise (and for every other kind) the process is exec'd.
+    """
+    requested = time.monotonic()  # the start counts from here, launcher wait included
     env = dict(os.environ)
     env[CHILD_CONFIG_ENV] = child.config_json.decode()
     env.setdefault("PYTHONUNBUFFERED", "1")
     for key, value in child.extra_env.items():
         env.setdefault(key, value)  # the operator's own setting wins
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        child.module,
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        pass_fds=child.pass_fds,
-        close_fds=True,
-    )
+    proc = None
+    if launcher is not None and child.kind == "api":
+        proc = await launcher.launch(child.name, child.module, env, child.pass_fds)
+    if proc is None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            child.module,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            pass_fds=child.pass_fds,
+            close_fds=True,
+        )
     child.proc = proc
     child.pid = proc.pid
     child.state = ChildState.STARTING
-    child.started_at = time.monotonic()
-    child.last_heartbeat = child.started_at
+    child.started_at = requested
+    child.last_heartbeat = time.monotonic()
     child.consecutive_failures = 0
     child.kill_requested = False
     child.restart_requested = False
-    asyncio.create_task(_pump(proc.stdout, child.name, b"<6>", log_stream))
-    asyncio.create_task(_pump(proc.stderr, child.name, b"<4>", log_stream))
+    asyncio.create_task(pump(proc.stdout, child.name, b"<6>", log_stream))
+    asyncio.create_task(pump(proc.stderr, child.name, b"<4>", log_stream))
 
 
-async def _pump(stream: asyncio.StreamReader, name: str, default_prio: bytes, out) -> None:
+async def pump(stream: asyncio.StreamReader, name: str, default_prio: bytes, out) -> None:
     """Copy a child's lines; lines without our priority prefix get one and the child's name."""
     tag = f"{name}: ".encode()
     while True:

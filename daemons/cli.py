@@ -18,7 +18,7 @@ import urllib.request
 import click
 from dpserve.engine.procutil import EXIT_CONFIG, die_with_parent
 
-from .config import LB_POLICIES, RESTART_POLICIES, ServeConfig
+from .config import API_SERVER_LAUNCH, LB_POLICIES, RESTART_POLICIES, ServeConfig
 
 DEMO_MODEL_NAME = "dpserve-demo"
 
@@ -61,6 +61,7 @@ _SERVE_OPTIONS = [
     _opt("--coordinator-startup-timeout-s", default=60.0, type=click.FloatRange(min=1), help="Coordinator startup budget."),
     _opt("--api-server-startup-timeout-base-s", default=30.0, type=click.FloatRange(min=1), help="API-server startup budget: base ..."),
     _opt("--api-server-startup-timeout-per-server-s", default=5.0, type=click.FloatRange(min=0), help="... plus this times --api-server-count."),
+    _opt("--api-server-launch", default="prefork", type=click.Choice(API_SERVER_LAUNCH), help="prefork: fork API servers from one process that imported them once; exec: a fresh interpreter each."),
     _opt("--restart-policy", default="always", type=click.Choice(RESTART_POLICIES), help="When a dead child is restarted."),
     _opt("--max-restarts", default=10, type=click.IntRange(1), help="Restarts per child within --restart-window-s before giving up on it."),
     _opt("--restart-window-s", default=300.0, type=click.FloatRange(min=1), help="Window for --max-restarts."),
@@ -137,6 +138,7 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
         coordinator_startup_timeout_s=opts["coordinator_startup_timeout_s"],
         api_server_startup_timeout_base_s=opts["api_server_startup_timeout_base_s"],
         api_server_startup_timeout_per_server_s=opts["api_server_startup_timeout_per_server_s"],
+        api_server_launch=opts["api_server_launch"],
         restart_policy=opts["restart_policy"],
         max_restarts=opts["max_restarts"],
         restart_window_s=opts["restart_window_s"],

@@ -17,6 +17,7 @@ LB_POLICIES = ("queue", "tokens", "round-robin")
 LB_MODES = ("internal", "hybrid", "external", "global")
 ROLES = ("serve", "head", "worker")
 RESTART_POLICIES = ("always", "on-failure", "never")
+API_SERVER_LAUNCH = ("prefork", "exec")
 
 
 class ServeConfig(msgspec.Struct, kw_only=True):
@@ -47,6 +48,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     coordinator_startup_timeout_s: float = 60.0
     api_server_startup_timeout_base_s: float = 30.0
     api_server_startup_timeout_per_server_s: float = 5.0
+    api_server_launch: str = "prefork"  # fork API servers from a pre-imported launcher, or exec each
     restart_policy: str = "always"
     restart_backoff_initial_s: float = 0.5
     restart_backoff_max_s: float = 30.0
@@ -109,6 +111,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--api-server-count must be at least 1")
         if self.lb_policy not in LB_POLICIES:
             raise ValueError(f"--lb-policy must be one of {', '.join(LB_POLICIES)}")
+        if self.api_server_launch not in API_SERVER_LAUNCH:
+            raise ValueError(f"--api-server-launch must be one of {', '.join(API_SERVER_LAUNCH)}")
         if self.restart_policy not in RESTART_POLICIES:
             raise ValueError(f"--restart-policy must be one of {', '.join(RESTART_POLICIES)}")
         if self.probe_interval_s <= 0 or self.probe_timeout_s <= 0 or self.probe_failure_threshold < 1:

@@ -22,6 +22,7 @@ from dpserve.engine.procutil import (
     SupervisorLink,
     child_config_from_env,
     die_with_parent,
+    set_process_name,
 )
 from dpserve.engine.protocol import (
     PROTOCOL_VERSION,
@@ -264,6 +265,7 @@ class Coordinator:
 def main() -> None:
     cfg = child_config_from_env(CoordinatorConfig)
     die_with_parent(cfg.parent_pid)
+    set_process_name("dpserve-coord")
     log = setup_logging(cfg.name, cfg.log_level)
     coord = Coordinator(cfg, log)
     signal.signal(signal.SIGTERM, coord._on_signal)

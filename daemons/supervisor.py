@@ -44,6 +44,7 @@ from dpserve.engine.protocol import (
 from .children import Child, ChildState, spawn
 from .config import Addresses, ServeConfig
 from .health import HealthServer
+from .launcher import Launcher, become_subreaper, reap_strays
 from .notify import Notifier
 from .plan import StartupError, bind_listen_socket, node_address_towards, plan_children
 from .probes import Prober
@@ -73,6 +74,9 @@ class Supervisor:
         self._last_watchdog = 0.0
         self._rolling: asyncio.Task | None = None
         self.port = 0
+        self.launcher: Launcher | None = None
+        self._spawning = 0
+        self._last_stray_sweep = 0.0
 
     # ================================================================ setup
 
@@ -104,6 +108,11 @@ class Supervisor:
         self._coord_codec = Codec(CoordinatorInput)
         for child in plan_children(cfg, self.addr, self.listen_socks, self.max_model_len, self.heartbeat_interval_s):
             self._add(child)
+        if self._children("api") and cfg.api_server_launch == "prefork":
+            if become_subreaper():
+                self.launcher = Launcher(os.getpid(), ["dpserve.daemons.api_server", "uvloop"], self.log, cfg.log_level)
+            else:
+                self.log.warning("cannot become a child subreaper; API servers start with exec")
 
     def _add(self, child: Child) -> None:
         self.children[child.name] = child
@@ -166,6 +175,8 @@ class Supervisor:
                 "api": cfg.api_server_startup_timeout_s,
             }.get(child.kind, cfg.coordinator_startup_timeout_s)
             child.deadline = now + timeout
+        if self.launcher is not None:
+            await self.launcher.start(sys.stderr.buffer)
         await asyncio.gather(*(self._start(c) for c in self.children.values()))
         budget_end = max(c.deadline for c in self.children.values())
         self.notifier.extend_timeout(budget_end - now + 5)
@@ -216,7 +227,11 @@ class Supervisor:
         return EXIT_OK
 
     async def _start(self, child: Child) -> None:
-        await spawn(child, sys.stderr.buffer)
+        self._spawning += 1
+        try:
+            await spawn(child, sys.stderr.buffer, self.launcher)
+        finally:
+            self._spawning -= 1
         self.log.info("child started", child=child.name, pid=child.pid)
         asyncio.create_task(self._wait_exit(child, child.proc))
 
@@ -363,6 +378,13 @@ class Supervisor:
             elif child.state == ChildState.STARTING and child.restarts and now > child.deadline:
                 self.log.error("restarted child did not become ready in time", child=child.name)
                 self._terminate(child, kill_after=self.cfg.kill_grace_s)
+        if now - self._last_stray_sweep > 5.0 and not self._spawning:
+            self._last_stray_sweep = now
+            known = {c.pid for c in self.children.values() if c.proc is not None}
+            if self.launcher is not None:
+                known.add(self.launcher.pid)
+            for pid, rc in reap_strays(known):
+                self.log.warning("reaped a stray process", pid=pid, how=describe_exit(rc))
         code = self._cannot_serve()
         if code:
             self.exit_code = code
@@ -387,6 +409,9 @@ class Supervisor:
         self._rolling = asyncio.create_task(self._rolling_restart())
 
     async def _rolling_restart(self) -> None:
+        if self.launcher is not None:
+            # A fresh launcher, so code upgraded on disk reaches the new API servers.
+            await self.launcher.restart(sys.stderr.buffer)
         for child in self._children("api"):
             if self.phase != "serving":
                 return
@@ -423,6 +448,8 @@ class Supervisor:
         for child in apis:
             self._terminate(child, kill_after=cfg.shutdown_timeout_s + cfg.kill_grace_s)
         await self._wait_all(apis, cfg.shutdown_timeout_s + cfg.kill_grace_s)
+        if self.launcher is not None:
+            await self.launcher.stop()
         self.notifier.status("stopping: engines")
         rest = [c for c in self.children.values() if c.proc is not None and c.proc.returncode is None]
         for child in rest:
@@ -516,4 +543,5 @@ class Supervisor:
             "data_parallel_size": self.cfg.data_parallel_size,
             "api_server_count": self.cfg.api_server_count,
             "children": [c.as_dict(now) for c in self.children.values()],
+            "launcher": self.launcher.as_dict() if self.launcher is not None else None,
         }

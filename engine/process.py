@@ -28,6 +28,7 @@ from .procutil import (
     SupervisorLink,
     child_config_from_env,
     die_with_parent,
+    set_process_name,
 )
 from .protocol import (
     AbortRequests,
@@ -355,6 +356,7 @@ class EngineProcess:
 def main() -> None:
     cfg = child_config_from_env(EngineProcessConfig)
     die_with_parent(cfg.parent_pid)
+    set_process_name(f"dpserve-dp{cfg.engine.rank}")
     from .logs import setup_logging
 
     log = setup_logging(cfg.name, cfg.log_level).bind(rank=cfg.engine.rank)

@@ -33,6 +33,7 @@ EXIT_DESCRIPTIONS = {
 }
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 CHILD_CONFIG_ENV = "DPSERVE_CHILD_CONFIG"
 
@@ -58,6 +59,13 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if parent_pid and os.getppid() != parent_pid:
         os._exit(EXIT_ERROR)
+
+
+def set_process_name(name: str) -> None:
+    """The name `ps -o comm`, top and journald's _COMM show (15 bytes at most)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def describe_exit(returncode: int) -> str:

@@ -106,6 +106,8 @@ class DpServer:
     def refresh_child_pids(self) -> None:
         status = self.status()
         self.child_pids |= {c["pid"] for c in status["children"] if c["pid"]}
+        if (status.get("launcher") or {}).get("pid"):
+            self.child_pids.add(status["launcher"]["pid"])
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
         """Stop the server; SIGKILL the whole group if it does not exit in time."""

@@ -25,6 +25,8 @@ def server(demo_model_dir):
         "--max-model-len", str(MAX_MODEL_LEN),
         "--max-request-body-bytes", str(MAX_BODY),
         "--max-num-seqs", "64",
+        # The API tests run on exec'd API servers; the fault tests cover the default (prefork).
+        "--api-server-launch", "exec",
     )
     try:
         srv.start()

@@ -13,6 +13,7 @@ import signal
 import time
 
 import aiohttp
+import psutil
 import pytest
 
 from tests.server import DpServer, http_get, wait_until
@@ -153,6 +154,38 @@ def test_degraded_node_reports_it(node):
     assert http_get(node.health_url + "/health")[0] == 200
 
 
+def forked(pid: int) -> bool:
+    """An API server forked by the prefork launcher still shows the launcher's command line."""
+    return "dpserve.daemons.launcher" in " ".join(psutil.Process(pid).cmdline())
+
+
+def test_api_servers_are_forked_children_of_the_supervisor(node):
+    status = node.status()
+    launcher = status["launcher"]
+    assert launcher["state"] == "ready" and launcher["pid"], launcher
+    assert psutil.Process(launcher["pid"]).ppid() == node.proc.pid
+    for c in status["children"]:
+        proc = psutil.Process(c["pid"])
+        assert proc.ppid() == node.proc.pid, c  # re-parented to the supervisor, not the launcher
+        expected = {"api": f"dpserve-{c['name']}", "engine": f"dpserve-dp{c['rank']}", "coordinator": "dpserve-coord"}[c["kind"]]
+        assert proc.name() == expected
+        assert forked(c["pid"]) == (c["kind"] == "api"), c
+
+
+def test_dead_launcher_takes_no_api_server_with_it_and_restarts_fall_back_to_exec(node):
+    launcher = node.status()["launcher"]["pid"]
+    os.kill(launcher, signal.SIGKILL)
+    results = asyncio.run(burst(node.url, 40, concurrency=8))
+    assert [s for s, _, _ in results] == [200] * 40, [r for r in results if r[0] != 200][:3]
+    victim = node.child("api-1")
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_until(lambda: node.child("api-1")["pid"] not in (None, victim["pid"]) and fully_ready(node), 60, 0.1, "api-1 to return")
+    assert not forked(node.child("api-1")["pid"])  # exec'd, since no launcher answered
+    assert node.status()["launcher"]["state"] == "failed"
+    assert "prefork launcher unavailable" in node.log()
+    assert [s for s, _, _ in asyncio.run(burst(node.url, 20))] == [200] * 20
+
+
 def test_sighup_rolls_api_servers_without_a_failed_request(node):
     before = {c["name"]: c["pid"] for c in node.status()["children"] if c["kind"] == "api"}
 
@@ -185,3 +218,6 @@ def test_sighup_rolls_api_servers_without_a_failed_request(node):
     assert len(results) > 20
     after = {c["name"]: c["pid"] for c in node.status()["children"] if c["kind"] == "api"}
     assert all(after[n] != before[n] for n in before), (before, after)
+    # The roll starts a fresh launcher first (new code on disk reaches the new API servers).
+    assert node.status()["launcher"]["state"] == "ready"
+    assert all(forked(pid) for pid in after.values()), after

@@ -128,7 +128,7 @@ def test_notify_ready_watchdog_and_drain_on_sigterm(demo_model_dir, tmp_path):
 def test_sigkill_of_the_supervisor_leaves_no_child(demo_model_dir):
     with DpServer(demo_model_dir, "--data-parallel-size", "1", "--api-server-count", "1") as srv:
         pids = set(srv.child_pids)
-        assert len(pids) == 3  # coordinator, engine, api server
+        assert len(pids) == 4  # coordinator, engine, api server, prefork launcher
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.proc.wait(10)
         wait_until(lambda: not any(pid_alive(p) for p in pids), 5, 0.05, "children to die with the supervisor")
