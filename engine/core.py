@@ -137,23 +137,23 @@ class EngineCore:
             return []
         start = time.perf_counter()
 
-        # 1. Schedule: admit from the waiting queue and prefill the newcomers in
-        #    one forward; their first token comes from these logits.
+        # 1. Schedule: admit from the waiting queue and prefill the newcomers,
+        #    one forward per group of similar lengths; their first token comes
+        #    from these logits.
         num_decoding = self.scheduler.num_running
-        admitted = self.scheduler.admit()
-        if admitted:
-            prefill_logits, prefilled = self.runner.prefill([seq.prompt_token_ids for seq in admitted])
+        groups = self.scheduler.admit()
+        prefills = [self.runner.prefill([seq.prompt_token_ids for seq in group]) for group in groups]
 
         # 2. Run: one decode forward over the sequences that were already
-        #    running, then the newcomers join the batch behind them, so the
-        #    logits rows below line up with scheduler.running.
+        #    running, then the newcomers join the batch behind them, group by
+        #    group, so the logits rows below line up with scheduler.running.
         running = self.scheduler.running
         logits = []
         if num_decoding:
             logits.append(self.runner.decode([seq.last_token_id for seq in running[:num_decoding]]))
-        if admitted:
-            self.runner.append(prefilled)
-            logits.append(prefill_logits)
+        if prefills:
+            self.runner.append(*(kv for _, kv in prefills))
+            logits.extend(group_logits for group_logits, _ in prefills)
         tokens = self.sampler(torch.cat(logits) if len(logits) > 1 else logits[0], running)
 
         # 3. Postprocess: record tokens, finish requests, free their rows.

@@ -12,8 +12,104 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .loader import LoadedModel
+
+_SPARE_COLUMNS = 64  # room to decode into before a layer's buffer must grow
+
+
+class KVLayer(DynamicLayer):
+    """One layer's keys and values in a buffer with spare columns.
+
+    transformers' DynamicLayer concatenates the whole cache on every token
+    (a copy of B x T per layer per step, the largest cost of a decode step
+    once a long prompt is in the batch). Here a decode step writes its one
+    new column in place; the buffer grows by half when full (amortized),
+    and dropping rows or leading pad columns moves no more than the rows
+    that shift up.
+
+    Invariant: `keys`/`values` are the views [:rows, :, start:end] of the
+    buffers; columns beyond `end` are spare.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kbuf: torch.Tensor | None = None
+        self.vbuf: torch.Tensor | None = None
+        self.rows = self.start = self.end = 0
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, spare: int = _SPARE_COLUMNS) -> KVLayer:
+        layer = cls()
+        layer._fresh([(keys, values)], keys.shape[2], spare)
+        return layer
+
+    @classmethod
+    def stacked(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], spare: int = _SPARE_COLUMNS) -> KVLayer:
+        """Rows of several caches one after another, right-aligned to the widest (left pad = zeros)."""
+        layer = cls()
+        layer._fresh(parts, max(k.shape[2] for k, _ in parts), spare)
+        return layer
+
+    def _fresh(self, parts: list[tuple[torch.Tensor, torch.Tensor]], width: int, spare: int) -> None:
+        first = parts[0][0]
+        rows = sum(k.shape[0] for k, _ in parts)
+        _, heads, _, dim = first.shape
+        kbuf = first.new_zeros((rows, heads, width + spare, dim))
+        vbuf = first.new_zeros((rows, heads, width + spare, dim))
+        row = 0
+        for k, v in parts:
+            n, t = k.shape[0], k.shape[2]
+            kbuf[row : row + n, :, width - t : width].copy_(k)
+            vbuf[row : row + n, :, width - t : width].copy_(v)
+            row += n
+        self.kbuf, self.vbuf = kbuf, vbuf
+        self.rows, self.start, self.end = rows, 0, width
+        self.device = first.device
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self.kbuf[: self.rows, :, self.start : self.end]
+        self.values = self.vbuf[: self.rows, :, self.start : self.end]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:  # a prefill: keep exactly what came, plus spare columns
+            self._fresh([(key_states, value_states)], key_states.shape[2], _SPARE_COLUMNS)
+            return self.keys, self.values
+        n = key_states.shape[2]
+        if self.end + n > self.kbuf.shape[2]:
+            width = self.end - self.start
+            self._fresh([(self.keys, self.values)], width, max(_SPARE_COLUMNS, width // 2) + n)
+        self.kbuf[: self.rows, :, self.end : self.end + n].copy_(key_states)
+        self.vbuf[: self.rows, :, self.end : self.end + n].copy_(value_states)
+        self.end += n
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.end - self.start
+
+    def keep(self, rows: list[int], drop_columns: int) -> None:
+        """Keep `rows` (increasing) in place, moving each up to its new index, and
+        drop `drop_columns` leading columns (padding in every kept row)."""
+        self.start += drop_columns
+        for new, old in enumerate(rows):
+            if new != old:
+                self.kbuf[new, :, self.start : self.end].copy_(self.kbuf[old, :, self.start : self.end])
+                self.vbuf[new, :, self.start : self.end].copy_(self.vbuf[old, :, self.start : self.end])
+        self.rows = len(rows)
+        self._views()
+
+
+def _new_cache(layers: list[KVLayer] | None = None) -> DynamicCache:
+    """A DynamicCache whose layers are KVLayers (created on the prefill's first update)."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = KVLayer
+    if layers is not None:
+        cache.layers = layers
+    return cache
 
 
 @dataclass(slots=True)
@@ -39,8 +135,9 @@ class KVBatch:
     def num_columns(self) -> int:
         return self.attention_mask.shape[1]
 
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
+    @property
+    def kv_layers(self) -> list[KVLayer]:
+        return self.cache.layers
 
 
 def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -104,7 +201,7 @@ class ModelRunner:
         # Positions as generate() computes them for left padding: pads get 0.
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
 
-        cache = DynamicCache()
+        cache = _new_cache()
         attention_mask = attention_mask.to(self.device)
         logits = self._forward(
             input_ids.to(self.device), attention_mask, position_ids.to(self.device), cache
@@ -125,32 +222,32 @@ class ModelRunner:
         return logits
 
     @torch.inference_mode()
-    def append(self, new: KVBatch) -> None:
-        """Add prefilled rows after the running ones, padding the narrower side on the left."""
-        old = self.batch
-        if old is None:
-            self.batch = new
+    def append(self, *new: KVBatch) -> None:
+        """Add prefilled rows after the running ones (in the order given), right-aligned
+        to the widest; one copy of the cache however many batches join."""
+        parts = ([self.batch] if self.batch is not None else []) + list(new)
+        if len(parts) == 1:
+            self.batch = parts[0]
             return
-        width = max(old.num_columns, new.num_columns)
-        layers = [
-            tuple(torch.cat([_left_pad(a, width, 2), _left_pad(b, width, 2)], dim=0) for a, b in zip(ao, bo))
-            for ao, bo in zip(old.layers(), new.layers())
-        ]
-        mask = torch.cat([_left_pad(old.attention_mask, width, 1), _left_pad(new.attention_mask, width, 1)])
-        self.batch = KVBatch(DynamicCache(ddp_cache_data=layers), mask, torch.cat([old.lengths, new.lengths]))
+        width = max(p.num_columns for p in parts)
+        layers = [KVLayer.stacked([(layer.keys, layer.values) for layer in per_part]) for per_part in zip(*(p.kv_layers for p in parts))]
+        mask = torch.cat([_left_pad(p.attention_mask, width, 1) for p in parts])
+        self.batch = KVBatch(_new_cache(layers), mask, torch.cat([p.lengths for p in parts]))
 
     @torch.inference_mode()
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only `rows` (in this order) and drop columns now padding in every row."""
+        """Keep only `rows` (increasing) and drop columns now padding in every row."""
         batch = self.batch
         if batch is None or rows == list(range(batch.num_rows)):
             return
         if not rows:
             self.batch = None
             return
+        assert all(a < b for a, b in zip(rows, rows[1:])), rows
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         lengths = batch.lengths.index_select(0, index)
-        start = batch.num_columns - int(lengths.max())  # rows are right-aligned
-        layers = [(k[index, :, start:], v[index, :, start:]) for k, v in batch.layers()]
-        mask = batch.attention_mask[index, start:]
-        self.batch = KVBatch(DynamicCache(ddp_cache_data=layers), mask, lengths)
+        drop = batch.num_columns - int(lengths.max())  # rows are right-aligned
+        for layer in batch.kv_layers:
+            layer.keep(rows, drop)
+        batch.attention_mask = batch.attention_mask[index, drop:]
+        batch.lengths = lengths

@@ -11,6 +11,12 @@ from collections import deque
 
 from .sequence import Sequence, SequenceStatus
 
+# A prefill group's padded tokens (rows x its longest prompt) stay within this
+# factor of its real tokens, unless every prompt in it is at most PAD_FREE_WIDTH
+# tokens long (padding those costs less than another forward would).
+PAD_SLACK = 1.25
+PAD_FREE_WIDTH = 64
+
 
 class Scheduler:
     """Invariants: `waiting` holds WAITING sequences in arrival order; `running`
@@ -60,29 +66,36 @@ class Scheduler:
         self.waiting.append(seq)
         self._num_waiting_prefill_tokens += seq.num_prompt_tokens
 
-    def admit(self) -> list[Sequence]:
-        """Move the head of the waiting queue to the end of `running`.
+    def admit(self) -> list[list[Sequence]]:
+        """Move the head of the waiting queue to the end of `running`, in prefill groups.
 
-        Admits in FIFO order while a slot is free and the padded prefill
-        batch (rows x longest prompt, what the forward really computes)
-        stays within max_num_batched_tokens. The first one always goes, so a
-        prompt longer than the budget still runs, alone. Never skips ahead:
-        a long prompt at the head is not starved by short ones behind it.
+        Admits in FIFO order while a slot is free and this step's prompt
+        tokens stay within max_num_batched_tokens; the first one always goes,
+        so a prompt longer than the budget still runs. Never skips ahead: a
+        long prompt at the head is not starved by short ones behind it.
+
+        The admitted prompts are then grouped by length, each group one
+        left-padded prefill forward: sorted by length, a group is cut where
+        the next prompt would pad it beyond PAD_SLACK x its real tokens. A
+        1,800-token prompt padded together with three 20-token ones costs
+        about 5x its own prefill; prefilled apart, about 1.1x. `running` is
+        extended group after group, so its tail lines up with the prefills.
         """
         admitted: list[Sequence] = []
-        longest = 0
+        tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             seq = self.waiting[0]
-            width = max(longest, seq.num_prompt_tokens)
-            if admitted and width * (len(admitted) + 1) > self.max_num_batched_tokens:
+            if admitted and tokens + seq.num_prompt_tokens > self.max_num_batched_tokens:
                 break
             self.waiting.popleft()
             self._num_waiting_prefill_tokens -= seq.num_prompt_tokens
             seq.status = SequenceStatus.RUNNING
             admitted.append(seq)
-            longest = width
-        self.running.extend(admitted)
-        return admitted
+            tokens += seq.num_prompt_tokens
+        groups = group_for_prefill(admitted)
+        for group in groups:
+            self.running.extend(group)
+        return groups
 
     def remove_running(self, leaving: set[str]) -> list[int]:
         """Drop running sequences whose ids are in `leaving`; returns the rows
@@ -105,3 +118,20 @@ class Scheduler:
             else:
                 kept.append(seq)
         self.waiting = kept
+
+
+def group_for_prefill(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """Split sequences into prefill groups with bounded padding (see Scheduler.admit)."""
+    groups: list[list[Sequence]] = []
+    group: list[Sequence] = []
+    real = 0
+    for seq in sorted(seqs, key=lambda s: s.num_prompt_tokens):
+        width = seq.num_prompt_tokens  # sorted: the newcomer is the longest
+        if group and width > PAD_FREE_WIDTH and width * (len(group) + 1) > PAD_SLACK * (real + width):
+            groups.append(group)
+            group, real = [], 0
+        group.append(seq)
+        real += width
+    if group:
+        groups.append(group)
+    return groups

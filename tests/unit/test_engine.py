@@ -8,7 +8,7 @@ import json
 import os
 import random
 import threading
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -88,7 +88,7 @@ def reference(loaded_demo_model):
     model = loaded_demo_model.model
     eos = sorted(loaded_demo_model.eos_token_ids)
 
-    @lru_cache(maxsize=None)
+    @cache
     def generate(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
         ids = torch.tensor([prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
@@ -139,6 +139,35 @@ def test_continuous_batching_matches_generate_token_for_token(loaded_demo_model,
         assert got.tokens[r.request_id] == expected, r.request_id
         ended_by_eos = expected[-1] in engine.eos_token_ids
         assert got.finish[r.request_id][0] == (FINISH_STOP if ended_by_eos else FINISH_LENGTH)
+    assert engine.runner.num_rows == 0
+
+
+def test_long_and_short_prompts_prefill_apart_and_still_match_generate(loaded_demo_model, reference):
+    """A 300-token prompt admitted with short ones is prefilled in its own group (no
+    padding the short ones to 300), rows still line up, and decoding past the KV
+    buffer's spare columns (64) grows it without changing a token."""
+    engine = make_engine(loaded_demo_model)
+    lengths = [12, 300, 9, 150, 20, 310]
+    reqs = [request(f"m{i}", random_prompt(100 + i, n), max_tokens=70 + i) for i, n in enumerate(lengths)]
+    add(engine, *reqs[:4])
+    groups = []
+    real_admit = engine.scheduler.admit
+
+    def spy():
+        got_groups = real_admit()
+        groups.append([[s.num_prompt_tokens for s in g] for g in got_groups])
+        return got_groups
+
+    engine.scheduler.admit = spy
+    got = Collector()
+    got.feed(engine.step())
+    add(engine, *reqs[4:])  # a short and a long one join the running batch together
+    while engine.has_unfinished():
+        got.feed(engine.step())
+    assert groups[0] == [[9, 12], [150], [300]], groups[0]
+    assert [[20], [310]] in groups, groups
+    for r in reqs:
+        assert got.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
     assert engine.runner.num_rows == 0
 
 
