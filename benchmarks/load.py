@@ -242,6 +242,7 @@ class LoadResult:
     client_cpu_us_per_req: Optional[float] = None
     # raw samples in seconds (not part of to_dict())
     latencies: list[float] = field(default_factory=list, repr=False)
+    latency_prompt_tokens: list[int] = field(default_factory=list, repr=False)  # per latency sample
     ttfts: list[float] = field(default_factory=list, repr=False)
     itls: list[float] = field(default_factory=list, repr=False)
 
@@ -251,7 +252,7 @@ class LoadResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for k in ("latencies", "ttfts", "itls"):
+        for k in ("latencies", "latency_prompt_tokens", "ttfts", "itls"):
             d.pop(k)
         d["error_count"] = self.error_count
         return d
@@ -534,6 +535,7 @@ class _Run:
         if kind is None:
             res.ok += 1
             res.latencies.append(lat)
+            res.latency_prompt_tokens.append(ptoks)
             res.output_tokens += tokens
             res.prompt_tokens += ptoks
             if no_usage:

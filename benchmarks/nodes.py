@@ -435,9 +435,10 @@ class Measured:
     api_rss_mb: list[float] = field(default_factory=list)
     loadavg: str = ""
     bystander_cpu_s_per_s: float | None = None  # CPU of other servers left running meanwhile
+    extra: dict = field(default_factory=dict)  # a script's own figures for this run
 
     def to_dict(self) -> dict:
-        return {"label": self.label, "api_cpu_s_per_s": self.api_cpu_s_per_s,
+        return {"label": self.label, "extra": self.extra, "api_cpu_s_per_s": self.api_cpu_s_per_s,
                 "api_cpu_us_per_req": self.api_cpu_us_per_req, "api_rss_mb": self.api_rss_mb,
                 "loadavg": self.loadavg, "bystander_cpu_s_per_s": self.bystander_cpu_s_per_s,
                 "result": self.result.to_dict()}

@@ -70,6 +70,16 @@ def words_for_tokens(model_dir: str, target: int, limit: int) -> tuple[int, int,
         words -= max(1, words // 100)
 
 
+def by_class(result, cut: int) -> dict:
+    """p99 latency of short and of long prompts apart (prompt tokens from each answer's usage)."""
+    out = {}
+    for name, keep in (("short", lambda n: n < cut), ("long", lambda n: n >= cut)):
+        xs = sorted(lat for lat, n in zip(result.latencies, result.latency_prompt_tokens) if keep(n))
+        out[f"{name}_n"] = len(xs)
+        out[f"{name}_p99_ms"] = xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1000 if xs else None
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,8 +146,10 @@ def main(argv=None) -> int:
                 m = measure_sync(node, cfg, pol)
                 runs[pol].append(m)
                 r = m.result
+                m.extra["by_class"] = by_class(r, (short_max + long_mean) // 2)
                 log(f"  round {rnd + 1} {pol}: {r.req_per_s:.1f} req/s, p50 {fmt(r.latency_ms.get('p50'))} ms, "
                     f"p99 {fmt(r.latency_ms.get('p99'))} ms, TTFT p99 {fmt(r.ttft_ms.get('p99'))} ms, "
+                    f"short p99 {fmt(m.extra['by_class']['short_p99_ms'])} ms, long p99 {fmt(m.extra['by_class']['long_p99_ms'])} ms, "
                     f"per rank {r.per_rank}, errors {r.error_count}, load {m.loadavg}")
             except Exception as exc:
                 errors[pol] = f"{type(exc).__name__}: {exc}"[:1500]
@@ -168,6 +180,8 @@ def main(argv=None) -> int:
             fmt(med(pol, lambda m: m.result.latency_ms.get("p90")), 0),
             fmt(p99[pol], 0),
             fmt(med(pol, lambda m: m.result.ttft_ms.get("p99")), 0),
+            fmt(med(pol, lambda m: m.extra["by_class"]["short_p99_ms"]), 0),
+            fmt(med(pol, lambda m: m.extra["by_class"]["long_p99_ms"]), 0),
             " | ".join(" ".join(f"{k}:{v}" for k, v in r.items()) for r in ranks) or "-",
             str(sum(m.result.error_count for m in runs[pol])),
             fmt(ratio(p99[pol], p99.get("queue")), 2),
@@ -176,7 +190,7 @@ def main(argv=None) -> int:
     print(f"skew: DP={args.dp}, stream max_tokens={args.max_tokens}, c={args.concurrency}, "
           f"{1 - args.long_fraction:.0%} ~{short_mean}-token / {args.long_fraction:.0%} ~{long_mean}-token prompts; "
           f"median of {rounds} round(s) x {duration:g} s; load average at the end {info['loadavg_end']}")
-    print(render(["policy", "req/s", "p50 ms", "p90 ms", "p99 ms", "TTFT p99 ms", "requests per rank",
+    print(render(["policy", "req/s", "p50 ms", "p90 ms", "p99 ms", "TTFT p99 ms", "short p99", "long p99", "requests per rank",
                   "errors", "p99 / queue"], rows))
     if p99.get("tokens") and p99.get("queue"):
         print(f"tokens / queue p99 = {p99['tokens'] / p99['queue']:.2f} (target: <= 0.70)")

@@ -37,7 +37,8 @@ class RequestState:
     __slots__ = (
         "request_id",
         "rank",
-        "cost",
+        "prompt_tokens",
+        "remaining",
         "pending",
         "finish_reason",
         "stop_token_id",
@@ -47,10 +48,14 @@ class RequestState:
         "num_output_tokens",
     )
 
-    def __init__(self, request_id: str, cost: int) -> None:
+    def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
         self.request_id = request_id
         self.rank = -1
-        self.cost = cost
+        self.prompt_tokens = prompt_tokens
+        # Work not yet done, in tokens: the prompt until its first token comes
+        # back, then the answer tokens still allowed. The router's in-flight
+        # tokens for this rank are the sum of these.
+        self.remaining = prompt_tokens + max_tokens
         self.pending: list[int] = []
         self.finish_reason: str | None = None
         self.stop_token_id: int | None = None
@@ -142,13 +147,13 @@ class EngineClient:
         self.engines.send_multipart([self._identities[rank], self._out_codec.encode(req)], zmq.NOBLOCK)
         state.rank = rank
         self.requests[state.request_id] = state
-        self.router.on_send(rank, state.cost)
+        self.router.on_send(rank, state.remaining)
 
     def abort(self, state: RequestState) -> None:
         """Forget a request that is not finished (client gone, stop string hit)."""
         if self.requests.pop(state.request_id, None) is None:
             return
-        self.router.on_finish(state.rank, state.cost)
+        self.router.on_finish(state.rank, state.remaining)
         try:
             msg = self._out_codec.encode(AbortRequests([state.request_id]))
             self.engines.send_multipart([self._identities[state.rank], msg], zmq.NOBLOCK)
@@ -170,7 +175,7 @@ class EngineClient:
 
     def _finish(self, state: RequestState) -> None:
         if self.requests.pop(state.request_id, None) is not None:
-            self.router.on_finish(state.rank, state.cost)
+            self.router.on_finish(state.rank, state.remaining)
 
     # ---------------------------------------------------------------- readers
 
@@ -191,6 +196,11 @@ class EngineClient:
                         continue
                     if out.finish_reason is not None:
                         self._finish(state)
+                    else:
+                        done = len(out.new_token_ids) + (state.prompt_tokens if not state.num_output_tokens else 0)
+                        done = min(done, state.remaining)
+                        state.remaining -= done
+                        self.router.on_progress(state.rank, done)
                     state._push(out)
             elif type(msg) is EngineHello:
                 if self.router.engine_hello(msg.rank, msg.incarnation):

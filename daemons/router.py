@@ -88,6 +88,10 @@ class Router:
         self.inflight[rank] += 1
         self.inflight_tokens[rank] += tokens
 
+    def on_progress(self, rank: int, tokens: int) -> None:
+        """`tokens` of a request's work on `rank` are done (its prefill, or answer tokens)."""
+        self.inflight_tokens[rank] -= tokens
+
     def on_finish(self, rank: int, tokens: int) -> None:
         self.inflight[rank] -= 1
         self.inflight_tokens[rank] -= tokens

@@ -202,7 +202,7 @@ class OpenAIServing:
         if pinned is not None:
             self.router.check_pin(pinned)
         request_id = f"{self._id_prefix}-{next(self._ids):x}"
-        state = RequestState(request_id, len(ids) + max_tokens)
+        state = RequestState(request_id, len(ids), max_tokens)
         add = AddRequest(request_id, ids, params, time.time())
         rank = self._send(state, add, pinned)
         self.metrics.routed_to(rank)

@@ -156,8 +156,12 @@ class EngineCore:
             logits.extend(group_logits for group_logits, _ in prefills)
         tokens = self.sampler(torch.cat(logits) if len(logits) > 1 else logits[0], running)
 
-        # 3. Postprocess: record tokens, finish requests, free their rows.
+        # 3. Postprocess: record tokens, finish requests, free their rows; then let
+        #    the runner regroup its length buckets, and follow its new row order.
         outputs = self._postprocess(running, tokens)
+        perm = self.runner.consolidate()
+        if perm is not None:
+            self.scheduler.reorder_running(perm)
         self._last_step_ms = (time.perf_counter() - start) * 1000.0
         return outputs
 

@@ -97,6 +97,11 @@ class Scheduler:
             self.running.extend(group)
         return groups
 
+    def reorder_running(self, perm: list[int]) -> None:
+        """New running[i] = old running[perm[i]] (the model runner moved its rows so)."""
+        assert sorted(perm) == list(range(len(self.running))), perm
+        self.running = [self.running[i] for i in perm]
+
     def remove_running(self, leaving: set[str]) -> list[int]:
         """Drop running sequences whose ids are in `leaving`; returns the rows
         that stay (old row numbers, in order) for ModelRunner.keep_rows."""

@@ -147,6 +147,7 @@ def test_long_and_short_prompts_prefill_apart_and_still_match_generate(loaded_de
     padding the short ones to 300), rows still line up, and decoding past the KV
     buffer's spare columns (64) grows it without changing a token."""
     engine = make_engine(loaded_demo_model)
+    engine.runner.forward_cost_cells = 0  # keep every length apart: many buckets, many permutations
     lengths = [12, 300, 9, 150, 20, 310]
     reqs = [request(f"m{i}", random_prompt(100 + i, n), max_tokens=70 + i) for i, n in enumerate(lengths)]
     add(engine, *reqs[:4])
@@ -162,9 +163,14 @@ def test_long_and_short_prompts_prefill_apart_and_still_match_generate(loaded_de
     got = Collector()
     got.feed(engine.step())
     add(engine, *reqs[4:])  # a short and a long one join the running batch together
+    buckets = []
     while engine.has_unfinished():
         got.feed(engine.step())
+        buckets.append(sorted(b.num_rows for b in engine.runner.buckets))
+        assert engine.runner.num_rows == engine.num_running
     assert groups[0] == [[9, 12], [150], [300]], groups[0]
+    # rows decoded in several buckets, regrouped (and permuted) as lengths changed
+    assert max(len(b) for b in buckets) >= 4, buckets
     assert [[20], [310]] in groups, groups
     for r in reqs:
         assert got.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id

@@ -150,3 +150,19 @@ def test_tokens_policy_counts_own_inflight_work_the_table_has_not_seen():
     router.on_send(0, 1800)
     router.update_table(table(2, RankLoad(0, "i0", True, 1, 0, 0, 0), RankLoad(1, "i1", True, 1, 0, 0, 40)))
     assert router.pick() == 1
+
+
+def test_tokens_policy_forgets_a_prefill_once_it_is_done():
+    router = live_router(2, "tokens")
+    router.on_send(0, 1800 + 16)  # a long prompt, 16 answer tokens allowed
+    router.on_send(1, 20 + 16)
+    router.on_send(1, 20 + 16)
+    router.update_table(table(2, RankLoad(0, "i0", True, 1, 0, 0, 16), RankLoad(1, "i1", True, 2, 0, 0, 32)))
+    assert router.pick() == 1  # rank 0 is still prefilling 1,800 tokens
+    router.on_progress(0, 1800 + 1)  # its first token came back: only 15 answer tokens remain
+    router.on_progress(1, 20 + 1)
+    router.on_progress(1, 20 + 1)
+    assert router.inflight_tokens == [15, 30]
+    assert router.pick() == 0
+    router.on_finish(0, 15)
+    assert router.inflight_tokens[0] == 0 and router.inflight[0] == 0
