@@ -72,8 +72,9 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -142,7 +143,7 @@ def check_loopback(url: str, allow_remote: bool = False) -> str:
     )
 
 
-def parse_prompt_mix(spec: Union[str, Sequence[tuple[int, float]]]) -> list[tuple[int, float]]:
+def parse_prompt_mix(spec: str | Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
     """'20:0.9,2000:0.1' -> [(20, 0.9), (2000, 0.1)] (weights need not sum to 1)."""
     if not isinstance(spec, str):
         out = [(int(w), float(p)) for w, p in spec]
@@ -190,23 +191,23 @@ def make_prompts(mix: Sequence[tuple[int, float]], count: int, seed: int) -> lis
 class LoadConfig:
     url: str = "http://127.0.0.1:8000"
     endpoint: str = "completions"  # or "chat"
-    model: Optional[str] = None  # None: first id of GET /v1/models
+    model: str | None = None  # None: first id of GET /v1/models
     concurrency: int = 8
-    duration: Optional[float] = None  # measurement seconds; None -> 10 unless num_requests
+    duration: float | None = None  # measurement seconds; None -> 10 unless num_requests
     warmup: float = 0.0
-    num_requests: Optional[int] = None
+    num_requests: int | None = None
     max_time: float = 600.0  # hard cap on the whole run (warm-up included)
     max_tokens: int = 64
     stream: bool = False
     ignore_eos: bool = False
     prompt_words: int = 32
-    prompt_mix: Optional[Union[str, Sequence[tuple[int, float]]]] = None
+    prompt_mix: str | Sequence[tuple[int, float]] | None = None
     num_prompts: int = 256  # size of the prebuilt prompt pool, used round-robin
-    rank_pin: Optional[int] = None
-    api_key: Optional[str] = None
+    rank_pin: int | None = None
+    api_key: str | None = None
     temperature: float = 0.0
     seed: int = 0  # seeds prompt generation
-    request_seed: Optional[int] = None  # sent as the body's "seed" when set
+    request_seed: int | None = None  # sent as the body's "seed" when set
     timeout: float = 60.0  # per request, total
     error_backoff: float = 0.01  # sleep after a connection error
     allow_remote: bool = False
@@ -232,14 +233,14 @@ class LoadResult:
     content_events: int = 0
     req_per_s: float = 0.0  # ok / window
     output_tok_per_s: float = 0.0
-    latency_ms: dict[str, Optional[float]] = field(default_factory=dict)
-    ttft_ms: dict[str, Optional[float]] = field(default_factory=dict)
-    itl_ms: dict[str, Optional[float]] = field(default_factory=dict)
-    tpot_ms: dict[str, Optional[float]] = field(default_factory=dict)
-    tokens_per_event: Optional[float] = None
+    latency_ms: dict[str, float | None] = field(default_factory=dict)
+    ttft_ms: dict[str, float | None] = field(default_factory=dict)
+    itl_ms: dict[str, float | None] = field(default_factory=dict)
+    tpot_ms: dict[str, float | None] = field(default_factory=dict)
+    tokens_per_event: float | None = None
     per_rank: dict[str, int] = field(default_factory=dict)
     client_cpu_s: float = 0.0  # this process's CPU during the window
-    client_cpu_us_per_req: Optional[float] = None
+    client_cpu_us_per_req: float | None = None
     # raw samples in seconds (not part of to_dict())
     latencies: list[float] = field(default_factory=list, repr=False)
     latency_prompt_tokens: list[int] = field(default_factory=list, repr=False)  # per latency sample
@@ -258,7 +259,7 @@ class LoadResult:
         return d
 
 
-def _pct(vals: list[float], q: float) -> Optional[float]:
+def _pct(vals: list[float], q: float) -> float | None:
     n = len(vals)
     if n == 0:
         return None
@@ -268,9 +269,9 @@ def _pct(vals: list[float], q: float) -> Optional[float]:
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
-def _summary_ms(samples: list[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, Optional[float]]:
+def _summary_ms(samples: list[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
     s = sorted(samples)
-    out: dict[str, Optional[float]] = {"mean": (sum(s) / len(s) * 1e3) if s else None}
+    out: dict[str, float | None] = {"mean": (sum(s) / len(s) * 1e3) if s else None}
     for q in qs:
         v = _pct(s, q)
         out[f"p{q}"] = None if v is None else v * 1e3
@@ -281,25 +282,25 @@ def _summary_ms(samples: list[float], qs: Sequence[int] = (50, 90, 99)) -> dict[
 
 
 class _Usage(msgspec.Struct):
-    prompt_tokens: Optional[int] = None
-    completion_tokens: Optional[int] = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 class _Delta(msgspec.Struct):
-    content: Optional[str] = None
-    reasoning_content: Optional[str] = None
-    reasoning: Optional[str] = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class _Choice(msgspec.Struct):
-    text: Optional[str] = None
-    delta: Optional[_Delta] = None
-    message: Optional[_Delta] = None
+    text: str | None = None
+    delta: _Delta | None = None
+    message: _Delta | None = None
 
 
 class _Body(msgspec.Struct):
     choices: list[_Choice] = []
-    usage: Optional[_Usage] = None
+    usage: _Usage | None = None
     error: Any = None
 
 
@@ -322,7 +323,7 @@ class _RequestFailed(Exception):
 
 
 class _Run:
-    def __init__(self, cfg: LoadConfig, stop: Optional[asyncio.Event]):
+    def __init__(self, cfg: LoadConfig, stop: asyncio.Event | None):
         if cfg.endpoint not in ("completions", "chat"):
             raise ValueError("endpoint must be 'completions' or 'chat'")
         if cfg.concurrency < 1:
@@ -443,7 +444,7 @@ class _Run:
         buf = b""
         done = False
         exact = True  # every content event carried a cumulative usage
-        usage: Optional[_Usage] = None
+        usage: _Usage | None = None
         arr_t: list[float] = []  # arrival times (reads holding content events)
         arr_n: list[int] = []  # content events per arrival
         arr_cum: list[int] = []  # cumulative completion_tokens after the arrival (exact mode)
@@ -500,7 +501,7 @@ class _Run:
         tokens = events if no_usage else usage.completion_tokens
         prompt_tokens = 0 if no_usage else (usage.prompt_tokens or 0)
         ttft = (arr_t[0] - t0) if arr_t else None
-        itls: Optional[list[float]] = None
+        itls: list[float] | None = None
         if len(arr_t) > 1:
             itls = []
             if exact:
@@ -661,7 +662,7 @@ class _Run:
         return res
 
 
-async def run_load(cfg: LoadConfig, stop: Optional[asyncio.Event] = None) -> LoadResult:
+async def run_load(cfg: LoadConfig, stop: asyncio.Event | None = None) -> LoadResult:
     """Run one closed-loop load test; never raises for per-request failures.
 
     Raises RemoteHostRefused for a non-loopback URL (unless cfg.allow_remote),
@@ -701,7 +702,7 @@ class _LegacyRunner:  # Python 3.10 has no asyncio.Runner
 # ----------------------------------------------------------------- output
 
 
-def _f(v: Optional[float], nd: int = 1) -> str:
+def _f(v: float | None, nd: int = 1) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
 
 
@@ -813,7 +814,7 @@ async def _cli_run(cfg: LoadConfig) -> LoadResult:
                 pass
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 ok, 1 nothing succeeded (or the run could not start), 2 bad arguments/host."""
     args = build_parser().parse_args(argv)
     try:

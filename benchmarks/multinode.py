@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.multinode.netns import Network, available  # noqa: E402
-from tests.multinode.test_multinode import API_PORT, HEALTH_PORT, Deployment  # noqa: E402
+from tests.multinode.test_multinode import API_PORT, Deployment  # noqa: E402
 
 LOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "load.py")
 

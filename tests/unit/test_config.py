@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from dpserve.daemons.config import Addresses, ServeConfig
 from dpserve.engine.auth import CurveKeys
 

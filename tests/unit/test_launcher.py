@@ -7,7 +7,6 @@ import signal
 import time
 
 import psutil
-
 from dpserve.daemons.launcher import reap_strays
 
 

@@ -7,7 +7,6 @@ import signal
 
 import pytest
 import structlog
-
 from dpserve.daemons.children import Child, ChildState
 from dpserve.daemons.config import ServeConfig
 from dpserve.daemons.supervisor import Supervisor
