@@ -48,7 +48,7 @@ _SERVE_OPTIONS = [
     _opt("--max-model-len", default=0, type=click.IntRange(0), help="Context length (0: the model's own)."),
     _opt("--max-num-seqs", default=256, type=click.IntRange(1), help="Running sequences per rank."),
     _opt("--max-num-batched-tokens", default=8192, type=click.IntRange(1), help="Prompt tokens prefilled per step per rank."),
-    _opt("--lb-policy", default="queue", type=click.Choice(LB_POLICIES), help="queue: 4 x waiting + running; tokens: outstanding tokens."),
+    _opt("--lb-policy", default="tokens", type=click.Choice(LB_POLICIES), help="tokens: outstanding prompt + answer tokens; queue: 4 x waiting + running; round-robin."),
     _opt("--max-waiting-per-rank", default=4096, type=click.IntRange(1), help="Admission limit: beyond it requests get 429."),
     _opt("--max-request-body-bytes", default=4 * 1024 * 1024, type=click.IntRange(1024), help="Larger bodies get 413."),
     _opt("--seed", default=0, type=int, help="Seed for unseeded sampling."),

@@ -31,7 +31,7 @@ class Router:
         "eligible",
     )
 
-    def __init__(self, size: int, policy: str = "queue", max_waiting_per_rank: int = 4096, eligible: list[int] | None = None) -> None:
+    def __init__(self, size: int, policy: str = "tokens", max_waiting_per_rank: int = 4096, eligible: list[int] | None = None) -> None:
         self.size = size
         # the ranks this API server routes to: all (internal, global), its node's (hybrid), one (external)
         self.eligible = list(eligible) if eligible is not None else list(range(size))
