@@ -115,6 +115,11 @@ class EngineClient:
         self.engines.setsockopt(zmq.RCVHWM, 0)
         make_server(self.engines, keys)
         self.engines.bind(engine_address)
+        # The same socket without asyncio's futures, to drain what already arrived
+        # (~1 us a message instead of ~30 for an await each). Only for receiving:
+        # a send through it would skip pyzmq's re-check of the edge-triggered FD,
+        # and the reader could then sleep through a reply (measured: a hang).
+        self._engines_now = zmq.Socket.shadow(self.engines.underlying)
         self.table = ctx.socket(zmq.SUB)
         self.table.setsockopt(zmq.LINGER, 0)
         self.table.setsockopt(zmq.SUBSCRIBE, b"")
@@ -180,47 +185,65 @@ class EngineClient:
     # ---------------------------------------------------------------- readers
 
     async def _read_engines(self) -> None:
-        decode = self._in_codec.decode
         requests = self.requests
+        now = self._engines_now
         while True:
-            _identity, data = await self.engines.recv_multipart(copy=False)
-            try:
-                msg = decode(data.buffer)
-            except Exception as exc:
-                self.log.warning("undecodable engine message dropped", error=str(exc))
-                continue
-            if type(msg) is EngineOutputs:
-                for out in msg.outputs:
-                    state = requests.get(out.request_id)
-                    if state is None:
-                        continue
-                    if out.finish_reason is not None:
-                        self._finish(state)
-                    else:
-                        done = len(out.new_token_ids) + (state.prompt_tokens if not state.num_output_tokens else 0)
-                        done = min(done, state.remaining)
-                        state.remaining -= done
-                        self.router.on_progress(state.rank, done)
-                    state._push(out)
-            elif type(msg) is EngineHello:
-                if self.router.engine_hello(msg.rank, msg.incarnation):
-                    self.fail_rank(msg.rank, f"engine rank {msg.rank} restarted")
-                self.log.info("engine connected", rank=msg.rank, incarnation=msg.incarnation)
-            elif type(msg) is EngineDead:
-                if self.router.engine_dead(msg.rank, msg.incarnation):
-                    n = self.fail_rank(msg.rank, msg.reason)
-                    self.log.warning("engine announced its death", rank=msg.rank, reason=msg.reason, failed_requests=n)
+            frames = await self.engines.recv_multipart(copy=False)
+            while True:
+                self._handle_engine_message(frames[-1], requests)
+                try:
+                    frames = now.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+
+    def _handle_engine_message(self, data, requests: dict[str, RequestState]) -> None:
+        """Apply one message from an engine (outputs, hello, death) to the requests."""
+        decode = self._in_codec.decode
+        try:
+            msg = decode(data.buffer)
+        except Exception as exc:
+            self.log.warning("undecodable engine message dropped", error=str(exc))
+            return
+        if type(msg) is EngineOutputs:
+            for out in msg.outputs:
+                state = requests.get(out.request_id)
+                if state is None:
+                    continue
+                if out.finish_reason is not None:
+                    self._finish(state)
+                else:
+                    done = len(out.new_token_ids) + (state.prompt_tokens if not state.num_output_tokens else 0)
+                    done = min(done, state.remaining)
+                    state.remaining -= done
+                    self.router.on_progress(state.rank, done)
+                state._push(out)
+        elif type(msg) is EngineHello:
+            if self.router.engine_hello(msg.rank, msg.incarnation):
+                self.fail_rank(msg.rank, f"engine rank {msg.rank} restarted")
+            self.log.info("engine connected", rank=msg.rank, incarnation=msg.incarnation)
+        elif type(msg) is EngineDead:
+            if self.router.engine_dead(msg.rank, msg.incarnation):
+                n = self.fail_rank(msg.rank, msg.reason)
+                self.log.warning("engine announced its death", rank=msg.rank, reason=msg.reason, failed_requests=n)
 
     async def _read_table(self) -> None:
-        decode = self._table_codec.decode
+        now = zmq.Socket.shadow(self.table.underlying)
         while True:
             data = await self.table.recv(copy=False)
-            try:
-                table = decode(data.buffer)
-            except Exception as exc:
-                self.log.warning("undecodable load table dropped", error=str(exc))
-                continue
-            for rank, reason in self.router.update_table(table):
-                n = self.fail_rank(rank, f"engine rank {rank} is down: {reason}")
-                self.log.warning("rank left routing", rank=rank, reason=reason, failed_requests=n)
-            self.table_received.set()
+            while True:
+                self._apply_table(data)
+                try:
+                    data = now.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+
+    def _apply_table(self, data) -> None:
+        try:
+            table = self._table_codec.decode(data.buffer)
+        except Exception as exc:
+            self.log.warning("undecodable load table dropped", error=str(exc))
+            return
+        for rank, reason in self.router.update_table(table):
+            n = self.fail_rank(rank, f"engine rank {rank} is down: {reason}")
+            self.log.warning("rank left routing", rank=rank, reason=reason, failed_requests=n)
+        self.table_received.set()
