@@ -377,7 +377,14 @@ class Launcher:
             except ProcessLookupError:
                 pass
             return self._give_up("the launched process is not our child (no subreaper?)")
-        return AdoptedProcess(reply.pid, await _pipe_reader(out_r), await _pipe_reader(err_r))
+        try:
+            return AdoptedProcess(reply.pid, await _pipe_reader(out_r), await _pipe_reader(err_r))
+        except OSError as exc:  # no pidfd_open (Linux < 5.3): exec from now on
+            try:
+                os.kill(reply.pid, signal.SIGKILL)  # reaped as a stray
+            except ProcessLookupError:
+                pass
+            return self._give_up(f"cannot watch the launched process: {exc}")
 
     def _give_up(self, why: str) -> None:
         if not self.failed:
@@ -386,10 +393,11 @@ class Launcher:
         return None
 
     async def stop(self, timeout: float = 5.0) -> None:
-        sock, proc = self.sock, self.proc
-        self.sock = self.proc = None
-        if sock is not None:
-            sock.close()  # the launcher reads EOF and exits
+        async with self._lock:  # never close the channel under a launch waiting for its reply
+            sock, proc = self.sock, self.proc
+            self.sock = self.proc = None
+            if sock is not None:
+                sock.close()  # the launcher reads EOF and exits
         if proc is not None and proc.returncode is None:
             try:
                 await asyncio.wait_for(proc.wait(), timeout)
