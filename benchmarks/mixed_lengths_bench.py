@@ -26,14 +26,14 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from benchmarks.nodes import ensure_demo_model, render  # noqa: E402
 from dpserve.engine.config import EngineConfig  # noqa: E402
 from dpserve.engine.loader import load_model  # noqa: E402
 from dpserve.engine.model_runner import ModelRunner  # noqa: E402
 from dpserve.engine.protocol import SamplingParams  # noqa: E402
 from dpserve.engine.scheduler import group_for_prefill  # noqa: E402
 from dpserve.engine.sequence import Sequence  # noqa: E402
+
+from benchmarks.nodes import ensure_demo_model, render  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:

@@ -27,7 +27,6 @@ new launcher first, so upgraded code on disk reaches the new API servers.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import fcntl
 import os
 import signal
@@ -37,7 +36,6 @@ import time
 
 import msgspec
 
-_PR_SET_CHILD_SUBREAPER = 36
 _READY = b"ready"
 _MAX_FDS = 8
 _ADOPT_WAIT_S = 2.0
@@ -61,14 +59,6 @@ class LauncherConfig(msgspec.Struct, kw_only=True):
     parent_pid: int
     preload: list[str]  # modules imported before the first fork
     log_level: str = "info"
-
-
-def become_subreaper() -> bool:
-    """Make orphaned descendants of this process its children (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 # ==================================================================== launcher process
@@ -347,44 +337,43 @@ class Launcher:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         req = LaunchRequest(name=name, module=module, env=env, target_fds=[1, 2, *pass_fds], parent_pid=self.parent_pid)
+        pid, why = 0, ""
         try:
             socket.send_fds(self.sock, [msgspec.json.encode(req)], [out_w, err_w, *pass_fds])
             raw = await asyncio.wait_for(loop.sock_recv(self.sock, 4096), timeout)
+            reply = msgspec.json.decode(raw, type=LaunchReply) if raw else None
+            if reply is None:
+                why = "the launcher exited"
+            elif reply.error or not reply.pid:
+                why = f"the launcher refused: {reply.error}"
+            else:
+                pid = reply.pid
         except (OSError, asyncio.TimeoutError) as exc:
-            os.close(out_r)
-            os.close(err_r)
-            return self._give_up(f"launch failed: {type(exc).__name__}: {exc}")
+            why = f"launch failed: {type(exc).__name__}: {exc}"
         finally:
             os.close(out_w)
             os.close(err_w)
-        if not raw:
-            os.close(out_r)
-            os.close(err_r)
-            return self._give_up("the launcher exited")
-        reply = msgspec.json.decode(raw, type=LaunchReply)
-        if reply.error or not reply.pid:
-            os.close(out_r)
-            os.close(err_r)
-            return self._give_up(f"the launcher refused: {reply.error}")
-        try:
-            # Ours only if re-parenting reached us (WNOWAIT: an early exit stays reapable).
-            os.waitid(os.P_PID, reply.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            os.close(out_r)
-            os.close(err_r)
+        if pid:
             try:
-                os.kill(reply.pid, signal.SIGKILL)
+                # Ours only if re-parenting reached us (WNOWAIT: an early exit stays reapable).
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                why = "the launched process is not our child (no subreaper?)"
+        if not why:
+            stdout, stderr = await _pipe_reader(out_r), await _pipe_reader(err_r)  # they own the fds now
+            try:
+                return AdoptedProcess(pid, stdout, stderr)
+            except OSError as exc:  # no pidfd_open (Linux < 5.3): exec from now on
+                why = f"cannot watch the launched process: {exc}"
+        else:
+            os.close(out_r)
+            os.close(err_r)
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)  # reaped as a stray
             except ProcessLookupError:
                 pass
-            return self._give_up("the launched process is not our child (no subreaper?)")
-        try:
-            return AdoptedProcess(reply.pid, await _pipe_reader(out_r), await _pipe_reader(err_r))
-        except OSError as exc:  # no pidfd_open (Linux < 5.3): exec from now on
-            try:
-                os.kill(reply.pid, signal.SIGKILL)  # reaped as a stray
-            except ProcessLookupError:
-                pass
-            return self._give_up(f"cannot watch the launched process: {exc}")
+        return self._give_up(why)
 
     def _give_up(self, why: str) -> None:
         if not self.failed:

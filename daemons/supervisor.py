@@ -30,6 +30,7 @@ from dpserve.engine.procutil import (
     EXIT_NOTHING_SERVES,
     EXIT_OK,
     EXIT_STARTUP,
+    become_subreaper,
     describe_exit,
 )
 from dpserve.engine.protocol import (
@@ -44,7 +45,7 @@ from dpserve.engine.protocol import (
 from .children import Child, ChildState, spawn
 from .config import Addresses, ServeConfig
 from .health import HealthServer
-from .launcher import Launcher, become_subreaper, reap_strays
+from .launcher import Launcher, reap_strays
 from .notify import Notifier
 from .plan import StartupError, bind_listen_socket, node_address_towards, plan_children
 from .probes import Prober

@@ -34,6 +34,7 @@ EXIT_DESCRIPTIONS = {
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+_PR_SET_CHILD_SUBREAPER = 36
 
 CHILD_CONFIG_ENV = "DPSERVE_CHILD_CONFIG"
 
@@ -48,24 +49,32 @@ def child_config_from_env(kind):
     return msgspec.json.decode(raw.encode(), type=kind)
 
 
+def _prctl(option: int, arg) -> bool:
+    """prctl(2) on Linux; False elsewhere or when the kernel refuses."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
+
+
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     """Have the kernel send `sig` to this process when its parent dies.
 
     Checked against the expected parent afterwards: if the parent died before
     prctl ran, we were already re-parented and must exit at once.
     """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
     if parent_pid and os.getppid() != parent_pid:
         os._exit(EXIT_ERROR)
 
 
 def set_process_name(name: str) -> None:
     """The name `ps -o comm`, top and journald's _COMM show (15 bytes at most)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    _prctl(_PR_SET_NAME, name.encode()[:15])
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants of this process its children (Linux only)."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 def describe_exit(returncode: int) -> str:
