@@ -29,6 +29,7 @@ class Prober:
         self.all_ranks_routable = False
         self.num_alive_ranks = 0  # as the API servers see the cluster (coordinator's table)
         self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._readyz: dict[str, tuple[int, bytes]] = {}  # this cycle's /readyz answers, by API server
 
     def _session(self, path: str) -> aiohttp.ClientSession:
         session = self._sessions.get(path)
@@ -54,6 +55,10 @@ class Prober:
             results = await asyncio.gather(*(self._get(c, "/readyz", 1.0) for c in apis))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return
+        self._judge(results, size)
+
+    def _judge(self, results: list[tuple[int, bytes]], size: int) -> None:
+        """Routability of the cluster from API servers' /readyz answers (all of them)."""
         ok = True
         alive = size
         for status, body in results:
@@ -71,8 +76,13 @@ class Prober:
             while True:
                 await asyncio.sleep(interval)
                 children = [c for c in sup.children.values() if c.state == ChildState.READY]
+                self._readyz.clear()
                 await asyncio.gather(*(self._probe(c) for c in children))
-                await self.check_routable()
+                # The probes' own /readyz answers say what the cluster looks like;
+                # asking again would wait on a hung API server a second time.
+                apis = [c for c in sup.children.values() if c.kind == "api"]
+                if apis and len(self._readyz) == len(apis):
+                    self._judge(list(self._readyz.values()), sup.cfg.data_parallel_size)
         finally:
             for session in self._sessions.values():
                 await session.close()
@@ -112,7 +122,8 @@ class Prober:
             status, _ = await self._get(child, "/health", timeout)
             if status != 200:
                 return False, f"/health answered {status}", False
-            status, _ = await self._get(child, "/readyz", timeout)
+            status, body = await self._get(child, "/readyz", timeout)
+            self._readyz[child.name] = (status, body)
             return True, "ok" if status == 200 else f"/readyz answered {status}", status == 200
         except asyncio.TimeoutError:
             return False, f"/health timed out after {timeout} s", False
