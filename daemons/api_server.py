@@ -40,6 +40,7 @@ from .tokenizer import TextTokenizer
 
 VERSION = "0.1.0"
 FAULT_STARTUP_DELAY_ENV = "DPSERVE_FAULT_API_STARTUP_DELAY_S"
+_ACCEPTED_GRACE_S = 0.25
 
 CFG = web.AppKey("cfg", ApiServerConfig)
 SERVING = web.AppKey("serving", OpenAIServing)
@@ -209,6 +210,10 @@ class ApiServer:
         self.serving.draining = True
         if self.port_site is not None:
             await self.port_site.stop()
+        # Connections accepted just before the stop may not have sent their request
+        # yet; closing them now would break a client mid-write (seen in the reload
+        # test as a broken pipe). Give them a moment to become requests we finish.
+        await asyncio.sleep(min(_ACCEPTED_GRACE_S, self.cfg.shutdown_timeout_s))
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s
         n = len(self.client.requests)
         if n:
