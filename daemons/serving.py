@@ -138,7 +138,7 @@ class OpenAIServing:
 
     async def models(self, request: web.Request) -> web.Response:
         self._check_auth(request)
-        card = ModelCard(self.model_name, self._created, max_model_len=self.max_model_len, root=self.cfg.model_dir)
+        card = ModelCard(self.model_name, self._created, max_model_len=self.max_model_len, root=self.model_name)  # never the local path
         return web.Response(body=encode(ModelList([card])), content_type="application/json")
 
     # ---------------------------------------------------------------- checks
