@@ -14,10 +14,13 @@ import os
 import signal
 import socket
 import time
+from http import HTTPStatus
 
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from dpserve.engine.auth import CurveKeys, make_client, start_authenticator
 from dpserve.engine.logs import setup_logging
 from dpserve.engine.procutil import (
@@ -34,6 +37,7 @@ from .config import ApiServerConfig
 from .engine_client import EngineClient
 from .metrics import ApiMetrics
 from .openai_types import ApiError, encode, error_body
+from .openapi import build_openapi
 from .router import Router
 from .serving import OpenAIServing
 from .tokenizer import TextTokenizer
@@ -65,13 +69,76 @@ async def openai_errors(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        kind = {401: "authentication_error", 404: "not_found_error"}.get(exc.status, "invalid_request_error")
-        return error_response(ApiError(exc.status, exc.reason if exc.status != 404 else f"No route for {request.method} {request.path}.", type=kind))
+        return error_response(_http_error(exc.status, request, exc))
+    except (RequestPayloadError, HttpProcessingError) as exc:
+        # A body aiohttp could not read (Content-Encoding: gzip on a body that is not,
+        # broken chunking): the connection's stream is broken, so answer and close it.
+        # Marking the body read stops aiohttp from reading it again after the answer,
+        # which would raise once more and log a traceback at error level.
+        cause = exc.__cause__ if isinstance(exc, RequestPayloadError) else exc
+        detail = cause.message if isinstance(cause, HttpProcessingError) else str(exc)
+        request.content.feed_eof()
+        resp = error_response(ApiError(400, f"Could not read the request body: {' '.join(str(detail).split())}"))
+        resp.force_close()
+        return resp
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception as exc:
         request.app[LOG].exception("unexpected error", path=request.path)
         return error_response(ApiError(500, f"Internal server error: {type(exc).__name__}", type="server_error"))
+
+
+def _http_error(status: int, request: web.BaseRequest, exc: BaseException | None = None, message: str | None = None) -> ApiError:
+    """An aiohttp-made error (routing, limits, protocol) as an ApiError; 405 keeps its Allow header."""
+    path = request.path[:200]
+    headers = None
+    if status == 404:
+        message = f"No route for {request.method} {path}."
+    elif status == 405 and isinstance(exc, web.HTTPException):
+        allow = exc.headers.get("Allow", "")
+        headers = {"Allow": allow}
+        message = f"Method {request.method} is not allowed for {path}; allowed: {allow}."
+    elif isinstance(exc, HttpProcessingError) and exc.message:
+        message = f"Bad request: {exc.message}"
+    elif isinstance(exc, web.HTTPException):
+        message = exc.reason
+    if not message:
+        try:
+            message = HTTPStatus(status).phrase
+        except ValueError:
+            message = "Error"
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return ApiError(status, message, type=kind, headers=headers)
+
+
+class _JsonErrorHandler(RequestHandler):
+    """aiohttp's protocol handler, but its own error answers (bad request line, too many
+    headers, no Host, handler timeout) are OpenAI-style JSON like every other error.
+    Logging stays aiohttp's (engine.logs rate-limits it)."""
+
+    __slots__ = ()
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
+        super().handle_error(request, status, exc, message)  # logs; raises if a response already started
+        resp = error_response(_http_error(status, request, exc, message))
+        resp.force_close()
+        return resp
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = _JsonErrorHandler  # same slots: aiohttp offers no handler-class option
+        return handler
+
+
+class ApiAppRunner(web.AppRunner):
+    """An AppRunner whose connections answer protocol errors in JSON (see _JsonErrorHandler)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer
+        return server
 
 
 class ApiServer:
@@ -102,6 +169,7 @@ class ApiServer:
         self.stop_event = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.port_site: web.BaseSite | None = None
+        self._openapi: bytes | None = None  # built on first ask
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_request_body_bytes, middlewares=[openai_errors])
@@ -117,6 +185,7 @@ class ApiServer:
         app.router.add_get("/ready", self.readyz)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics.handler)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     # ---------------------------------------------------------------- probes
@@ -137,6 +206,13 @@ class ApiServer:
     async def version(self, request: web.Request) -> web.Response:
         return _json(encode({"version": VERSION}))
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        if self._openapi is None:
+            s = self.serving
+            doc = build_openapi(s.model_name, s.vocab_size, s.max_model_len, api_key=bool(self.cfg.api_key), version=VERSION)
+            self._openapi = encode(doc)
+        return _json(self._openapi)
+
     # ---------------------------------------------------------------- lifecycle
 
     async def serve(self) -> int:
@@ -145,7 +221,7 @@ class ApiServer:
             loop.add_signal_handler(sig, self.stop_event.set)
         self.client.start()
         await self.coordinator.send(self._register)
-        self.runner = web.AppRunner(self.build_app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+        self.runner = ApiAppRunner(self.build_app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
         await self.runner.setup()
         sock = socket.socket(fileno=self.cfg.listen_fd)
         sock.setblocking(False)

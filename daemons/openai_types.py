@@ -2,26 +2,44 @@
 
 A request body is decoded and validated once, straight into a typed Struct;
 range checks that msgspec can express live in the type annotations, so the
-400 message names the field. Responses follow OpenAI's published schema
-(ignoring nothing the strict clients need: `logprobs: null` present,
-`refusal: null` present, no `null` where an object or array is expected).
-Nothing here touches sockets or engines.
+400 message names the field. Every number that reaches an engine is bounded
+here (an engine must never see a value its sampler cannot hold). Fields that
+OpenAI's spec marks nullable accept null as "default". Parameters we know but
+do not implement get a 400 when set to anything but their default; unknown
+fields are ignored (as vLLM does) and reported to a callback. Responses follow
+OpenAI's published schema (`logprobs: null` and `refusal: null` present, no
+`null` where an object or array is expected). Nothing here touches sockets or
+engines.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta, Struct
 
-NonNegFloat = Annotated[float, Meta(ge=0.0, le=100.0)]
+# Limits on what a request may ask for. 2^31-1 bounds every count and token id:
+# engines use them as tensor indices and sizes, where a larger int overflows.
+INT32_MAX = 2**31 - 1
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 1024
+MAX_STOP_TOKEN_IDS = 256
+
+Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-PosInt = Annotated[int, Meta(ge=1)]
-NonNegInt = Annotated[int, Meta(ge=0)]
-TopK = Annotated[int, Meta(ge=-1)]
+TopK = Annotated[int, Meta(ge=-1, le=INT32_MAX)]
+MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+MinTokens = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+NumChoices = Annotated[int, Meta(ge=1, le=128)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+StopString = Annotated[str, Meta(max_length=MAX_STOP_LENGTH)]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_SEQUENCES)]
+StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 class ApiError(Exception):
@@ -47,31 +65,63 @@ class ApiError(Exception):
 
 
 class StreamOptions(Struct, omit_defaults=True):
-    include_usage: bool = False
+    include_usage: bool | None = False
+
+    def __post_init__(self) -> None:
+        if self.include_usage is None:
+            self.include_usage = False
 
 
 class _SamplingFields(Struct, kw_only=True):
+    """Fields both endpoints share. After decoding, a nullable field that
+    has a default (stream, ignore_eos, min_tokens) holds that default, never None."""
+
     model: str | None = None
-    max_tokens: PosInt | None = None
-    temperature: NonNegFloat | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
     seed: Seed | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt] | None = None
-    ignore_eos: bool = False
-    min_tokens: NonNegInt = 0
-    n: PosInt = 1
-    stream: bool = False
+    stop: Stop | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool | None = False
+    min_tokens: MinTokens | None = 0
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     user: str | None = None
+    # Known but not implemented: accepted only at their default (see UNSUPPORTED).
+    n: NumChoices | None = None
+    best_of: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    include_stop_str_in_output: bool | None = None
+    min_p: float | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.stream is None:
+            self.stream = False
+        if self.ignore_eos is None:
+            self.ignore_eos = False
+        if self.min_tokens is None:
+            self.min_tokens = 0
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[Any]
-    echo: bool = False
+    echo: bool | None = None
     logprobs: int | None = None
     suffix: str | None = None
 
@@ -89,25 +139,66 @@ class ChatMessage(Struct):
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: PosInt | None = None
-    logprobs: bool = False
-    add_generation_prompt: bool = True
+    max_completion_tokens: MaxTokens | None = None
+    add_generation_prompt: bool | None = True
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.add_generation_prompt is None:
+            self.add_generation_prompt = True
 
 
+# Top-level twins that refuse unknown fields: decoding tries them first, so a
+# request without unknown fields (nearly all) is decoded once, and one with
+# them names the first for the caller's log before the tolerant decode.
+class _StrictCompletionRequest(CompletionRequest, forbid_unknown_fields=True):
+    pass
+
+
+class _StrictChatCompletionRequest(ChatCompletionRequest, forbid_unknown_fields=True):
+    pass
+
+
+_STRICT: dict[type, type] = {CompletionRequest: _StrictCompletionRequest, ChatCompletionRequest: _StrictChatCompletionRequest}
 _ERR_PATH = re.compile(r"at `\$\.?([^`]*)`")
-
-
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `([^`]*)`$")
 _DECODERS: dict[type, msgspec.json.Decoder] = {}
 
 
-def decode_request(body: bytes, kind: type[Struct]) -> Any:
-    """Decode a JSON body into `kind`, turning every failure into a 400 ApiError."""
+def _decoder(kind: type) -> msgspec.json.Decoder:
     # A Decoder per type: msgspec.json.decode(type=...) looks the type up on every call.
     decoder = _DECODERS.get(kind)
     if decoder is None:
         decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    return decoder
+
+
+def decode_request(body: bytes, kind: type[Struct], on_unknown: Callable[[str], None] | None = None) -> Any:
+    """Decode a JSON body into `kind`, turning every failure into a 400 ApiError.
+
+    `on_unknown` hears the name of an unknown top-level field (the first one
+    only); the field itself is ignored.
+    """
+    strict = _STRICT.get(kind) if on_unknown is not None else None
     try:
-        return decoder.decode(body)
+        if strict is not None:
+            try:
+                return _decoder(strict).decode(body)
+            except msgspec.ValidationError as exc:
+                unknown = _UNKNOWN_FIELD.match(str(exc))
+                if unknown is None:
+                    raise
+                on_unknown(unknown.group(1))
+        return _decoder(kind).decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _ERR_PATH.search(text)
@@ -115,33 +206,67 @@ def decode_request(body: bytes, kind: type[Struct]) -> Any:
         raise ApiError(400, f"Invalid request: {text}", param=param or None) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"Malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "Malformed JSON body: nested too deeply.") from None
+
+
+# Known parameters we do not implement: name -> the values that mean "not used"
+# (null always does). Anything else is a 400 naming the parameter, never a
+# silent no-op. The OpenAPI document derives these fields' schemas from here.
+# Tools are checked before tool_choice, so "auto" there means "no tools".
+UNSUPPORTED: dict[str, tuple] = {
+    "n": (1,),
+    "best_of": (1,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "include_stop_str_in_output": (False,),
+    "min_p": (0.0,),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "echo": (False,),
+    "suffix": ("",),
+    "logprobs": (False,),  # completions: an int (how many alternatives); chat: a bool
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "audio": (),
+    "modalities": (["text"],),
+    "web_search_options": (),
+}
 
 
 def check_unsupported(req: _SamplingFields) -> None:
     """Reject parameters we would otherwise silently ignore."""
-    if req.n != 1:
-        raise ApiError(400, "Only n=1 is supported.", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value not in (None, 0, 0.0):
-            raise ApiError(400, f"{name} is not supported by this server.", param=name)
-    if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise ApiError(400, "echo is not supported.", param="echo")
-        if req.logprobs is not None:
-            raise ApiError(400, "logprobs is not supported.", param="logprobs")
-        if req.suffix:
-            raise ApiError(400, "suffix is not supported.", param="suffix")
-    elif req.logprobs:
-        raise ApiError(400, "logprobs is not supported.", param="logprobs")
+    for name, accepted in UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        # Types compared too: a completion's logprobs=0 is not chat's logprobs=false.
+        if value is not None and not any(type(value) is type(a) and value == a for a in accepted):
+            raise ApiError(400, f"{name} is not supported by this server (got {_short(value)}).", param=name)
+
+
+def _short(value: Any) -> str:
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def stop_strings(req: _SamplingFields) -> list[str]:
+    """The non-empty stop strings (count and length are bounded by the type)."""
     if req.stop is None:
         return []
     stops = [req.stop] if isinstance(req.stop, str) else req.stop
-    if len(stops) > 16:
-        raise ApiError(400, "At most 16 stop sequences are allowed.", param="stop")
     return [s for s in stops if s]
 
 
@@ -174,12 +299,18 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         content = msg.content
         if isinstance(content, list):
             texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
+            for j, part in enumerate(content):
+                if part.type != "text":
                     raise ApiError(
                         400,
-                        f"Content part type {part.type!r} is not supported; only text.",
-                        param=f"messages[{i}].content",
+                        f"Content part type {part.type!r} is not supported; only 'text'.",
+                        param=f"messages[{i}].content[{j}].type",
+                    )
+                if part.text is None:
+                    raise ApiError(
+                        400,
+                        f"messages[{i}].content[{j}] is a text part without 'text': it needs a string field 'text'.",
+                        param=f"messages[{i}].content[{j}].text",
                     )
                 texts.append(part.text)
             content = "".join(texts)

@@ -191,19 +191,20 @@ def parse_rank_header(value: str | None, size: int) -> int | None:
     """X-data-parallel-rank: None when absent, else an int in [0, size) or a 400."""
     if value is None:
         return None
-    try:
-        rank = int(value.strip())
-    except ValueError:
+    # ASCII digits only: int() would also take " 1 ", "+1", "0_1" and non-ASCII digits.
+    if not (value.isascii() and value.isdigit()):
         raise ApiError(
             400,
-            f"X-data-parallel-rank must be an integer in [0, {size}); got {value!r}.",
+            f"X-data-parallel-rank must be an integer in [0, {size}); got {value[:40]!r}.",
             param="X-data-parallel-rank",
             code="invalid_rank",
-        ) from None
+        )
+    # (a long run of digits is out of range without int(), which refuses past 4,300 digits)
+    rank = int(value) if len(value) <= 9 else size
     if not 0 <= rank < size:
         raise ApiError(
             400,
-            f"X-data-parallel-rank {rank} is out of range: this deployment has ranks 0..{size - 1}.",
+            f"X-data-parallel-rank {value[:20]} is out of range: this deployment has ranks 0..{size - 1}.",
             param="X-data-parallel-rank",
             code="invalid_rank",
         )

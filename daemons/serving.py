@@ -52,6 +52,7 @@ _json_str = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _RANK_HEADER = "X-data-parallel-rank"
+_MAX_UNKNOWN_LOGGED = 32
 
 
 class _EventStream(web.StreamResponse):
@@ -96,7 +97,8 @@ class OpenAIServing:
         self.vocab_size = tokenizer.vocab_size
         self.draining = False
         self.num_active = 0
-        self._auth = f"Bearer {cfg.api_key}" if cfg.api_key else None
+        self._auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
+        self._unknown_fields: set[str] = set()
         self._id_prefix = f"{cfg.index:x}{os.urandom(4).hex()}"
         self._ids = itertools.count()
         self._created = int(time.time())
@@ -109,7 +111,7 @@ class OpenAIServing:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         self._check_auth(request)
-        req = decode_request(await self._read_body(request), CompletionRequest)
+        req = decode_request(await self._read_body(request), CompletionRequest, self._note_unknown_field)
         check_unsupported(req)
         self._check_model(req.model)
         prompt = completion_prompt(req)
@@ -124,7 +126,7 @@ class OpenAIServing:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         self._check_auth(request)
-        req = decode_request(await self._read_body(request), ChatCompletionRequest)
+        req = decode_request(await self._read_body(request), ChatCompletionRequest, self._note_unknown_field)
         check_unsupported(req)
         self._check_model(req.model)
         messages = chat_messages(req)
@@ -146,11 +148,21 @@ class OpenAIServing:
     def _check_auth(self, request: web.Request) -> None:
         if self._auth is None:
             return
-        got = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(got.encode(), self._auth.encode()):
+        # aiohttp keeps undecodable header bytes as surrogates: turn them back into
+        # the bytes that came, so any header compares instead of raising.
+        got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(got, self._auth):
             raise ApiError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>').", type="authentication_error", code="invalid_api_key")
 
     async def _read_body(self, request: web.Request) -> bytes:
+        if request.content_type != "application/json":
+            # Also keeps browsers' cross-site "simple" POSTs (form or text/plain bodies) out.
+            got = request.headers.get("Content-Type")
+            raise ApiError(
+                415,
+                f"Content-Type must be application/json; got {got!r}." if got else "Content-Type must be application/json; none was sent.",
+                code="unsupported_media_type",
+            )
         limit = self.cfg.max_request_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"Request body of {request.content_length} bytes exceeds the limit of {limit} bytes.", code="request_too_large")
@@ -158,6 +170,15 @@ class OpenAIServing:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large") from None
+
+    def _note_unknown_field(self, name: str) -> None:
+        """Unknown fields are ignored, as vLLM does; each name is logged once, and at
+        most _MAX_UNKNOWN_LOGGED names, so random names cannot flood the log."""
+        if name in self._unknown_fields or len(self._unknown_fields) >= _MAX_UNKNOWN_LOGGED:
+            return
+        self._unknown_fields.add(name)
+        more = " (no further names will be logged)" if len(self._unknown_fields) == _MAX_UNKNOWN_LOGGED else ""
+        self.log.warning(f"ignoring an unknown request field; logged once per name{more}", field=name[:80])
 
     def _check_model(self, model: str | None) -> None:
         if model is None:
@@ -177,6 +198,8 @@ class OpenAIServing:
                 param="max_tokens" if num_prompt < limit else "prompt",
                 code="context_length_exceeded",
             )
+        if req.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).", param="min_tokens")
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         stop_ids = tuple(req.stop_token_ids or ())
         if any(t >= self.vocab_size for t in stop_ids):
@@ -189,7 +212,7 @@ class OpenAIServing:
             seed=req.seed,
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
-            min_tokens=min(req.min_tokens, max_tokens),
+            min_tokens=req.min_tokens,
         )
 
     # ---------------------------------------------------------------- generation

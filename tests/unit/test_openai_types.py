@@ -6,6 +6,8 @@ import json
 
 import pytest
 from dpserve.daemons.openai_types import (
+    INT32_MAX,
+    UNSUPPORTED,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,12 +25,45 @@ def completion(**kw) -> CompletionRequest:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("max_tokens", 0), ("max_tokens", "3"), ("temperature", -1), ("top_p", 0), ("top_p", 1.01), ("top_k", -2), ("n", 0), ("stream", "yes")],
+    [
+        ("max_tokens", 0), ("max_tokens", "3"), ("temperature", -1), ("top_p", 0), ("top_p", 1.01), ("top_k", -2),
+        ("n", 0), ("stream", "yes"),
+        # Numbers an engine cannot hold: top_k once crashed a rank from int64 overflow.
+        ("top_k", 2**64 - 1), ("top_k", 10**30), ("top_k", INT32_MAX + 1), ("max_tokens", INT32_MAX + 1),
+        ("max_tokens", 10**30), ("min_tokens", -1), ("min_tokens", INT32_MAX + 1), ("seed", 2**63), ("seed", -(2**63) - 1),
+        ("temperature", 101), ("temperature", 10**30), ("n", 129), ("presence_penalty", 3),
+        ("stop_token_ids", [-1]), ("stop_token_ids", [INT32_MAX + 1]), ("stop_token_ids", list(range(257))),
+        ("stop", [str(i) for i in range(17)]), ("stop", "x" * 1025), ("stop", ["x" * 1025]),
+    ],
 )
 def test_range_and_type_errors_name_the_field(field, value):
     with pytest.raises(ApiError) as err:
         completion(**{field: value})
+    assert err.value.status == 400 and err.value.param is not None and err.value.param.split("[")[0] == field
+
+
+def test_limits_that_are_allowed_decode():
+    req = completion(top_k=INT32_MAX, seed=-(2**63), stop_token_ids=list(range(256)), stop=["x" * 1024] * 16, max_tokens=INT32_MAX)
+    assert req.top_k == INT32_MAX and req.seed == -(2**63)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "top_k", "max_tokens", "seed", "min_tokens"])
+@pytest.mark.parametrize("number", [b"1e400", b"-1e400", b"1" + b"0" * 400, b"-1" + b"0" * 400])
+def test_huge_json_numbers_are_a_400_naming_the_field(field, number):
+    body = b'{"model": "m", "prompt": "hi", "%s": %s}' % (field.encode(), number)
+    with pytest.raises(ApiError) as err:
+        decode_request(body, CompletionRequest)
     assert err.value.status == 400 and err.value.param == field
+
+
+@pytest.mark.parametrize("where", ["prompt", "unknown_field", "guided_json"])
+def test_deeply_nested_json_is_a_400_not_a_recursion_error(where):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    body = b'{"model": "m", "prompt": "hi", "%s": %s}' % (where.encode(), deep)
+    for on_unknown in (None, lambda name: None):
+        with pytest.raises(ApiError) as err:
+            decode_request(body, CompletionRequest, on_unknown)
+        assert err.value.status == 400 and "nested too deeply" in err.value.message
 
 
 def test_malformed_json_and_wrong_top_level():
@@ -38,8 +73,78 @@ def test_malformed_json_and_wrong_top_level():
         assert err.value.status == 400
 
 
-def test_unknown_fields_are_tolerated():
+def test_unknown_fields_are_tolerated_and_reported():
     assert completion(logit_bias={}, frequency_penalty=0).prompt == "hi"
+    heard = []
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, "frobnicate": {"x": 1}}).encode()
+    req = decode_request(body, CompletionRequest, heard.append)
+    assert isinstance(req, CompletionRequest) and req.max_tokens == 2 and heard == ["frobnicate"]
+    decode_request(json.dumps({"model": "m", "prompt": "hi"}).encode(), CompletionRequest, heard.append)
+    assert heard == ["frobnicate"]  # nothing unknown, nothing heard
+    # A bad known field is still the error, whichever comes first.
+    for order in ({"zz": 1, "top_k": -5}, {"top_k": -5, "zz": 1}):
+        with pytest.raises(ApiError) as err:
+            decode_request(json.dumps({"model": "m", "prompt": "hi", **order}).encode(), CompletionRequest, heard.append)
+        assert err.value.param == "top_k"
+
+
+NULLS = {"n": None, "stream": None, "echo": None, "logprobs": None, "ignore_eos": None, "min_tokens": None, "stop": None,
+         "stream_options": {"include_usage": None}, "temperature": None, "top_p": None, "top_k": None, "seed": None,
+         "max_tokens": None, "suffix": None, "best_of": None, "presence_penalty": None, "frequency_penalty": None,
+         "logit_bias": None, "user": None, "stop_token_ids": None}
+
+
+def test_nullable_fields_accept_null_as_their_default():
+    req = completion(**NULLS)
+    check_unsupported(req)
+    assert (req.stream, req.ignore_eos, req.min_tokens, req.stream_options.include_usage) == (False, False, 0, False)
+    chat = decode_request(json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": None, "name": None}], **NULLS, "logprobs": None,
+        "top_logprobs": None, "max_completion_tokens": None, "add_generation_prompt": None, "tools": None,
+        "tool_choice": None, "response_format": None, "echo": None, "suffix": None,
+    }).encode(), ChatCompletionRequest)
+    check_unsupported(chat)
+    assert chat.add_generation_prompt is True and chat.stream is False
+
+
+NON_DEFAULT = {
+    "n": 2, "best_of": 3, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+    "logit_bias": {"50256": -100}, "response_format": {"type": "json_object"}, "include_stop_str_in_output": True,
+    "min_p": 0.1, "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "allowed_token_ids": [1],
+    "bad_words": ["x"], "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
+    "guided_grammar": "g", "structured_outputs": {"json": {}}, "echo": True, "suffix": "end", "logprobs": 0,
+}
+CHAT_NON_DEFAULT = {
+    "logprobs": True, "top_logprobs": 2, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"},
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "web_search_options": {},
+}
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return decode_request(json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}).encode(), ChatCompletionRequest)
+
+
+@pytest.mark.parametrize("field", sorted(NON_DEFAULT))
+def test_known_but_unsupported_parameters_are_a_400_naming_them(field):
+    with pytest.raises(ApiError) as err:
+        check_unsupported(completion(**{field: NON_DEFAULT[field]}))
+    assert err.value.status == 400 and err.value.param == field and "not supported" in err.value.message
+
+
+@pytest.mark.parametrize("field", sorted(CHAT_NON_DEFAULT))
+def test_known_but_unsupported_chat_parameters_are_a_400_naming_them(field):
+    with pytest.raises(ApiError) as err:
+        check_unsupported(chat(**{field: CHAT_NON_DEFAULT[field]}))
+    assert err.value.status == 400 and err.value.param == field
+
+
+def test_unsupported_parameters_at_their_default_are_accepted():
+    assert set(NON_DEFAULT) | set(CHAT_NON_DEFAULT) == set(UNSUPPORTED)  # every entry has a refusal test
+    defaults = {name: accepted[0] for name, accepted in UNSUPPORTED.items() if accepted}
+    check_unsupported(chat(**defaults))
+    check_unsupported(completion(**{k: v for k, v in defaults.items() if k not in ("logprobs",)}))
+    check_unsupported(chat(tool_choice="auto", tools=[], parallel_tool_calls=True))
 
 
 def test_prompt_shapes():
@@ -64,6 +169,18 @@ def test_stop_strings():
     assert stop_strings(completion(stop=["a", "", "b"])) == ["a", "b"]
     with pytest.raises(ApiError):
         stop_strings(completion(stop=[str(i) for i in range(17)]))
+
+
+def test_text_part_without_text_names_the_missing_field():
+    req = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}])
+    with pytest.raises(ApiError) as err:
+        chat_messages(req)
+    assert err.value.param == "messages[0].content[1].text"
+    assert "without 'text'" in err.value.message and "not supported" not in err.value.message
+    req = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ApiError) as err:
+        chat_messages(req)
+    assert err.value.param == "messages[0].content[0].type" and "not supported" in err.value.message
 
 
 def test_chat_messages_join_text_parts_and_check_roles():

@@ -100,12 +100,14 @@ def test_eligible_ranks_and_pins():
     router.check_pin(3)
 
 
-@pytest.mark.parametrize("value, expected", [(None, None), ("0", 0), (" 3 ", 3)])
+@pytest.mark.parametrize("value, expected", [(None, None), ("0", 0), ("3", 3), ("03", 3)])
 def test_rank_header_valid(value, expected):
     assert parse_rank_header(value, 4) == expected
 
 
-@pytest.mark.parametrize("value", ["x", "1.0", "", "4", "-1"])
+# ASCII digits only: int() alone would take the signs, spaces, underscores and
+# non-ASCII digits here; a long run of digits must not reach int() either.
+@pytest.mark.parametrize("value", ["x", "1.0", "", "4", "-1", "+1", " 1 ", "0_1", "\uff11", "\u0661", "1" * 5000])
 def test_rank_header_invalid(value):
     with pytest.raises(ApiError) as err:
         parse_rank_header(value, 4)
