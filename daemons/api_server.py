@@ -35,6 +35,7 @@ from dpserve.engine.protocol import ApiServerRegister, Codec
 
 from .config import ApiServerConfig
 from .engine_client import EngineClient
+from .http_limits import ConnectionGuard, GuardedSockSite, connection_limits
 from .metrics import ApiMetrics
 from .openai_types import ApiError, encode, error_body
 from .openapi import build_openapi
@@ -153,7 +154,9 @@ class ApiServer:
         self.router = Router(cfg.data_parallel_size, cfg.lb_policy, cfg.max_waiting_per_rank, cfg.eligible_ranks)
         self.keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
         self.auth = start_authenticator(self.zctx, self.keys, log)
-        self.client = EngineClient(self.zctx, self.router, cfg.engine_address, cfg.table_address, log, self.keys)
+        self.client = EngineClient(
+            self.zctx, self.router, cfg.engine_address, cfg.table_address, log, self.keys, cfg.request_first_token_timeout_s
+        )
         # Tell the coordinator (maybe on another node) where engines reach us, every
         # second, so a restarted coordinator relearns it without anyone's help.
         self.coordinator = self.zctx.socket(zmq.DEALER)
@@ -168,7 +171,13 @@ class ApiServer:
         self.serving = OpenAIServing(cfg, self.tokenizer, self.client, self.metrics, log)
         self.stop_event = asyncio.Event()
         self.runner: web.AppRunner | None = None
+        self.probe_runner: web.AppRunner | None = None
         self.port_site: web.BaseSite | None = None
+        cap, ceiling = connection_limits(cfg.http_max_connections)
+        if cap < cfg.http_max_connections:
+            log.warning("connection cap lowered to fit the open-file limit", requested=cfg.http_max_connections, cap=cap)
+        busy = ApiError(503, "This server has too many open connections; retry shortly.", type="service_unavailable", code="too_many_connections")
+        self.guard = ConnectionGuard(cap, ceiling, error_body(busy), log)
         self._openapi: bytes | None = None  # built on first ask
 
     def build_app(self) -> web.Application:
@@ -190,8 +199,27 @@ class ApiServer:
 
     # ---------------------------------------------------------------- probes
 
-    async def health(self, request: web.Request) -> web.Response:
+    def build_probe_app(self) -> web.Application:
+        """The supervisor's private socket: liveness and readiness, apart from the port's
+        limits and from the port's /health, which answers whether requests can be served."""
+        app = web.Application()
+        app.router.add_get("/health", self.liveness)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/ready", self.readyz)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics.handler)
+        return app
+
+    async def liveness(self, request: web.Request) -> web.Response:
         # Answered by the event loop that serves requests: if it answers, it lives.
+        return _json(b'{"status":"ok"}')
+
+    async def health(self, request: web.Request) -> web.Response:
+        # As vLLM's /health: 200 only while a request sent now can be served.
+        if self.serving.draining:
+            return _json(b'{"status":"draining"}', 503)
+        if not self.router.routable_ranks:
+            return _json(b'{"status":"no engine rank is ready"}', 503)
         return _json(b'{"status":"ok"}')
 
     async def readyz(self, request: web.Request) -> web.Response:
@@ -221,12 +249,19 @@ class ApiServer:
             loop.add_signal_handler(sig, self.stop_event.set)
         self.client.start()
         await self.coordinator.send(self._register)
-        self.runner = ApiAppRunner(self.build_app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+        # keepalive_timeout bounds the wait for a request's headers, on a new connection
+        # and between keep-alive requests alike (aiohttp closes a connection idle that
+        # long, counted from its start or its last response, partial headers or not).
+        self.runner = ApiAppRunner(
+            self.build_app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0, keepalive_timeout=self.cfg.http_idle_timeout_s
+        )
         await self.runner.setup()
+        self.probe_runner = web.AppRunner(self.build_probe_app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+        await self.probe_runner.setup()
         sock = socket.socket(fileno=self.cfg.listen_fd)
         sock.setblocking(False)
-        self.port_site = web.SockSite(self.runner, sock)
-        probe_site = web.UnixSite(self.runner, self.cfg.probe_path)
+        self.port_site = GuardedSockSite(self.runner, sock, self.guard)
+        probe_site = web.UnixSite(self.probe_runner, self.cfg.probe_path)
         try:
             if os.path.exists(self.cfg.probe_path):
                 os.unlink(self.cfg.probe_path)
@@ -247,6 +282,7 @@ class ApiServer:
         heartbeat.cancel()
         await self.drain()
         await self.runner.cleanup()
+        await self.probe_runner.cleanup()
         await self.client.close()
         self.coordinator.close(0)
         if self.auth is not None:
@@ -284,6 +320,7 @@ class ApiServer:
     async def drain(self) -> None:
         """Stop accepting, let in-flight requests finish (bounded), then return."""
         self.serving.draining = True
+        self.client.notify_routes()  # requests waiting for a rank fail now
         if self.port_site is not None:
             await self.port_site.stop()
         # Connections accepted just before the stop may not have sent their request
@@ -304,6 +341,9 @@ class ApiServer:
 
 def main() -> None:
     cfg = child_config_from_env(ApiServerConfig)
+    # One tokenization is one item: the tokenizer's own thread pool would only add a
+    # thread hop (and a thread per core); our pool bounds the threads (serving.py).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     die_with_parent(cfg.parent_pid)
     set_process_name(f"dpserve-{cfg.name}")
     log = setup_logging(cfg.name, cfg.log_level).bind(api_server=cfg.index)

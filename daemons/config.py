@@ -37,6 +37,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     lb_policy: str = "tokens"
     max_waiting_per_rank: int = 4096
     max_request_body_bytes: int = 4 * 1024 * 1024
+    # API servers: how long a request waits for a rank, for its first token, and HTTP limits
+    wait_for_engine_s: float = 60.0
+    request_first_token_timeout_s: float = 600.0
+    http_idle_timeout_s: float = 30.0
+    http_body_timeout_s: float = 60.0
+    http_max_connections: int = 2048
     seed: int = 0
     # supervisor
     supervisor_host: str = "127.0.0.1"
@@ -214,6 +220,11 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     probe_path: str
     parent_pid: int
     log_level: str = "info"
+    wait_for_engine_s: float = 60.0
+    request_first_token_timeout_s: float = 600.0
+    http_idle_timeout_s: float = 30.0
+    http_body_timeout_s: float = 60.0
+    http_max_connections: int = 2048
 
 
 class CoordinatorConfig(msgspec.Struct, kw_only=True):

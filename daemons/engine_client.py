@@ -4,7 +4,8 @@ Owns the ROUTER socket the engines connect to, the SUB socket for the load
 table, the Router, and the table of in-flight RequestStates. Only this module
 moves bytes between ZeroMQ and RequestStates; handlers see typed objects.
 Invariant: a RequestState is in `requests` from send until it finishes,
-fails or is aborted, and its rank's in-flight count covers exactly that span.
+fails or is aborted, and its rank's in-flight count covers exactly that span;
+until its first output arrives it also holds a timer that fails it (bounded wait).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ from dpserve.engine.protocol import (
 from .router import Router
 
 
+def _retrieve(sent: asyncio.Future) -> None:
+    if not sent.cancelled():
+        sent.exception()  # read, so asyncio does not log it as never retrieved
+
+
 class RequestState:
     """Outputs of one request as they arrive; the handler drains `pending`."""
 
@@ -46,6 +52,7 @@ class RequestState:
         "error_status",
         "event",
         "num_output_tokens",
+        "first_token_timer",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
@@ -63,6 +70,7 @@ class RequestState:
         self.error_status = 400  # an engine's own rejection is the request's fault
         self.event = asyncio.Event()
         self.num_output_tokens = 0
+        self.first_token_timer: asyncio.TimerHandle | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -83,10 +91,10 @@ class RequestState:
             self.error = out.error
         self.event.set()
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, status: int = 503) -> None:
         self.finish_reason = FINISH_ERROR
         self.error = reason
-        self.error_status = 503  # the rank failed, not the request
+        self.error_status = status  # 503: the rank failed, not the request; 504: it never answered
         self.event.set()
 
 
@@ -99,6 +107,7 @@ class EngineClient:
         table_address: str,
         log,
         keys: CurveKeys | None = None,
+        first_token_timeout_s: float = 0.0,
     ) -> None:
         self.ctx = ctx
         self.router = router
@@ -130,6 +139,11 @@ class EngineClient:
         self._identities = [str(r).encode() for r in range(router.size)]
         self._tasks: list[asyncio.Task] = []
         self.table_received = asyncio.Event()
+        self.first_token_timeout_s = first_token_timeout_s  # 0: unbounded
+        # Set (and replaced) whenever a rank may have become routable; only while
+        # someone waits for one, so the table's hot path pays one comparison.
+        self._routes_changed = asyncio.Event()
+        self.num_route_waiters = 0
 
     def start(self) -> None:
         self._tasks = [
@@ -147,23 +161,70 @@ class EngineClient:
 
     # ---------------------------------------------------------------- requests
 
+    def _send_now(self, rank: int, data: bytes) -> None:
+        """One message to `rank`'s engine; raises zmq.ZMQError when it cannot leave.
+
+        zmq.asyncio never raises from a send: it puts the error (EHOSTUNREACH for
+        an identity no peer holds, thanks to ROUTER_MANDATORY) on the returned
+        future, which a NOBLOCK send resolves at once. Reading it here is what
+        turns a lost send into an error instead of a request that waits forever.
+        """
+        sent = self.engines.send_multipart([self._identities[rank], data], zmq.NOBLOCK)
+        if sent.done():
+            sent.result()
+        else:  # queued behind another send (none of ours block): judge it when it resolves
+            sent.add_done_callback(_retrieve)
+
     def send(self, state: RequestState, req: AddRequest, rank: int) -> None:
-        """Hand a request to `rank`; raises zmq.ZMQError if the rank is unreachable."""
-        self.engines.send_multipart([self._identities[rank], self._out_codec.encode(req)], zmq.NOBLOCK)
+        """Hand a request to `rank`; raises zmq.ZMQError if the rank is unreachable
+        (then nothing is recorded: the request is neither in flight nor counted)."""
+        self._send_now(rank, self._out_codec.encode(req))
         state.rank = rank
         self.requests[state.request_id] = state
         self.router.on_send(rank, state.remaining)
+        if self.first_token_timeout_s > 0:
+            loop = asyncio.get_running_loop()
+            state.first_token_timer = loop.call_later(self.first_token_timeout_s, self._first_token_overdue, state)
+
+    def _first_token_overdue(self, state: RequestState) -> None:
+        state.first_token_timer = None
+        if state.request_id not in self.requests or state.num_output_tokens or state.is_finished:
+            return
+        self.abort(state)
+        state._fail(f"no output from engine rank {state.rank} within {self.first_token_timeout_s:g} s; the request was aborted", 504)
 
     def abort(self, state: RequestState) -> None:
         """Forget a request that is not finished (client gone, stop string hit)."""
         if self.requests.pop(state.request_id, None) is None:
             return
+        self._stop_timer(state)
         self.router.on_finish(state.rank, state.remaining)
         try:
-            msg = self._out_codec.encode(AbortRequests([state.request_id]))
-            self.engines.send_multipart([self._identities[state.rank], msg], zmq.NOBLOCK)
+            self._send_now(state.rank, self._out_codec.encode(AbortRequests([state.request_id])))
         except zmq.ZMQError:
             pass  # the rank is gone, and with it the request
+
+    # ---------------------------------------------------------------- waiting for a rank
+
+    def notify_routes(self) -> None:
+        """Wake requests waiting for a rank (routing may have changed, or we drain)."""
+        if self.num_route_waiters:
+            self._routes_changed.set()
+            self._routes_changed = asyncio.Event()
+
+    async def wait_routes(self, timeout: float) -> bool:
+        """Wait until routing may have changed; False once `timeout` passed without."""
+        if timeout <= 0:
+            return False
+        self.num_route_waiters += 1
+        try:
+            async with asyncio.timeout(timeout):
+                await self._routes_changed.wait()
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.num_route_waiters -= 1
 
     def fail_rank(self, rank: int, reason: str) -> int:
         """End every in-flight request on `rank` with an error; returns how many."""
@@ -180,7 +241,14 @@ class EngineClient:
 
     def _finish(self, state: RequestState) -> None:
         if self.requests.pop(state.request_id, None) is not None:
+            self._stop_timer(state)
             self.router.on_finish(state.rank, state.remaining)
+
+    @staticmethod
+    def _stop_timer(state: RequestState) -> None:
+        if state.first_token_timer is not None:
+            state.first_token_timer.cancel()
+            state.first_token_timer = None
 
     # ---------------------------------------------------------------- readers
 
@@ -209,6 +277,8 @@ class EngineClient:
                 state = requests.get(out.request_id)
                 if state is None:
                     continue
+                if state.first_token_timer is not None:
+                    self._stop_timer(state)
                 if out.finish_reason is not None:
                     self._finish(state)
                 else:
@@ -221,6 +291,7 @@ class EngineClient:
             if self.router.engine_hello(msg.rank, msg.incarnation):
                 self.fail_rank(msg.rank, f"engine rank {msg.rank} restarted")
             self.log.info("engine connected", rank=msg.rank, incarnation=msg.incarnation)
+            self.notify_routes()
         elif type(msg) is EngineDead:
             if self.router.engine_dead(msg.rank, msg.incarnation):
                 n = self.fail_rank(msg.rank, msg.reason)
@@ -247,3 +318,4 @@ class EngineClient:
             n = self.fail_rank(rank, f"engine rank {rank} is down: {reason}")
             self.log.warning("rank left routing", rank=rank, reason=reason, failed_requests=n)
         self.table_received.set()
+        self.notify_routes()

@@ -36,16 +36,18 @@ class _RankCollector:
         running = GaugeMetricFamily("dpserve_rank_running", "Running sequences per rank.", labels=["rank"])
         waiting = GaugeMetricFamily("dpserve_rank_waiting", "Waiting requests per rank.", labels=["rank"])
         alive = GaugeMetricFamily("dpserve_rank_routable", "1 when this API server routes to the rank.", labels=["rank"])
+        inflight = GaugeMetricFamily("dpserve_api_in_flight", "This API server's requests in flight on each rank.", labels=["rank"])
         for rank, load in enumerate(self.router.loads):
             label = [str(rank)]
             alive.add_metric(label, 1.0 if self.router.routable(rank) else 0.0)
+            inflight.add_metric(label, self.router.inflight[rank])
             if load is None:
                 continue
             finished.add_metric(label, load.num_requests_finished)
             aborted.add_metric(label, load.num_requests_aborted)
             running.add_metric(label, load.num_running)
             waiting.add_metric(label, load.num_waiting)
-        yield from (finished, aborted, running, waiting, alive)
+        yield from (finished, aborted, running, waiting, alive, inflight)
 
 
 class ApiMetrics:

@@ -7,11 +7,13 @@ no logging per request. Errors leave as OpenAI-style bodies (see ApiError).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import os
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import zmq
@@ -52,6 +54,11 @@ _json_str = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _RANK_HEADER = "X-data-parallel-rank"
+# Bodies up to this size are tokenized on the event loop: a thread hop costs more
+# than their tokenization (see _tokenize). Larger ones go to a small thread pool,
+# so a 4 MiB prompt never stalls the loop that answers everyone else.
+_INLINE_TOKENIZE_BYTES = 8192
+_TOKENIZE_THREADS = 2
 _MAX_UNKNOWN_LOGGED = 32
 
 
@@ -68,6 +75,16 @@ class EngineFailure(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+def _failure_kind(status: int) -> tuple[str, str | None]:
+    """(error type, code) of an engine-side failure: the rank failed (503), it never
+    answered (504), or it refused the request (4xx)."""
+    if status == 503:
+        return "service_unavailable", "engine_error"
+    if status == 504:
+        return "server_error", "first_token_timeout"
+    return "invalid_request_error", None
 
 
 def _take_outputs(state: RequestState) -> tuple[list[int], str | None]:
@@ -105,6 +122,11 @@ class OpenAIServing:
         # Response headers per serving rank, built once: aiohttp copies them per response anyway.
         self._json_headers = [{"Content-Type": "application/json", _RANK_HEADER: str(r)} for r in range(self.router.size)]
         self._sse_headers = [{**_SSE_HEADERS, _RANK_HEADER: str(r)} for r in range(self.router.size)]
+        self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        # A prompt longer than this many bytes needs more than max_model_len tokens
+        # whatever it says, so it is refused without tokenizing (None: no such bound).
+        per_token = tokenizer.max_bytes_per_token
+        self.max_prompt_bytes = self.max_model_len * per_token if per_token else None
 
     # ---------------------------------------------------------------- endpoints
 
@@ -116,7 +138,7 @@ class OpenAIServing:
         self._check_model(req.model)
         prompt = completion_prompt(req)
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = await self._tokenize(request, self._prompt_ids, prompt)
         else:
             ids = prompt
             if min(ids) < 0 or max(ids) >= self.vocab_size:
@@ -130,11 +152,7 @@ class OpenAIServing:
         check_unsupported(req)
         self._check_model(req.model)
         messages = chat_messages(req)
-        tok = self.tokenizer
-        try:
-            ids = tok.encode_chat_prompt(tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt))
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
+        ids = await self._tokenize(request, self._chat_ids, messages, req.add_generation_prompt)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(self.max_model_len - len(ids), 1)
         return await self._generate(request, req, ids, max_tokens, chat=True, t0=t0)
 
@@ -167,7 +185,11 @@ class OpenAIServing:
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"Request body of {request.content_length} bytes exceeds the limit of {limit} bytes.", code="request_too_large")
         try:
-            return await request.read()
+            async with asyncio.timeout(self.cfg.http_body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            # (a Content-Length larger than what comes would otherwise wait forever)
+            raise ApiError(408, f"The request body did not arrive within {self.cfg.http_body_timeout_s:g} s.", code="request_timeout") from None
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large") from None
 
@@ -215,6 +237,48 @@ class OpenAIServing:
             min_tokens=req.min_tokens,
         )
 
+    # ---------------------------------------------------------------- tokenization
+
+    async def _tokenize(self, request: web.Request, fn, *args) -> list[int]:
+        """fn(*args) inline for small bodies, else on the tokenizer threads.
+
+        The tokenizer releases the GIL while it works (TextTokenizer), so the
+        event loop keeps serving meanwhile; the pool's size bounds the CPU that
+        long prompts take from the rest.
+        """
+        size = request.content_length
+        if size is not None and size <= _INLINE_TOKENIZE_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _check_prompt_size(self, text: str, param: str) -> None:
+        limit = self.max_prompt_bytes
+        if limit is None or len(text) * 4 <= limit:  # UTF-8 takes at most 4 bytes a character
+            return
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt of "
+                f"{size} bytes needs more than that: no token of this tokenizer covers more than "
+                f"{limit // self.max_model_len} bytes.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        self._check_prompt_size(prompt, "prompt")
+        return self.tokenizer.encode(prompt)
+
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        tok = self.tokenizer
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        self._check_prompt_size(text, "messages")
+        return tok.encode_chat_prompt(text)
+
     # ---------------------------------------------------------------- generation
 
     async def _generate(self, request, req, ids: list[int], max_tokens: int, *, chat: bool, t0: float) -> web.StreamResponse:
@@ -227,7 +291,7 @@ class OpenAIServing:
         request_id = f"{self._id_prefix}-{next(self._ids):x}"
         state = RequestState(request_id, len(ids), max_tokens)
         add = AddRequest(request_id, ids, params, time.time())
-        rank = self._send(state, add, pinned)
+        rank = await self._send(state, add, pinned)
         self.metrics.routed_to(rank)
         self.num_active += 1
         try:
@@ -244,14 +308,41 @@ class OpenAIServing:
             return resp
         except EngineFailure as exc:
             self.metrics.observe(endpoint, exc.status)
-            kind = "service_unavailable" if exc.status == 503 else "invalid_request_error"
-            raise ApiError(exc.status, str(exc), type=kind, code="engine_error" if exc.status == 503 else None) from None
+            kind, code = _failure_kind(exc.status)
+            raise ApiError(exc.status, str(exc), type=kind, code=code) from None
         finally:
             self.num_active -= 1
             if not state.is_finished:
                 self.client.abort(state)  # client went away, or a stop string ended it early
 
-    def _send(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
+    async def _send(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
+        """Send to the best rank, waiting (bounded) while none can take it.
+
+        Before any rank is ready (the node starts) or while the ranks restart, a
+        request waits up to --wait-for-engine-s for one instead of failing at
+        once, as clients of a server whose port opens only when it serves expect.
+        """
+        try:
+            return self._send_once(state, add, pinned)
+        except ApiError as err:
+            if err.status != 503 or self.draining:
+                raise
+            first = err
+        deadline = time.monotonic() + self.cfg.wait_for_engine_s
+        while await self.client.wait_routes(deadline - time.monotonic()):
+            if self.draining:
+                break
+            try:
+                return self._send_once(state, add, pinned)
+            except ApiError as err:
+                if err.status != 503:
+                    raise
+        if self.draining:
+            raise ApiError(503, "The server is shutting down.", type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})
+        waited = f" (waited {self.cfg.wait_for_engine_s:g} s)" if self.cfg.wait_for_engine_s > 0 else ""
+        raise ApiError(503, first.message + waited, type=first.type, code=first.code, headers=first.headers)
+
+    def _send_once(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
         """Send to the best rank; a rank whose socket is gone is skipped, not fatal."""
         for _ in range(self.router.size):
             rank = self.router.pick(pinned)
@@ -360,7 +451,8 @@ class OpenAIServing:
                     last = CompletionResponse(rid, created, self.model_name, [CompletionChoice(0, text, None, fin)])
                 tail = b"data: " + encode(last) + b"\n\n"
         except EngineFailure as exc:
-            err = ErrorResponse(ErrorBody(str(exc), "service_unavailable" if exc.status == 503 else "invalid_request_error", None, "engine_error"))
+            kind, code = _failure_kind(exc.status)
+            err = ErrorResponse(ErrorBody(str(exc), kind, None, code or "engine_error"))
             await resp.write_eof(b"data: " + encode(err) + b"\n\n" + _DONE)
             self.metrics.observe("stream", exc.status)
             return resp

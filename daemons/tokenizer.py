@@ -29,6 +29,72 @@ _MAX_HELD_TOKENS = 16
 _TRIM_IDS_AT = 256
 
 
+# How many input bytes can shrink into one byte of normalized text, per normalizer
+# (None: no bound, e.g. Strip or StripAccents delete input). Canonical composition
+# takes at most 3 bytes to 1 (Hangul L+V+T jamo, 9 bytes, -> one 3-byte syllable);
+# compatibility mappings take 4 (U+1D400, 4 bytes, -> "A"); lowercasing 3 (the
+# Kelvin sign, 3 bytes, -> "k"). Prepend and growing Replaces only add bytes.
+_NORMALIZER_SHRINK = {"NFC": 3, "NFD": 3, "NFKC": 4, "NFKD": 4, "Lowercase": 3, "Prepend": 1}
+# Pre-tokenizers that keep every byte of their input (others drop whitespace or delimiters).
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts"}
+
+
+def _normalizer_shrink(spec: dict | None) -> int | None:
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in spec.get("normalizers", []):
+            f = _normalizer_shrink(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":
+        pattern, content = spec.get("pattern", {}).get("String"), spec.get("content", "")
+        return 1 if pattern is not None and len(content.encode()) >= len(pattern.encode()) else None
+    return _NORMALIZER_SHRINK.get(kind)
+
+
+def _keeps_bytes(spec: dict | None) -> bool:
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_bytes(p) for p in spec.get("pretokenizers", []))
+    return kind in _KEEPING_PRE_TOKENIZERS and spec.get("behavior") != "Removed"
+
+
+def max_bytes_per_token(tokenizer: Tokenizer) -> int | None:
+    """An upper bound on the bytes of input text that one token can stand for, or None.
+
+    Why it holds: a BPE model splits the (normalized, pre-tokenized) text into
+    vocabulary entries whose concatenation is that text, so every byte is covered
+    by exactly one token, and no entry is longer than the longest string in the
+    vocabulary or among the added tokens (byte-level vocabularies spell one byte
+    per character; other vocabularies are measured in UTF-8, which only
+    overstates). An unknown character becomes one unknown token (at most 4 bytes)
+    unless fuse_unk merges runs of them, and a normalizer can shrink the input by
+    at most its factor above. Any other model, normalizer or pre-tokenizer: None.
+    """
+    model = tokenizer.model
+    if type(model).__name__ != "BPE" or (model.unk_token and model.fuse_unk):
+        return None
+    norm = tokenizer.normalizer
+    shrink = _normalizer_shrink(json.loads(norm.__getstate__()) if norm is not None else None)
+    pre = tokenizer.pre_tokenizer
+    pre_spec = json.loads(pre.__getstate__()) if pre is not None else None
+    if shrink is None or not _keeps_bytes(pre_spec):
+        return None
+    byte_level = '"ByteLevel"' in json.dumps(pre_spec)
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    longest = max((len(t) if byte_level else len(t.encode()) for t in vocab), default=1)
+    added = tokenizer.get_added_tokens_decoder().values()
+    longest = max([longest, 4, *(len(t.content.encode()) for t in added)])
+    return longest * shrink
+
+
 def _token_text(value: Any) -> str | None:
     """A special-token field from tokenizer_config.json: a string or {"content": ...}."""
     if isinstance(value, dict):
@@ -124,6 +190,7 @@ class TextTokenizer:
         tokenizer.no_truncation()  # a tokenizer.json may carry a max_length: never cut prompts
         tokenizer.no_padding()
         self._tok = tokenizer
+        self._encode_batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch  # _fast: 0.20.2+
         self.model_name = model_name
         # Passed to templates as variables, as transformers passes its special_tokens_map.
         self._special_tokens = {
@@ -147,6 +214,7 @@ class TextTokenizer:
             self._prepend_bos = add_bos and not post_processor_adds
             self._strip_bos = post_processor_adds and not add_bos
         self.adds_bos = self.bos_token_id is not None and self.encode("a")[:1] == [self.bos_token_id]
+        self.max_bytes_per_token = max_bytes_per_token(tokenizer)
         # Compiled once, at load: a broken template fails the start, not a request.
         self._chat_template = compile_chat_template(chat_template) if chat_template else None
 
@@ -178,13 +246,19 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`. Special-token text in `text` is always parsed as the
         special token; `add_special_tokens` only controls the BOS/EOS the model adds."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._ids(text, add_special_tokens)
         if add_special_tokens:
             if self._prepend_bos:
                 ids.insert(0, self.bos_token_id)
             elif self._strip_bos:
                 del ids[0]  # only set when the post-processor always puts BOS first
         return ids
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch_fast, not encode: it releases the GIL while the Rust code runs
+        # (encode holds it, so a long prompt on a worker thread would still stall the
+        # event loop), and it skips the offsets nobody here reads. The same ids.
+        return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -216,7 +290,7 @@ class TextTokenizer:
         (no post-processor, hence never an EOS); then, if plain prompts would start with
         BOS and the template did not write one, a single BOS is prepended.
         """
-        ids = self._tok.encode(prompt, add_special_tokens=False).ids
+        ids = self._ids(prompt, False)
         if self.adds_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
