@@ -59,6 +59,7 @@ class Child:
         "num_waiting",
         "kill_requested",
         "restart_requested",
+        "failure",
         "extra_env",
     )
 
@@ -102,6 +103,7 @@ class Child:
         self.num_waiting = 0
         self.kill_requested = False
         self.restart_requested = False  # a planned restart (SIGHUP), not a crash
+        self.failure = ""  # why the supervisor stopped this process for failing (probes, late start)
         self.extra_env = extra_env or {}
 
     @property
@@ -165,6 +167,7 @@ async def spawn(child: Child, log_stream, launcher=None) -> None:
     child.consecutive_failures = 0
     child.kill_requested = False
     child.restart_requested = False
+    child.failure = ""
     asyncio.create_task(pump(proc.stdout, child.name, b"<6>", log_stream))
     asyncio.create_task(pump(proc.stderr, child.name, b"<4>", log_stream))
 

@@ -16,7 +16,8 @@ import urllib.error
 import urllib.request
 
 import click
-from dpserve.engine.procutil import EXIT_CONFIG, die_with_parent
+from click.core import ParameterSource
+from dpserve.engine.procutil import EXIT_CONFIG, die_with_parent, raise_fd_limit
 
 from .config import API_SERVER_LAUNCH, LB_POLICIES, RESTART_POLICIES, ServeConfig
 
@@ -40,8 +41,9 @@ def main() -> None:
 _SERVE_OPTIONS = [
     _opt("--host", default="127.0.0.1", help="Address the API listens on."),
     _opt("--port", default=8000, type=int, help="API port, shared by every API server (0: any free port)."),
-    _opt("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*."),
-    _opt("--served-model-name", default=None, help="Model name clients send (default: MODEL as given)."),
+    _opt("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/* (shows in ps: prefer --api-key-file or DPSERVE_API_KEY)."),
+    _opt("--api-key-file", default=None, type=click.Path(dir_okay=False), help="Read the API key from this file (first line), keeping it out of argv."),
+    _opt("--served-model-name", default=None, help="Model name clients send (default: the model directory's name)."),
     _opt("--data-parallel-size", "-dp", default=1, type=click.IntRange(1), help="Number of engine ranks (in the whole deployment)."),
     _opt("--api-server-count", default=None, type=click.IntRange(1), help="API-server processes on the port (default: local ranks)."),
     _opt("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="auto: float32 on CPU, bfloat16 on CUDA."),
@@ -53,12 +55,7 @@ _SERVE_OPTIONS = [
     _opt("--max-request-body-bytes", default=4 * 1024 * 1024, type=click.IntRange(1024), help="Larger bodies get 413."),
     _opt("--seed", default=0, type=int, help="Seed for unseeded sampling."),
     _opt("--data-parallel-supervisor-port", default=9256, type=click.IntRange(0, 65535), help="Aggregated health port (/health /readyz /status /metrics)."),
-    _opt("--wait-for-engine-s", default=60.0, type=click.FloatRange(min=0), help="How long a request waits for a rank to serve it (while none is ready) before 503."),
-    _opt("--request-first-token-timeout-s", default=600.0, type=click.FloatRange(min=0.1), help="A request without its first token by then fails (504) and is aborted."),
-    _opt("--http-idle-timeout-s", default=30.0, type=click.FloatRange(min=0.1), help="A connection gets this long for a request's headers: from its start, and idle between keep-alive requests."),
-    _opt("--http-body-timeout-s", default=60.0, type=click.FloatRange(min=0.1), help="A request body must arrive within this (else 408)."),
-    _opt("--http-max-connections", default=2048, type=click.IntRange(1), help="Open connections per API server; beyond it requests get 503 (capped below the open-file limit)."),
-    _opt("--supervisor-host", default=None, help="Address of the health port (default: --host)."),
+    _opt("--data-parallel-supervisor-host", "--supervisor-host", "supervisor_host", default="127.0.0.1", envvar=["DPSERVE_DATA_PARALLEL_SUPERVISOR_HOST", "DPSERVE_SUPERVISOR_HOST"], help="Address of the health port (it serves /status unauthenticated: keep it off public addresses)."),
     _opt("--dp-supervisor-probe-interval-s", default=5.0, type=click.FloatRange(min=0.05), help="Seconds between probes of each child."),
     _opt("--dp-supervisor-probe-timeout-s", default=5.0, type=click.FloatRange(min=0.05), help="Probe timeout."),
     _opt("--dp-supervisor-probe-failure-threshold", default=3, type=click.IntRange(1), help="Consecutive failed probes that mark a child dead."),
@@ -107,6 +104,8 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
         log.info("no model given; serving the built-in demo model")
         model = ensure_demo_model()
         served = served or DEMO_MODEL_NAME
+    # Never the full local path: /v1/models would show it to every client.
+    served = served or os.path.basename(os.path.normpath(model)) or model
     dp = opts["data_parallel_size"]
     local = opts.get("data_parallel_size_local") or (dp if role in ("serve", "head") else None)
     modes = [m for m, on in (("hybrid", opts.get("lb_hybrid")), ("external", opts.get("lb_external")), ("global", opts.get("lb_global"))) if on]
@@ -120,10 +119,10 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
     api_count = opts["api_server_count"] or local
     return ServeConfig(
         model=model,
-        served_model_name=served or model,
+        served_model_name=served,
         host=opts["host"],
         port=opts["port"],
-        api_key=opts["api_key"],
+        api_key=_api_key(opts),
         data_parallel_size=dp,
         api_server_count=api_count,
         dtype=opts["dtype"],
@@ -134,14 +133,9 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
         max_waiting_per_rank=opts["max_waiting_per_rank"],
         max_request_body_bytes=opts["max_request_body_bytes"],
         seed=opts["seed"],
-        supervisor_host=opts["supervisor_host"] or opts["host"],
+        supervisor_host=opts["supervisor_host"],
         supervisor_port=opts["data_parallel_supervisor_port"],
         probe_interval_s=opts["dp_supervisor_probe_interval_s"],
-        wait_for_engine_s=opts["wait_for_engine_s"],
-        request_first_token_timeout_s=opts["request_first_token_timeout_s"],
-        http_idle_timeout_s=opts["http_idle_timeout_s"],
-        http_body_timeout_s=opts["http_body_timeout_s"],
-        http_max_connections=opts["http_max_connections"],
         probe_timeout_s=opts["dp_supervisor_probe_timeout_s"],
         probe_failure_threshold=opts["dp_supervisor_probe_failure_threshold"],
         engine_startup_timeout_s=opts["engine_startup_timeout_s"],
@@ -168,10 +162,34 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
     )
 
 
+def _api_key(opts: dict) -> str | None:
+    """--api-key, or the first line of --api-key-file (not both)."""
+    key, path = opts["api_key"], opts.get("api_key_file")
+    if not path:
+        return key
+    if key:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read --api-key-file {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not key:
+        raise ValueError(f"--api-key-file {path!r} is empty")
+    return key
+
+
 def _run(role: str, model: str | None, opts: dict) -> None:
     from dpserve.engine.logs import setup_logging
 
     log = setup_logging("supervisor", opts["log_level"])
+    soft, _ = raise_fd_limit()
+    if soft < 4096:
+        log.warning("the open-file limit is low; raise LimitNOFILE / ulimit -Hn", soft_limit=soft)
+    if click.get_current_context().get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
+        log.warning("--api-key on the command line shows in ps; use --api-key-file or DPSERVE_API_KEY")
+    # Children get the key in their typed config; none of them needs it in its environment.
+    os.environ.pop("DPSERVE_API_KEY", None)
     if os.environ.get("DPSERVE_DIE_WITH_PARENT"):
         # For harnesses (tests): if whoever started us dies, stop cleanly too.
         die_with_parent(os.getppid(), signal.SIGTERM)

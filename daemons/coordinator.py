@@ -15,7 +15,7 @@ import signal
 import time
 
 import zmq
-from dpserve.engine.auth import CurveKeys, make_server, start_authenticator
+from dpserve.engine.auth import HANDSHAKE_EVENTS, CurveKeys, describe_handshake_failure, make_server, start_authenticator
 from dpserve.engine.logs import setup_logging
 from dpserve.engine.procutil import (
     EXIT_OK,
@@ -40,11 +40,13 @@ from dpserve.engine.protocol import (
     RankLoad,
     RegisterReply,
 )
+from zmq.utils.monitor import parse_monitor_message
 
 from .config import CoordinatorConfig
 
 PUBLISH_MIN_INTERVAL_S = 0.002
 PUBLISH_KEEPALIVE_S = 1.0
+HANDSHAKE_WARN_EVERY_S = 10.0  # a peer with another key retries ~10 times a second
 
 
 class RankTable:
@@ -150,6 +152,16 @@ class Coordinator:
         self.engines.setsockopt(zmq.LINGER, 0)
         make_server(self.engines, self.keys)
         self.engines.bind(cfg.engines_address)
+        self.poller = zmq.Poller()
+        self.poller.register(self.engines, zmq.POLLIN)
+        # Multi-node: peers that fail the CURVE handshake never reach the ZAP handler,
+        # so only the socket's monitor can tell the operator about them.
+        self.monitor = self.engines.get_monitor_socket(HANDSHAKE_EVENTS) if self.keys is not None else None
+        if self.monitor is not None:
+            self.poller.register(self.monitor, zmq.POLLIN)
+        self.num_failed_handshakes = 0
+        self.last_failed_handshake = ""
+        self.last_handshake_warning = 0.0
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 10_000)
@@ -174,9 +186,12 @@ class Coordinator:
         self.log.info("coordinator ready", data_parallel_size=self.cfg.data_parallel_size)
         while not self.should_stop:
             # 1. Wait for messages, but never past the next publish or heartbeat.
-            if self.engines.poll(self._poll_timeout_ms()):
+            ready = dict(self.poller.poll(self._poll_timeout_ms()))
+            if self.engines in ready:
                 self._drain()
             now = time.monotonic()
+            if self.monitor is not None:
+                self._note_handshakes(self.monitor in ready, now)
             # 2. Retire ranks that went quiet.
             for rank in self.table.expire(now):
                 self.log.warning("rank stopped reporting; taken out of routing", rank=rank)
@@ -190,6 +205,28 @@ class Coordinator:
                 self.supervisor.heartbeat()
                 self.last_heartbeat = now
         return EXIT_OK
+
+    def _note_handshakes(self, has_events: bool, now: float) -> None:
+        """Warn about peers that fail the CURVE handshake (a node with another key
+        file): at once, then at most every HANDSHAKE_WARN_EVERY_S with a count."""
+        while has_events:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            why = describe_handshake_failure(event["event"], event["value"])
+            if why:
+                self.num_failed_handshakes += 1
+                self.last_failed_handshake = why
+        if self.num_failed_handshakes and now - self.last_handshake_warning >= HANDSHAKE_WARN_EVERY_S:
+            self.log.warning(
+                "refused a connection: " + self.last_failed_handshake,
+                address=self.cfg.engines_address,
+                attempts=self.num_failed_handshakes,
+                hint="every node needs the same --data-parallel-key-file",
+            )
+            self.num_failed_handshakes = 0
+            self.last_handshake_warning = now
 
     def _poll_timeout_ms(self) -> int:
         if self.table.dirty:

@@ -72,7 +72,7 @@ class HealthServer:
         ]
         children = list(sup.children.values())
         for c in children:
-            up = 1 if c.state in (ChildState.READY, ChildState.STARTING) and c.consecutive_failures == 0 else 0
+            up = 1 if c.state in (ChildState.READY, ChildState.STARTING) and c.consecutive_failures < sup.cfg.probe_failure_threshold else 0
             lines.append(f'dpserve_child_up{{child="{c.name}",kind="{c.kind}"}} {up}')
         lines += ["# HELP dpserve_child_restarts_total Restarts of each child.", "# TYPE dpserve_child_restarts_total counter"]
         lines += [f'dpserve_child_restarts_total{{child="{c.name}",kind="{c.kind}"}} {c.restarts}' for c in children]

@@ -102,8 +102,11 @@ def _become(sock: socket.socket, req: LaunchRequest, fds: list[int]) -> None:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
-        # Move the received fds out of the way, then onto their target numbers.
-        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
+        # Move the received fds out of the way (above every target, so no dup2 below
+        # lands on one), then onto their target numbers. No fixed floor such as 1024:
+        # under a soft RLIMIT_NOFILE of 1,024 that is EINVAL.
+        floor = max(req.target_fds) + 1
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, floor) for fd in fds]
         for fd in fds:
             os.close(fd)
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -308,6 +311,15 @@ class Launcher:
         asyncio.create_task(pump(self.proc.stdout, "launcher", b"<6>", log_stream))
         asyncio.create_task(pump(self.proc.stderr, "launcher", b"<4>", log_stream))
         self._ready = asyncio.ensure_future(self._wait_ready(ours))
+        asyncio.create_task(self._watch(self.proc))
+
+    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
+        """Say when the launcher dies, as it happens (not at the next API-server start)."""
+        from dpserve.engine.procutil import describe_exit
+
+        rc = await proc.wait()
+        if self.proc is proc:  # not stopped by us (stop() lets go of it first)
+            self._give_up(f"the launcher (pid {proc.pid}) exited: {describe_exit(rc)}")
 
     async def _wait_ready(self, sock: socket.socket) -> bool:
         loop = asyncio.get_running_loop()

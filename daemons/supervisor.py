@@ -21,7 +21,7 @@ import time
 import msgspec
 import zmq
 import zmq.asyncio
-from dpserve.engine.auth import CurveKeys, make_client
+from dpserve.engine.auth import HANDSHAKE_EVENTS, CurveKeys, describe_handshake_failure, make_client
 from dpserve.engine.config import (
     resolve_max_model_len,
 )
@@ -41,6 +41,7 @@ from dpserve.engine.protocol import (
     RankDown,
     ToSupervisor,
 )
+from zmq.utils.monitor import parse_monitor_message
 
 from .children import Child, ChildState, spawn
 from .config import Addresses, ServeConfig
@@ -149,6 +150,8 @@ class Supervisor:
             run_dir=self.run_dir,
         )
         self._tasks.append(asyncio.create_task(self._read_ctl(), name="ctl"))
+        if self.keys is not None and not self.cfg.runs_coordinator:
+            self._tasks.append(asyncio.create_task(self._watch_coordinator_link(), name="coordinator-link"))
         try:
             code = self.exit_code = await self._startup()
             if code == EXIT_OK:
@@ -196,6 +199,8 @@ class Supervisor:
                 if kind == "signal" and event[1] in (signal.SIGTERM, signal.SIGINT):
                     self.log.info("stop requested during startup")
                     return EXIT_OK
+                if kind == "fatal":
+                    return event[1]
                 if kind == "exit":
                     _, child, pid, rc = event
                     if pid == child.pid:
@@ -261,6 +266,45 @@ class Supervisor:
                 child.last_heartbeat = child.ready_at
                 self.events.put_nowait(("ready", child))
 
+    async def _watch_coordinator_link(self) -> None:
+        """Workers: a coordinator that never completes a CURVE handshake means a wrong
+        key file or address. Say so within seconds, not after the startup timeout;
+        during startup a failed handshake (the head holds another key) halts the node."""
+        address = self.addr.coordinator_engines
+        question = f"no answer from the coordinator at {address}: wrong key file or address?"
+        monitor = self.coord_link.get_monitor_socket(HANDSHAKE_EVENTS)
+        started = time.monotonic()
+        answered = False
+        failures = 0
+        last_said = 0.0
+        try:
+            while True:
+                try:
+                    frames = await asyncio.wait_for(monitor.recv_multipart(), timeout=10.0)
+                except asyncio.TimeoutError:
+                    now = time.monotonic()
+                    if not answered and now - last_said >= 60.0:
+                        last_said = now
+                        self.log.warning(question, waited_s=round(now - started), detail="no handshake yet (is the head up?)")
+                    continue
+                event = parse_monitor_message(frames)
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    if not answered and failures:
+                        self.log.info("the coordinator answers", address=address)
+                    answered, failures = True, 0
+                    continue
+                failures += 1
+                answered = False
+                now = time.monotonic()
+                if failures >= 3 and now - last_said >= 60.0:
+                    last_said = now
+                    detail = describe_handshake_failure(event["event"], event["value"])
+                    self.log.error(question, detail=detail, attempts=failures, key_file=self.cfg.key_file)
+                    if self.phase == "starting":
+                        self.events.put_nowait(("fatal", EXIT_CONFIG))
+        finally:
+            monitor.close(0)
+
     # ================================================================ serve
 
     async def _serve(self) -> int:
@@ -299,6 +343,7 @@ class Supervisor:
             _, child, pid, reason = event
             if pid == child.pid and child.state in (ChildState.READY, ChildState.STARTING):
                 self.log.error("child declared dead", child=child.name, pid=pid, reason=reason)
+                child.failure = f"declared dead: {reason}"
                 self._take_out_of_routing(child, reason)
                 self._terminate(child, kill_after=self.cfg.kill_grace_s, cont=True)
 
@@ -314,7 +359,7 @@ class Supervisor:
             return
         planned = was == ChildState.STOPPING and child.restart_requested
         level = self.log.info if planned else self.log.error
-        level("child exited", child=child.name, pid=pid, how=how)
+        level("child exited", child=child.name, pid=pid, how=how, **({"after": child.failure} if child.failure else {}))
         self._take_out_of_routing(child, f"process exited ({how})")
         if planned:
             child.state = ChildState.BACKOFF
@@ -326,7 +371,9 @@ class Supervisor:
             self.log.error("child cannot boot; not restarting it", child=child.name, how=how)
             return
         policy = self.cfg.restart_policy
-        if policy == "never" or (policy == "on-failure" and rc == 0):
+        # A child we stopped for failing (probes, a late start) failed, however cleanly it exited.
+        failed = rc != 0 or bool(child.failure)
+        if policy == "never" or (policy == "on-failure" and not failed):
             child.state = ChildState.EXITED
             return
         now = time.monotonic()
@@ -378,6 +425,7 @@ class Supervisor:
                 child.deadline = time.monotonic() + timeout
             elif child.state == ChildState.STARTING and child.restarts and now > child.deadline:
                 self.log.error("restarted child did not become ready in time", child=child.name)
+                child.failure = "not ready in time"
                 self._terminate(child, kill_after=self.cfg.kill_grace_s)
         if now - self._last_stray_sweep > 5.0 and not self._spawning:
             self._last_stray_sweep = now
@@ -442,6 +490,10 @@ class Supervisor:
     async def _shutdown(self) -> None:
         self.phase = "stopping"
         self.notifier.stopping("stopping: draining API servers")
+        # Refuse new connections at once: the kernel keeps a listening socket (and
+        # queues connections nobody will serve) while any process holds it, and the
+        # API servers close theirs as their drain starts. Nothing is spawned from here on.
+        self._close_listen_socks()
         pinger = asyncio.create_task(self._keep_watchdog_fed())
         self._tasks.append(pinger)
         cfg = self.cfg
@@ -461,11 +513,13 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.health.stop()
         self.zctx.destroy(linger=0)
-        for sock in self.listen_socks:
-            sock.close()
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self.log.info("stopped", exit_code=self.exit_code)
+
+    def _close_listen_socks(self) -> None:
+        for sock in self.listen_socks:
+            sock.close()
 
     async def _wait_all(self, children: list[Child], timeout: float) -> None:
         """One deadline for the group; survivors get SIGKILL, then are reaped."""
@@ -517,7 +571,8 @@ class Supervisor:
         for c in self.children.values():
             if self.phase == "starting" and c.state in (ChildState.NEW, ChildState.STARTING):
                 continue
-            if c.state != ChildState.READY or c.consecutive_failures > 0:
+            # One failed probe is a blip; the child is unhealthy once it reaches the threshold.
+            if c.state != ChildState.READY or c.consecutive_failures >= self.cfg.probe_failure_threshold:
                 bad.append({"name": c.name, "state": c.state.value, "consecutive_failures": c.consecutive_failures, "last_exit": c.last_exit or None})
         return bad
 

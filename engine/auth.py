@@ -86,3 +86,29 @@ def start_authenticator(ctx: zmq.Context, keys: CurveKeys | None, log=None):
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=_AllowOnly(keys.client_public, log))
     return auth
+
+
+# Monitor events that tell a CURVE handshake's fate (zmq_socket_monitor). A peer
+# with another key fails the handshake: the binding side sees a cryptographic
+# protocol error, the connecting side only "failed, no detail", then retries.
+HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def describe_handshake_failure(event: int, value: int) -> str:
+    """Why a monitored handshake failed, in words ('' for any other event)."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value in (zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC, zmq.PROTOCOL_ERROR_ZMTP_KEY_EXCHANGE):
+            return "CURVE handshake failed: the peer holds another key"
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return "handshake failed: the peer does not use the deployment key (no CURVE)"
+        return f"handshake failed: ZeroMQ protocol error {value:#x}"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"handshake refused by authentication (status {value})"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return "handshake failed (another key, or not a dpserve coordinator)"
+    return ""

@@ -14,15 +14,42 @@ import msgspec
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+# Token budget per step when none is configured. On a GPU a step's cost
+# barely grows with its tokens until thousands (weights are read once per
+# step), so the budget is large; on a CPU every token costs its full share of
+# FLOPs, so a smaller budget bounds the step time (and the stall a long prompt
+# imposes on the streams beside it) at no cost in throughput.
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+# While other sequences decode in the step, a prefill chunk is at most this
+# many tokens on a CPU (measured: a 16-stream decode step costs about as much
+# as 16-24 prefill tokens there, so the streams' step time stays within ~3x).
+CPU_LONG_PREFILL_TOKEN_THRESHOLD = 32
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # local Hugging Face model directory
     rank: int = 0
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bf16 where the device computes it fast (checkpoint's dtype if 16-bit), else float32
     device: str = "auto"  # auto: cuda:<rank*tp> when CUDA is present, else cpu
     max_num_seqs: int = 256
     max_model_len: int = 0  # 0: from the model's config
-    max_num_batched_tokens: int = 8192  # prompt tokens prefilled per step at most
+    max_num_batched_tokens: int = 0  # tokens per step at most; 0: by device (see above)
+    enable_chunked_prefill: bool = True  # split long prompts across steps
+    long_prefill_token_threshold: int = 0  # chunk cap while others decode; 0: by device
+    block_size: int = 0  # tokens per KV block; 0: the default (16)
+    kv_cache_memory_bytes: int = 0  # KV budget; 0: auto (CPU: share of available RAM)
+    gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + KV
+    num_local_ranks: int = 1  # ranks on this node sharing its memory (for the auto budget)
     seed: int = 0
+
+
+def resolve_token_budget(config: EngineConfig, device) -> tuple[int, int]:
+    """(max_num_batched_tokens, long_prefill_token_threshold) for this device."""
+    gpu = getattr(device, "type", str(device)) == "cuda"
+    budget = config.max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if gpu else CPU_MAX_NUM_BATCHED_TOKENS)
+    threshold = config.long_prefill_token_threshold or (budget if gpu else CPU_LONG_PREFILL_TOKEN_THRESHOLD)
+    return budget, min(threshold, budget)
 
 
 def model_max_len(model_dir: str) -> int:

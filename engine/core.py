@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
-from .config import EngineConfig, resolve_max_model_len
-from .loader import LoadedModel, load_model
+from .config import EngineConfig, resolve_max_model_len, resolve_token_budget
+from .kv_cache import DEFAULT_BLOCK_SIZE, BlockManager, KVCache, plan_num_blocks
+from .loader import LoadedModel, kv_shape, load_model
 from .model_runner import ModelRunner
 from .protocol import (
     FINISH_ERROR,
@@ -27,12 +28,16 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
 
+MAX_INT32 = 2**31 - 1
+MAX_STOP_TOKEN_IDS = 1024
+
 
 class EngineCore:
-    """Continuous batching over a local Hugging Face causal LM.
+    """Continuous batching with chunked prefill over a paged KV cache, for a local Hugging Face causal LM.
 
     Who owns a request: from add_request it sits in the scheduler's waiting
-    queue; once admitted it owns one row of the running batch; it is
+    queue; once admitted it is running and owns KV blocks (until preempted,
+    when it waits again at the head of the queue, owning none); it is
     forgotten the moment its finishing output is returned by step() (or it
     is aborted). `_requests` holds exactly the waiting and running ones.
 
@@ -56,17 +61,41 @@ class EngineCore:
     def _setup(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.config = config
         self.device = loaded.device
+        self.dtype = loaded.dtype
         # From the config, not `loaded`, so engines sharing one loaded model may differ.
         self.max_model_len: int = resolve_max_model_len(loaded.model_dir, config.max_model_len)
         self.eos_token_ids: frozenset[int] = loaded.eos_token_ids
         self.vocab_size = loaded.vocab_size
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded)
+        shape = kv_shape(loaded)
+        block_size = config.block_size or DEFAULT_BLOCK_SIZE
+        num_blocks, self.kv_budget_bytes = plan_num_blocks(
+            shape,
+            loaded.device,
+            block_size=block_size,
+            budget_bytes=config.kv_cache_memory_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            num_local_ranks=config.num_local_ranks,
+            max_useful_tokens=config.max_num_seqs * (self.max_model_len + block_size),
+        )
+        self.kv = KVCache(shape, num_blocks, block_size, loaded.device)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.kv_capacity_tokens = num_blocks * block_size
+        budget, threshold = resolve_token_budget(config, loaded.device)
+        self.scheduler = Scheduler(
+            config.max_num_seqs,
+            budget,
+            self.blocks,
+            long_prefill_token_threshold=threshold,
+            chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(loaded, self.kv)
         generator = torch.Generator(device=loaded.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(loaded.eos_token_ids, generator)
         self._requests: dict[str, Sequence] = {}
         self._last_step_ms = 0.0
+        self.on_progress: Callable[[], None] | None = None  # called from inside long steps (liveness)
+        self.num_step_errors = 0
 
     # ------------------------------------------------------------ requests in
 
@@ -95,12 +124,17 @@ class EngineCore:
             return f"duplicate request id {req.request_id!r}: a request with this id is still running"
         if not prompt:
             return "the prompt is empty: at least one token is needed"
-        if p.max_tokens < 1:
-            return f"max_tokens must be at least 1, got {p.max_tokens}"
+        if not (1 <= p.max_tokens <= self.max_model_len):
+            return f"max_tokens must be between 1 and {self.max_model_len}, got {p.max_tokens}"
         if len(prompt) + p.max_tokens > self.max_model_len:
             return (
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
                 f"({len(prompt)} tokens) plus max_tokens ({p.max_tokens}) needs {len(prompt) + p.max_tokens}"
+            )
+        if len(prompt) + p.max_tokens > self.kv_capacity_tokens:
+            return (
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({p.max_tokens}) can never fit this rank's KV "
+                f"cache of {self.kv_capacity_tokens} tokens (raise --kv-cache-memory-bytes or lower max_tokens)"
             )
         low, high = min(prompt), max(prompt)
         if low < 0 or high >= self.vocab_size:
@@ -110,19 +144,20 @@ class EngineCore:
             return f"temperature must be a finite number >= 0, got {p.temperature}"
         if not (0.0 < p.top_p <= 1.0):
             return f"top_p must be in (0, 1], got {p.top_p}"
-        if p.top_k < -1:
-            return f"top_k must be -1, 0 (disabled) or positive, got {p.top_k}"
+        if not (-1 <= p.top_k <= MAX_INT32):
+            return f"top_k must be -1, 0 (disabled) or a positive number up to {MAX_INT32}, got {p.top_k}"
         if not (0 <= p.min_tokens <= p.max_tokens):
             return f"min_tokens must be between 0 and max_tokens ({p.max_tokens}), got {p.min_tokens}"
+        if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(not (0 <= t <= MAX_INT32) for t in p.stop_token_ids):
+            return f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, each between 0 and {MAX_INT32}"
         return None
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """Forget these requests now, freeing their slots and KV rows; unknown ids are ignored."""
+        """Forget these requests now, freeing their slots and KV blocks; unknown ids are ignored."""
         leaving = {rid for rid in request_ids if rid in self._requests}
         if not leaving:
             return
-        self.scheduler.remove_waiting(leaving)
-        self.runner.keep_rows(self.scheduler.remove_running(leaving))
+        self.scheduler.remove(leaving)
         for rid in leaving:
             del self._requests[rid]
 
@@ -132,52 +167,74 @@ class EngineCore:
     # ------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration: every running request gains exactly one token."""
+        """One engine iteration: schedule -> run -> sample -> postprocess.
+
+        Every decoding request gains one token; prompts advance by a chunk,
+        and one whose last chunk ran gets its first token. A failure inside
+        the step fails the requests of this step, never the engine.
+        """
         if not self.scheduler.has_unfinished:
             return []
         start = time.perf_counter()
-
-        # 1. Schedule: admit from the waiting queue and prefill the newcomers,
-        #    one forward per group of similar lengths; their first token comes
-        #    from these logits.
-        num_decoding = self.scheduler.num_running
-        groups = self.scheduler.admit()
-        prefills = [self.runner.prefill([seq.prompt_token_ids for seq in group]) for group in groups]
-
-        # 2. Run: one decode forward over the sequences that were already
-        #    running, then the newcomers join the batch behind them, group by
-        #    group, so the logits rows below line up with scheduler.running.
-        running = self.scheduler.running
-        logits = []
-        if num_decoding:
-            logits.append(self.runner.decode([seq.last_token_id for seq in running[:num_decoding]]))
-        if prefills:
-            self.runner.append(*(kv for _, kv in prefills))
-            logits.extend(group_logits for group_logits, _ in prefills)
-        tokens = self.sampler(torch.cat(logits) if len(logits) > 1 else logits[0], running)
-
-        # 3. Postprocess: record tokens, finish requests, free their rows; then let
-        #    the runner regroup its length buckets, and follow its new row order.
-        outputs = self._postprocess(running, tokens)
-        perm = self.runner.consolidate()
-        if perm is not None:
-            self.scheduler.reorder_running(perm)
+        # 1. Schedule: who runs, how many tokens each; blocks are allocated.
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        # 2. Run: one packed forward over every scheduled token.
+        try:
+            logits, sampled = self.runner.execute(scheduled, self.on_progress)
+        except Exception as e:  # never the engine: the step's requests fail, the rank serves on
+            self.num_step_errors += 1
+            return self._fail([seq for seq, _ in scheduled], f"the engine could not run this request: {e!r}")
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+        # 3. Sample and postprocess.
+        outputs: list[RequestOutput] = []
+        if sampled:
+            tokens, errors = self._sample(logits, sampled)
+            outputs = self._postprocess(sampled, tokens, errors)
         self._last_step_ms = (time.perf_counter() - start) * 1000.0
         return outputs
 
-    def _postprocess(self, running: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int | None], dict[int, str]]:
+        """One token per row; a row whose sampling raises gets None and an error instead."""
+        try:
+            return self.sampler(logits, seqs), {}
+        except Exception:
+            pass
+        tokens: list[int | None] = []
+        errors: dict[int, str] = {}
+        for i, seq in enumerate(seqs):
+            try:
+                tokens.extend(self.sampler(logits[i : i + 1], [seq]))
+            except Exception as e:
+                tokens.append(None)
+                errors[i] = f"sampling failed for this request: {e!r}"
+        return tokens, errors
+
+    def _fail(self, seqs: list[Sequence], error: str) -> list[RequestOutput]:
+        self.scheduler.remove({s.request_id for s in seqs})
+        for seq in seqs:
+            self._requests.pop(seq.request_id, None)
+        return [RequestOutput(seq.request_id, [], finish_reason=FINISH_ERROR, error=error) for seq in seqs]
+
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int | None], errors: dict[int, str]) -> list[RequestOutput]:
         outputs = []
-        leaving: set[str] = set()
-        for seq, token in zip(running, tokens):
-            seq.output_token_ids.append(token)
+        done: list[Sequence] = []
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            if token is None:
+                outputs.append(RequestOutput(seq.request_id, [], finish_reason=FINISH_ERROR, error=errors[i]))
+                done.append(seq)
+                continue
+            seq.token_ids.append(token)
             finish_reason, stop_token_id = self._check_finish(seq, token)
             outputs.append(RequestOutput(seq.request_id, [token], finish_reason, stop_token_id))
             if finish_reason is not None:
-                leaving.add(seq.request_id)
-        if leaving:
-            self.runner.keep_rows(self.scheduler.remove_running(leaving))
-            for rid in leaving:
-                del self._requests[rid]
+                done.append(seq)
+        if done:
+            self.scheduler.finish(done)
+            for seq in done:
+                del self._requests[seq.request_id]
         return outputs
 
     def _check_finish(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
@@ -215,6 +272,15 @@ class EngineCore:
     @property
     def slot_usage(self) -> float:
         return self.scheduler.slot_usage
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of this rank's KV blocks in use (vLLM's kv_cache_usage_perc)."""
+        return self.scheduler.kv_usage
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     @property
     def last_step_ms(self) -> float:

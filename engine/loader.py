@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import EngineConfig, resolve_max_model_len
+from .kv_cache import KVShape
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,14 +41,45 @@ def resolve_device(spec: str, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on CUDA, float32 elsewhere (CPU half precision is slow)."""
-    if spec == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+def fast_bf16(device: torch.device) -> bool:
+    """Whether the device computes bfloat16 matmuls natively (not emulated)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        cpu = torch.cpu
+        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(getattr(cpu, name, lambda: False)() for name in checks)
+    return False
+
+
+def checkpoint_dtype(model_dir: str) -> torch.dtype:
+    """The weights' dtype as config.json states it (float32 when it does not)."""
     try:
-        return _DTYPES[spec]
-    except KeyError:
-        raise ValueError(f"unknown dtype {spec!r}; expected auto or one of {sorted(_DTYPES)}") from None
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return torch.float32
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return _DTYPES.get(str(name).removeprefix("torch."), torch.float32)
+
+
+def resolve_dtype(spec: str, device: torch.device, model_dir: str | None = None) -> torch.dtype:
+    """vLLM's "auto": the checkpoint's 16-bit dtype; a float32 checkpoint is served in
+    bfloat16 where the device computes it fast (CUDA with bf16, CPUs with
+    AVX512-BF16 or AMX), else float16 on CUDA and float32 on CPU (where
+    emulated half precision is several times slower than float32)."""
+    if spec != "auto":
+        try:
+            return _DTYPES[spec]
+        except KeyError:
+            raise ValueError(f"unknown dtype {spec!r}; expected auto or one of {sorted(_DTYPES)}") from None
+    stored = checkpoint_dtype(model_dir) if model_dir else torch.float32
+    fast = fast_bf16(device)
+    if device.type == "cuda":
+        if stored in (torch.float16, torch.bfloat16):
+            return stored if stored != torch.bfloat16 or fast else torch.float16
+        return torch.bfloat16 if fast else torch.float16
+    return torch.bfloat16 if fast else torch.float32
 
 
 def configure_threads(device: torch.device) -> None:
@@ -89,18 +121,22 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype, device: torch.device):
     # With accelerate, weights stream straight to the device; without it
     # (it is optional) they pass through host memory once.
     placement = {"device_map": {"": device}} if importlib.util.find_spec("accelerate") else {}
-    last_error: Exception | None = None
-    for attn in ("sdpa", "eager"):  # eager: for architectures without an SDPA path
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=dtype, attn_implementation=attn, local_files_only=True, **placement
-            )
-            return model.to(device)
-        except (ValueError, ImportError) as e:
-            if "attn_implementation" not in str(e) and "scaled_dot_product_attention" not in str(e):
-                raise  # not about attention: a real loading error
-            last_error = e
-    raise RuntimeError(f"cannot load {model_dir} with sdpa or eager attention") from last_error
+    from .attention import register
+
+    # The paged attention runs inside transformers' own modules: any
+    # architecture whose attention layers go through its attention interface.
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=register(), local_files_only=True, **placement
+        )
+    except (ValueError, ImportError) as e:
+        if "attn_implementation" not in str(e) and "attention" not in str(e):
+            raise  # not about attention: a real loading error
+        raise RuntimeError(
+            f"{model_dir}: this architecture does not route attention through transformers' attention "
+            f"interface, which dpserve's paged KV cache needs ({e})"
+        ) from e
+    return model.to(device)
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -110,7 +146,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
     max_model_len = resolve_max_model_len(model_dir, config.max_model_len)
     device = resolve_device(config.device, config.rank)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, model_dir)
     configure_threads(device)
 
     model = _from_pretrained(model_dir, dtype, device)
@@ -129,3 +165,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
         max_model_len=max_model_len,
         vocab_size=model.get_input_embeddings().num_embeddings,
     )
+
+
+def kv_shape(loaded: LoadedModel) -> KVShape:
+    """Layers, KV heads and head size as the model's attention modules define them."""
+    cfg = loaded.model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head")
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd")
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer")
+    return KVShape(int(layers), int(kv_heads), int(head_dim), loaded.dtype)

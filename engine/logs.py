@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import structlog
 
@@ -55,10 +56,59 @@ def setup_logging(component: str, level: str | None = None) -> structlog.stdlib.
     # the same prefix and component through a plain handler.
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_StdlibFormatter(component))
+    handler.addFilter(_FloodFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
     return structlog.get_logger()
+
+
+class _FloodFilter(logging.Filter):
+    """Keeps what any client can trigger from flooding the journal.
+
+    aiohttp logs every malformed HTTP request with a traceback at error level
+    (a 24-byte request cost 687 bytes of journal), and asyncio logs every failed
+    accept() when fds run out. Malformed requests are the client's fault: they
+    become one info line per window with a count. Failed accepts are ours: they
+    stay warnings, one per window with a count. Everything else passes untouched.
+    """
+
+    WINDOW_S = 10.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: dict[str, int] = {}
+        self._said_at: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind, level = self._classify(record)
+        if not kind:
+            return True
+        self._seen[kind] = self._seen.get(kind, 0) + 1
+        now = time.monotonic()
+        if now - self._said_at.get(kind, -self.WINDOW_S) < self.WINDOW_S:
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:300] if exc is not None else ""
+        said = record.getMessage()
+        record.msg = "%s%s (%d since the last such line; at most one per %.0f s)"
+        record.args = (said, f": {detail}" if detail else "", self._seen[kind], self.WINDOW_S)
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        self._seen[kind] = 0
+        self._said_at[kind] = now
+        return True
+
+    @staticmethod
+    def _classify(record: logging.LogRecord) -> tuple[str, int]:
+        if record.name == "aiohttp.server" and record.exc_info:
+            exc = record.exc_info[1]
+            code = getattr(exc, "code", None)
+            if type(exc).__module__.startswith("aiohttp.") and isinstance(code, int) and 400 <= code < 500:
+                return "bad-http", logging.INFO
+        if record.name == "asyncio" and str(record.msg).startswith("socket.accept() out of system resource"):
+            return "accept", logging.WARNING
+        return "", 0
 
 
 class _StdlibFormatter(logging.Formatter):

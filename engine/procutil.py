@@ -77,6 +77,31 @@ def become_subreaper() -> bool:
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit, as servers do; children inherit it.
+
+    Many login shells keep the soft limit at 1,024, which a loaded API server
+    outgrows. Returns (soft, hard) as they are afterwards.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:  # the kernel caps it at fs.nr_open
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            return soft, hard
+    if soft != target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass  # keep what we have; the launcher does not depend on high fd numbers
+    return soft, hard
+
+
 def describe_exit(returncode: int) -> str:
     """'exit code 3 (startup failure)' or 'signal SIGKILL (out of memory?)'."""
     if returncode < 0:

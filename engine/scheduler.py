@@ -1,40 +1,64 @@
-"""Decides which sequences run: a FIFO waiting queue and the running list.
+"""Decides what runs in each step: which sequences, how many tokens each, and who is preempted.
 
-Owns admission (slots and the prefill token budget) and the load counters.
-It must never touch tensors: the running list's order is the model
-runner's row order, and the engine core keeps the two in step.
+Owns the waiting queue, the running list, the per-step token budget and the
+calls into the block manager. It must never touch tensors: the model runner
+turns a schedule into a forward.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from .kv_cache import BlockManager
 from .sequence import Sequence, SequenceStatus
 
-# A prefill group's padded tokens (rows x its longest prompt) stay within this
-# factor of its real tokens, unless every prompt in it is at most PAD_FREE_WIDTH
-# tokens long (padding those costs less than another forward would).
-PAD_SLACK = 1.25
-PAD_FREE_WIDTH = 64
+# Admission keeps this share of the KV blocks free for the running sequences
+# to decode into, so a newcomer is not admitted only to be preempted at once.
+ADMIT_WATERMARK = 0.01
 
 
 class Scheduler:
-    """Invariants: `waiting` holds WAITING sequences in arrival order; `running`
-    holds RUNNING sequences, and between engine steps running[i] owns KV row
-    i (within a step, admitted sequences get their rows once prefilled and
-    merged, always at the end); a request id is in
-    at most one of them; finished sequences are in neither. The counters
-    are kept incrementally so reading them costs nothing per step.
+    """Chunked prefill under a token budget, paged KV admission, preemption by recompute.
+
+    Invariants: `waiting` holds WAITING sequences, a preempted one ahead of
+    every newcomer, otherwise in arrival order; `running` holds RUNNING
+    sequences in admission order (the oldest first), each owning the blocks
+    of its block_table; a request id is in at most one of them.
+
+    A step (schedule()) gives, in this order and within max_num_batched_tokens:
+    1. every running sequence that decodes one token (they never starve
+       behind a long prompt);
+    2. running sequences still prefilling a chunk each, oldest first;
+    3. waiting sequences, in order, while a slot, budget and blocks remain.
+    While any sequence decodes in the step, a prefill chunk is at most
+    long_prefill_token_threshold tokens, so one long prompt cannot stall the
+    streams beside it; alone, a prompt takes the whole budget. When a running
+    sequence needs a block and none is free, the most recently admitted
+    sequence is preempted: its blocks are freed and it waits at the head of
+    the queue to be recomputed from its prompt and outputs so far.
     """
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        blocks: BlockManager,
+        long_prefill_token_threshold: int = 0,
+        chunked_prefill: bool = True,
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._num_waiting_prefill_tokens = 0
+        self.num_preemptions = 0
+        self._watermark = int(blocks.num_blocks * ADMIT_WATERMARK)
+
+    # ------------------------------------------------------------ counters
 
     @property
     def num_running(self) -> int:
@@ -46,11 +70,13 @@ class Scheduler:
 
     @property
     def num_waiting_prefill_tokens(self) -> int:
-        return self._num_waiting_prefill_tokens
+        """Tokens still to prefill: the waiting queue's and running sequences' unfinished prompts."""
+        return sum(s.num_uncomputed_tokens for s in self.waiting) + sum(
+            s.num_uncomputed_tokens for s in self.running if s.is_prefilling
+        )
 
     @property
     def num_remaining_decode_tokens(self) -> int:
-        # O(running) on read; read a few times a second for load reports, not per token.
         return sum(seq.num_remaining_tokens for seq in self.running)
 
     @property
@@ -58,85 +84,112 @@ class Scheduler:
         return len(self.running) / self.max_num_seqs
 
     @property
+    def kv_usage(self) -> float:
+        return self.blocks.usage
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------ queues
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-        self._num_waiting_prefill_tokens += seq.num_prompt_tokens
 
-    def admit(self) -> list[list[Sequence]]:
-        """Move the head of the waiting queue to the end of `running`, in prefill groups.
+    def remove(self, leaving: set[str]) -> None:
+        """Forget these sequences wherever they are, freeing their blocks."""
+        if any(s.request_id in leaving for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if not self._drop(s, leaving))
+        if any(s.request_id in leaving for s in self.running):
+            self.running = [s for s in self.running if not self._drop(s, leaving)]
 
-        Admits in FIFO order while a slot is free and this step's prompt
-        tokens stay within max_num_batched_tokens; the first one always goes,
-        so a prompt longer than the budget still runs. Never skips ahead: a
-        long prompt at the head is not starved by short ones behind it.
+    def _drop(self, seq: Sequence, leaving: set[str]) -> bool:
+        if seq.request_id not in leaving:
+            return False
+        self.blocks.release(seq.block_table)
+        seq.status = SequenceStatus.FINISHED
+        return True
 
-        The admitted prompts are then grouped by length, each group one
-        left-padded prefill forward: sorted by length, a group is cut where
-        the next prompt would pad it beyond PAD_SLACK x its real tokens. A
-        1,800-token prompt padded together with three 20-token ones costs
-        about 5x its own prefill; prefilled apart, about 1.1x. `running` is
-        extended group after group, so its tail lines up with the prefills.
-        """
-        admitted: list[Sequence] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+    # ------------------------------------------------------------ the schedule
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """This step's (sequence, new tokens) pairs; block tables already cover them."""
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, tuple[Sequence, int]] = {}
+        preempted = decoding = prefilling = False
+
+        # 1-2. Running sequences: decodes first, then prefill chunks, oldest first.
+        order = [s for s in self.running if not s.is_prefilling] + [s for s in self.running if s.is_prefilling]
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(seq, budget, decoding, prefilling)
+            if n == 0:
+                continue
+            while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim, scheduled)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            scheduled[seq.request_id] = (seq, n)
+            budget -= n
+            decoding = decoding or n == 1
+            prefilling = prefilling or n > 1
+        budget = self.max_num_batched_tokens - sum(n for _, n in scheduled.values())
+
+        # 3. Admit from the waiting queue, in order, never past a sequence that does not fit.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if admitted and tokens + seq.num_prompt_tokens > self.max_num_batched_tokens:
+            n = self._chunk(seq, budget, decoding, prefilling)
+            if n == 0:
+                break
+            missing = self.blocks.num_missing(seq.block_table, seq.num_computed_tokens + n)
+            reserve = self._watermark if self.running else 0
+            if missing > self.blocks.num_free_blocks - reserve:
                 break
             self.waiting.popleft()
-            self._num_waiting_prefill_tokens -= seq.num_prompt_tokens
             seq.status = SequenceStatus.RUNNING
-            admitted.append(seq)
-            tokens += seq.num_prompt_tokens
-        groups = group_for_prefill(admitted)
-        for group in groups:
-            self.running.extend(group)
-        return groups
+            self.running.append(seq)
+            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            scheduled[seq.request_id] = (seq, n)
+            budget -= n
+            decoding = decoding or n == 1
+            prefilling = prefilling or n > 1
+        return list(scheduled.values())
 
-    def reorder_running(self, perm: list[int]) -> None:
-        """New running[i] = old running[perm[i]] (the model runner moved its rows so)."""
-        assert sorted(perm) == list(range(len(self.running))), perm
-        self.running = [self.running[i] for i in perm]
+    def _chunk(self, seq: Sequence, budget: int, decoding: bool, prefilling: bool) -> int:
+        """How many of seq's uncomputed tokens this step takes (0: none fit)."""
+        want = seq.num_uncomputed_tokens
+        if want == 1:
+            return 1
+        if not self.chunked_prefill:
+            # Whole prompts only; one over the budget still runs, as the step's only prefill.
+            return want if want <= budget or not prefilling else 0
+        n = min(want, budget)
+        return min(n, self.long_prefill_token_threshold) if decoding else n
 
-    def remove_running(self, leaving: set[str]) -> list[int]:
-        """Drop running sequences whose ids are in `leaving`; returns the rows
-        that stay (old row numbers, in order) for ModelRunner.keep_rows."""
-        kept_rows = [row for row, seq in enumerate(self.running) if seq.request_id not in leaving]
-        for seq in self.running:
-            if seq.request_id in leaving:
-                seq.status = SequenceStatus.FINISHED
-        self.running = [self.running[row] for row in kept_rows]
-        return kept_rows
+    def _preempt(self, seq: Sequence, scheduled: dict[str, tuple[Sequence, int]]) -> None:
+        """Free seq's blocks and put it at the head of the queue, to recompute from scratch."""
+        self.running.remove(seq)
+        scheduled.pop(seq.request_id, None)
+        self.blocks.release(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
 
-    def remove_waiting(self, leaving: set[str]) -> None:
-        if not any(seq.request_id in leaving for seq in self.waiting):
-            return
-        kept = deque()
-        for seq in self.waiting:
-            if seq.request_id in leaving:
-                seq.status = SequenceStatus.FINISHED
-                self._num_waiting_prefill_tokens -= seq.num_prompt_tokens
-            else:
-                kept.append(seq)
-        self.waiting = kept
-
-
-def group_for_prefill(seqs: list[Sequence]) -> list[list[Sequence]]:
-    """Split sequences into prefill groups with bounded padding (see Scheduler.admit)."""
-    groups: list[list[Sequence]] = []
-    group: list[Sequence] = []
-    real = 0
-    for seq in sorted(seqs, key=lambda s: s.num_prompt_tokens):
-        width = seq.num_prompt_tokens  # sorted: the newcomer is the longest
-        if group and width > PAD_FREE_WIDTH and width * (len(group) + 1) > PAD_SLACK * (real + width):
-            groups.append(group)
-            group, real = [], 0
-        group.append(seq)
-        real += width
-    if group:
-        groups.append(group)
-    return groups
+    def finish(self, seqs: list[Sequence]) -> None:
+        """These running sequences are done: free their blocks and slots."""
+        leaving = {s.request_id for s in seqs}
+        self.running = [s for s in self.running if s.request_id not in leaving]
+        for seq in seqs:
+            self.blocks.release(seq.block_table)
+            seq.status = SequenceStatus.FINISHED

@@ -1,7 +1,8 @@
-"""The state of one request inside the engine, from admission to its last token.
+"""The state of one request inside the engine, from arrival to its last token.
 
-Owns token bookkeeping and the per-request RNG; it must never touch the KV
-cache or the model (the model runner owns rows, the scheduler owns queues).
+Owns token bookkeeping, its KV block table and its per-request RNG; it must
+never touch tensors of the model (the model runner does) nor the queues (the
+scheduler does).
 """
 
 from __future__ import annotations
@@ -14,28 +15,38 @@ from .protocol import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = enum.auto()  # in the scheduler's waiting queue, no KV rows yet
-    RUNNING = enum.auto()  # owns one row of the model runner's batch
+    WAITING = enum.auto()  # in the scheduler's waiting queue; owns no KV blocks
+    RUNNING = enum.auto()  # scheduled every step; owns the blocks in block_table
     FINISHED = enum.auto()  # done or aborted; owns nothing, about to be forgotten
 
 
 class Sequence:
-    """One request: its prompt, the tokens produced so far and how to sample more.
+    """One request: its tokens, how far the KV cache has computed them, how to sample more.
 
-    Invariants: prompt_token_ids never changes; output_token_ids only grows,
-    by exactly one token per engine step while RUNNING; `generator` is set
-    iff params.seed is set, and only this sequence ever draws from it, so its
-    samples do not depend on what else shares the batch.
+    Invariants:
+    - token_ids = prompt + outputs; prompt never changes, outputs only grow,
+      by at most one token per engine step.
+    - num_computed_tokens <= len(token_ids): the KV cache holds keys and
+      values of token_ids[:num_computed_tokens], in the slots named by
+      block_table (position p lives in block block_table[p // block_size]).
+      A preempted sequence drops its blocks and starts again from 0
+      (recompute): its outputs so far are kept and prefilled with the prompt.
+    - A new token is sampled exactly when a step computes the last of token_ids.
+    - `generator` is set iff params.seed is set, and only this sequence draws
+      from it, so its samples do not depend on what else shares the batch.
     """
 
     __slots__ = (
         "request_id",
-        "prompt_token_ids",
-        "output_token_ids",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "block_table",
         "params",
         "arrival_time",
         "status",
         "generator",
+        "num_preemptions",
     )
 
     def __init__(
@@ -47,11 +58,14 @@ class Sequence:
         device: torch.device | str = "cpu",
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
         self.params = params
         self.arrival_time = arrival_time
         self.status = SequenceStatus.WAITING
+        self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device)
@@ -60,30 +74,44 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.request_id!r}, {self.status.name}, "
-            f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens})"
+            f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before the next one can be sampled."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last token is uncomputed (a prompt, or a preempted sequence's history)."""
+        return len(self.token_ids) - self.num_computed_tokens > 1
 
     @property
     def num_remaining_tokens(self) -> int:
         """Tokens still allowed by max_tokens (stop or EOS may end it sooner)."""
-        return max(0, self.params.max_tokens - len(self.output_token_ids))
+        return max(0, self.params.max_tokens - self.num_output_tokens)
 
     @property
     def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+        return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:
@@ -92,4 +120,4 @@ class Sequence:
     @property
     def needs_min_tokens(self) -> bool:
         """True while EOS and stop tokens are still forbidden by min_tokens."""
-        return len(self.output_token_ids) < self.params.min_tokens
+        return self.num_output_tokens < self.params.min_tokens

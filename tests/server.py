@@ -55,10 +55,13 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
 
 
 class DpServer:
-    def __init__(self, model_dir: str, *args: str, env: dict | None = None, served_model_name: str = "demo") -> None:
+    def __init__(
+        self, model_dir: str, *args: str, env: dict | None = None, served_model_name: str | None = "demo", preexec_fn=None
+    ) -> None:
         self.model_dir = model_dir
         self.args = list(args)
         self.env = env
+        self.preexec_fn = preexec_fn  # e.g. to start under a low RLIMIT_NOFILE
         self.model = served_model_name
         self.tmp = tempfile.mkdtemp(prefix="dpserve-test-")
         self.ports_file = os.path.join(self.tmp, "ports.json")
@@ -73,7 +76,7 @@ class DpServer:
     def start(self, wait_ready: bool = True) -> DpServer:
         cmd = [
             sys.executable, "-m", "dpserve.daemons.cli", "serve", self.model_dir,
-            "--served-model-name", self.model,
+            *(["--served-model-name", self.model] if self.model else []),
             "--port", "0",
             "--data-parallel-supervisor-port", "0",
             "--ports-file", self.ports_file,
@@ -81,7 +84,9 @@ class DpServer:
         ]
         env = {**os.environ, "DPSERVE_DIE_WITH_PARENT": "1", **(self.env or {})}
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=self.preexec_fn
+        )
         wait_until(lambda: os.path.exists(self.ports_file) or self.proc.poll() is not None, 60, what="ports file")
         if self.proc.poll() is not None:
             raise RuntimeError(f"dpserve exited with {self.proc.returncode} before binding:\n{self.log()}")

@@ -51,6 +51,21 @@ def add(engine: EngineCore, *reqs: AddRequest) -> None:
         assert engine.add_request(r) is None, r.request_id
 
 
+def assert_all_blocks_free(engine: EngineCore) -> None:
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert sorted(engine.blocks.free) == list(range(engine.blocks.num_blocks))
+
+
+def engine_shape(loaded):
+    from dpserve.engine.loader import kv_shape
+
+    return kv_shape(loaded)
+
+
+def bytes_per_token(shape) -> int:
+    return shape.bytes_per_token
+
+
 class Collector:
     """Accumulates step() outputs per request and checks the output contract."""
 
@@ -139,42 +154,84 @@ def test_continuous_batching_matches_generate_token_for_token(loaded_demo_model,
         assert got.tokens[r.request_id] == expected, r.request_id
         ended_by_eos = expected[-1] in engine.eos_token_ids
         assert got.finish[r.request_id][0] == (FINISH_STOP if ended_by_eos else FINISH_LENGTH)
-    assert engine.runner.num_rows == 0
+    assert_all_blocks_free(engine)
 
 
-def test_long_and_short_prompts_prefill_apart_and_still_match_generate(loaded_demo_model, reference):
-    """A 300-token prompt admitted with short ones is prefilled in its own group (no
-    padding the short ones to 300), rows still line up, and decoding past the KV
-    buffer's spare columns (64) grows it without changing a token."""
-    engine = make_engine(loaded_demo_model)
-    engine.runner.forward_cost_cells = 0  # keep every length apart: many buckets, many permutations
-    lengths = [12, 300, 9, 150, 20, 310]
-    reqs = [request(f"m{i}", random_prompt(100 + i, n), max_tokens=70 + i) for i, n in enumerate(lengths)]
-    add(engine, *reqs[:4])
-    groups = []
-    real_admit = engine.scheduler.admit
-
-    def spy():
-        got_groups = real_admit()
-        groups.append([[s.num_prompt_tokens for s in g] for g in got_groups])
-        return got_groups
-
-    engine.scheduler.admit = spy
+def test_long_prompt_prefills_in_chunks_while_others_decode_and_still_matches_generate(loaded_demo_model, reference):
+    """A 300-token prompt arriving beside decoding streams is prefilled in chunks of at
+    most long_prefill_token_threshold tokens; the streams get a token every step meanwhile,
+    and every answer (the chunked one too) equals generate() alone."""
+    engine = make_engine(loaded_demo_model, max_num_batched_tokens=64, long_prefill_token_threshold=24, block_size=8)
+    short = [request(f"s{i}", random_prompt(100 + i, n), max_tokens=40) for i, n in enumerate([12, 9, 20])]
+    long = request("long", random_prompt(200, 300), max_tokens=30)
+    add(engine, *short)
     got = Collector()
     got.feed(engine.step())
-    add(engine, *reqs[4:])  # a short and a long one join the running batch together
-    buckets = []
+    add(engine, long)
+    chunks = []
+    real_schedule = engine.scheduler.schedule
+
+    def spy():
+        scheduled = real_schedule()
+        assert sum(n for _, n in scheduled) <= 64
+        chunks.append({s.request_id: n for s, n in scheduled})
+        return scheduled
+
+    engine.scheduler.schedule = spy
+    got.run(engine)
+    long_chunks = [c["long"] for c in chunks if c.get("long", 1) > 1]
+    assert sum(long_chunks) == 300 and max(long_chunks) <= 24 and len(long_chunks) >= 13, long_chunks
+    # while it prefilled, every unfinished stream decoded in every step
+    for c in chunks:
+        if c.get("long", 1) > 1:
+            assert all(c.get(r.request_id) == 1 for r in short if r.request_id not in got.finish or c is chunks[0]), c
+    for r in short + [long]:
+        assert got.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
+    assert_all_blocks_free(engine)
+
+
+def test_a_prompt_alone_takes_the_whole_budget(loaded_demo_model, reference):
+    engine = make_engine(loaded_demo_model, max_num_batched_tokens=100, long_prefill_token_threshold=10)
+    prompt = random_prompt(7, 250)
+    add(engine, request("p", prompt, max_tokens=5))
+    steps = 0
+    got = Collector()
+    while "p" not in got.tokens:
+        got.feed(engine.step())
+        steps += 1
+    assert steps == 3  # 100 + 100 + 50: the threshold applies only beside decodes
+    got.run(engine)
+    assert got.tokens["p"] == reference(prompt, 5)
+
+
+def test_preempted_requests_recompute_and_finish_with_the_same_answer(loaded_demo_model, reference):
+    """A KV cache too small for everyone at once: the newest running requests are
+    preempted (blocks freed, recomputed later from prompt + outputs) and every
+    answer still equals generate() alone; usage never exceeds the cache."""
+    block = 8
+    engine = make_engine(loaded_demo_model, block_size=block, kv_cache_memory_bytes=24 * block * bytes_per_token(engine_shape(loaded_demo_model)))
+    assert engine.blocks.num_blocks == 24
+    reqs = [request(f"p{i}", random_prompt(300 + i, 20 + 3 * i), max_tokens=40, ignore_eos=True) for i in range(5)]
+    add(engine, *reqs)
+    got = Collector()
+    peak = 0.0
     while engine.has_unfinished():
         got.feed(engine.step())
-        buckets.append(sorted(b.num_rows for b in engine.runner.buckets))
-        assert engine.runner.num_rows == engine.num_running
-    assert groups[0] == [[9, 12], [150], [300]], groups[0]
-    # rows decoded in several buckets, regrouped (and permuted) as lengths changed
-    assert max(len(b) for b in buckets) >= 4, buckets
-    assert [[20], [310]] in groups, groups
+        peak = max(peak, engine.kv_usage)
+    assert engine.num_preemptions > 0
+    assert peak <= 1.0
     for r in reqs:
-        assert got.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
-    assert engine.runner.num_rows == 0
+        assert got.tokens[r.request_id] == reference(r.prompt_token_ids, 40), r.request_id
+    assert_all_blocks_free(engine)
+
+
+def test_a_request_that_can_never_fit_the_kv_cache_fails_alone(loaded_demo_model):
+    engine = make_engine(loaded_demo_model, block_size=8, kv_cache_memory_bytes=10 * 8 * bytes_per_token(engine_shape(loaded_demo_model)))
+    out = engine.add_request(request("big", random_prompt(1, 70), max_tokens=20))
+    assert out is not None and out.finish_reason == FINISH_ERROR and "KV cache of 80 tokens" in out.error
+    add(engine, request("ok", random_prompt(2, 30), max_tokens=20))
+    got = Collector().run(engine)
+    assert len(got.tokens["ok"]) == 20 or got.finish["ok"][0] == FINISH_STOP
 
 
 def test_first_token_comes_with_the_prefill_step(loaded_demo_model, reference):
@@ -293,16 +350,31 @@ def test_max_num_seqs_caps_running_and_counters_follow(loaded_demo_model):
     assert (engine.num_waiting_prefill_tokens, engine.num_remaining_decode_tokens, engine.slot_usage) == (0, 0, 0.0)
 
 
-def test_prefill_budget_admits_in_order_and_oversized_prompts_go_alone(loaded_demo_model):
-    engine = make_engine(loaded_demo_model, max_num_batched_tokens=20)
+def test_without_chunked_prefill_whole_prompts_are_admitted_in_order_and_oversized_ones_go_alone(loaded_demo_model):
+    engine = make_engine(loaded_demo_model, max_num_batched_tokens=20, enable_chunked_prefill=False)
     add(engine, *(request(f"b{i}", random_prompt(i, n), max_tokens=10, ignore_eos=True)
                   for i, n in enumerate([8, 8, 8, 30, 4])))
     running = []
     for _ in range(4):
         engine.step()
         running.append(engine.num_running)
-    # 2 x 8 fits in 20; 8 alone; 30 exceeds the budget but runs alone; then 4.
+    # 2 x 8 fits in 20 (with the decodes of the running ones counted); 30 exceeds the budget but runs alone.
     assert running == [2, 3, 4, 5]
+
+
+def test_chunked_prefill_fills_the_budget_in_arrival_order(loaded_demo_model):
+    engine = make_engine(loaded_demo_model, max_num_batched_tokens=20, long_prefill_token_threshold=20)
+    add(engine, *(request(f"b{i}", random_prompt(i, n), max_tokens=10, ignore_eos=True)
+                  for i, n in enumerate([8, 8, 8, 30, 4])))
+    plans = []
+    real_schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(real_schedule()) or plans[-1]
+    for _ in range(4):
+        engine.step()
+    as_ids = [[(s.request_id, n) for s, n in plan] for plan in plans]
+    assert as_ids[0] == [("b0", 8), ("b1", 8), ("b2", 4)]
+    assert as_ids[1] == [("b0", 1), ("b1", 1), ("b2", 4), ("b3", 14)]
+    assert as_ids[2] == [("b0", 1), ("b1", 1), ("b2", 1), ("b3", 16), ("b4", 1)]
 
 
 def test_abort_frees_the_slot_at_once(loaded_demo_model):
@@ -314,14 +386,15 @@ def test_abort_frees_the_slot_at_once(loaded_demo_model):
     assert (engine.num_running, engine.num_waiting) == (2, 2)
 
     engine.abort_requests(["a", "no-such-id"])
-    assert (engine.num_running, engine.runner.num_rows) == (1, 1)
+    assert engine.num_running == 1 and engine.blocks.num_free_blocks == engine.blocks.num_blocks - 1
     engine.abort_requests(["d"])  # still waiting
     assert engine.num_waiting == 1 and engine.num_waiting_prefill_tokens == 8
     for _ in range(3):
         got.feed(engine.step())
     assert (engine.num_running, engine.num_waiting) == (2, 0)
     engine.abort_requests(["b", "c"])
-    assert not engine.has_unfinished() and engine.runner.num_rows == 0
+    assert not engine.has_unfinished()
+    assert_all_blocks_free(engine)
     assert engine.step() == []
     assert set(got.tokens) == {"a", "b", "c"} and len(got.tokens["a"]) == 1 and not got.finish
 
@@ -333,8 +406,8 @@ def test_aborted_neighbours_do_not_change_greedy_output(loaded_demo_model, refer
     got = Collector()
     for _ in range(4):
         got.feed(engine.step())
-    engine.abort_requests(["long-neighbour"])  # leading pad columns get trimmed
-    assert engine.runner.num_columns == len(keep) + 3  # the 4th token is not in the cache yet
+    engine.abort_requests(["long-neighbour"])
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks - 1  # its blocks came back at once
     got.run(engine)
     assert got.tokens["keep"] == reference(keep, 20)
 
@@ -461,9 +534,28 @@ def test_demo_model_cache_dir(monkeypatch, tmp_path):
     assert demo_model.default_demo_model_dir() == str(tmp_path / "x" / "dpserve" / "demo-model-v1")
 
 
+@pytest.mark.parametrize(
+    "device, fast, stored, expected",
+    [
+        ("cpu", False, "float32", torch.float32),  # emulated bf16 is slower than fp32 on such CPUs
+        ("cpu", True, "float32", torch.bfloat16),  # AVX512-BF16 / AMX: vLLM's downcast
+        ("cpu", False, "bfloat16", torch.float32),
+        ("cuda", True, "float32", torch.bfloat16),
+        ("cuda", False, "float32", torch.float16),
+        ("cuda", True, "float16", torch.float16),  # a 16-bit checkpoint keeps its dtype
+        ("cuda", False, "bfloat16", torch.float16),
+    ],
+)
+def test_auto_dtype_follows_vllm(tmp_path, monkeypatch, device, fast, stored, expected):
+    from dpserve.engine import loader
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": stored}))
+    monkeypatch.setattr(loader, "fast_bf16", lambda _device: fast)
+    assert resolve_dtype("auto", torch.device(device), str(tmp_path)) == expected
+    assert resolve_dtype("float16", torch.device(device), str(tmp_path)) == torch.float16
+
+
 def test_loader_resolution_and_eos_fallback(tmp_path):
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
     assert resolve_device("cpu", 3) == torch.device("cpu")
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float8", torch.device("cpu"))

@@ -77,6 +77,24 @@ def test_restart_policy(tmp_path, policy, rc, restarted):
     assert (c.state == ChildState.BACKOFF) is restarted
 
 
+def test_on_failure_restarts_a_child_stopped_for_failing_probes(tmp_path, monkeypatch):
+    """A hung child is SIGCONTed and SIGTERMed, so it often exits 0: still a failure (issue 12 #6)."""
+    sent = []
+    monkeypatch.setattr("dpserve.daemons.supervisor.os.kill", lambda pid, sig: sent.append((pid, sig)))
+    sup = supervisor(tmp_path, restart_policy="on-failure")
+    c = child(sup)
+    c.proc = type("Proc", (), {"returncode": None})()
+    sup._handle(("dead", c, c.pid, "3 failed probes: last heartbeat 1.6 s ago"))
+    assert c.state == ChildState.STOPPING and c.failure
+    assert sent == [(100, signal.SIGTERM), (100, signal.SIGCONT)]
+    sup._reap(c, c.pid, 0)
+    assert c.state == ChildState.BACKOFF
+    # the new process starts with a clean record: its own clean exit is not a failure
+    c.failure, c.state, c.pid = "", ChildState.READY, 101
+    sup._reap(c, 101, 0)
+    assert c.state == ChildState.EXITED
+
+
 def test_a_child_that_cannot_boot_is_not_restarted(tmp_path):
     sup = supervisor(tmp_path)
     c = child(sup)

@@ -1,0 +1,181 @@
+"""Paged attention for a packed step, plugged into transformers' attention interface.
+
+A step runs every scheduled token of every sequence as one packed row
+([1, N] tokens: decodes first, then prefill chunks), so the projections and
+MLPs are one batched matmul each. Only attention needs to know whose token
+is whose; it reads that from the StepMetadata the model runner installs for
+the duration of the forward. Works for any model whose attention layers call
+transformers' attention interface (Llama, Mistral, Qwen, Gemma, GPT-2, ...).
+Must never allocate KV memory nor decide what runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVCache
+
+ATTN_IMPLEMENTATION = "dpserve_paged"
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Sequences with one new token each, of similar context length, attended in one batched call.
+
+    Rows [start, end) of the packed step; block_table [B, max blocks] (padded
+    with block 0); lengths [B] context lengths including the new token.
+    """
+
+    start: int
+    end: int
+    block_table: torch.Tensor
+    lengths: torch.Tensor
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None, width: int) -> torch.Tensor:
+        """[B, 1, 1, width] bool: the cached positions each row may attend to."""
+        got = self._masks.get(window)
+        if got is None:
+            cols = torch.arange(width, device=self.lengths.device).unsqueeze(0)
+            lengths = self.lengths.unsqueeze(1)
+            got = cols < lengths
+            if window is not None:
+                got &= cols >= lengths - window
+            got = got[:, None, None, :]
+            self._masks[window] = got
+        return got
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """n tokens of one sequence whose first context_len tokens are already cached.
+
+    Rows [start, end) of the packed step; block_table [blocks] covers
+    context_len + n tokens.
+    """
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[n, context_len + n] bool: causal, shifted by the cached prefix (and windowed)."""
+        got = self._masks.get(window)
+        if got is None:
+            n = self.end - self.start
+            device = self.block_table.device
+            q_pos = torch.arange(self.context_len, self.context_len + n, device=device).unsqueeze(1)
+            k_pos = torch.arange(self.context_len + n, device=device).unsqueeze(0)
+            got = k_pos <= q_pos
+            if window is not None:
+                got &= k_pos > q_pos - window
+            self._masks[window] = got
+        return got
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """Who owns which row of the packed step, and where its keys and values go."""
+
+    kv: KVCache
+    slot_mapping: torch.Tensor  # [N] long: the cache slot of each new token
+    decodes: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+    on_layer: Callable[[], None] | None = None  # progress: called after every layer's attention
+
+
+_current: StepMetadata | None = None
+
+
+@contextlib.contextmanager
+def step_metadata(meta: StepMetadata):
+    global _current
+    _current = meta
+    try:
+        yield
+    finally:
+        _current = None
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, N, D], positions already applied
+    key: torch.Tensor,  # [1, KVH, N, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    meta = _current
+    if meta is None:
+        # Outside an engine step (generate() in tests and tools): transformers'
+        # SDPA on unpadded batches; no mask is built for this implementation.
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if attention_mask is None and sliding_window is not None and kv_len > sliding_window:
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device).unsqueeze(1)
+            k_pos = torch.arange(kv_len, device=query.device).unsqueeze(0)
+            attention_mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit softcapping is not supported by the paged attention path")
+    layer = module.layer_idx
+    k_cache, v_cache = meta.kv.keys[layer], meta.kv.values[layer]
+    _, heads, n_tokens, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    # 1. Store the new tokens' keys and values in their slots.
+    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+
+    out = query.new_empty((n_tokens, heads, dim))
+    q_rows = query[0].transpose(0, 1)  # [N, H, D]
+    block_size = meta.kv.block_size
+    k_blocks = k_cache.view(-1, block_size, kv_heads, dim)
+    v_blocks = v_cache.view(-1, block_size, kv_heads, dim)
+
+    # 2. Decodes: one query per sequence. Its heads are packed per KV head
+    #    ([B, KVH, G, D]) so no key is repeated for grouped-query attention.
+    for g in meta.decodes:
+        rows = g.end - g.start
+        q = q_rows[g.start : g.end].reshape(rows, kv_heads, group, dim)
+        k = k_blocks[g.block_table].view(rows, -1, kv_heads, dim).transpose(1, 2)
+        v = v_blocks[g.block_table].view(rows, -1, kv_heads, dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask(sliding_window, k.shape[2]), scale=scaling)
+        out[g.start : g.end] = o.reshape(rows, heads, dim)
+
+    # 3. Prefill chunks: causal over the cached prefix and the chunk itself.
+    for c in meta.prefills:
+        n = c.end - c.start
+        q = q_rows[c.start : c.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if c.context_len == 0 and (sliding_window is None or sliding_window >= n):
+            k, v = key[:, :, c.start : c.end], value[:, :, c.start : c.end]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=group > 1)
+        else:
+            total = c.context_len + n
+            k = k_blocks[c.block_table].view(1, -1, kv_heads, dim)[:, :total].transpose(1, 2)
+            v = v_blocks[c.block_table].view(1, -1, kv_heads, dim)[:, :total].transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask(sliding_window), scale=scaling, enable_gqa=group > 1)
+        out[c.start : c.end] = o[0].transpose(0, 1)
+
+    if meta.on_layer is not None:
+        meta.on_layer()
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Make ATTN_IMPLEMENTATION known to transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    return ATTN_IMPLEMENTATION
