@@ -110,5 +110,5 @@ def describe_handshake_failure(event: int, value: int) -> str:
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return f"handshake refused by authentication (status {value})"
     if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return "handshake failed (another key, or not a dpserve coordinator)"
+        return "handshake failed (another key, no key, or not a dpserve peer)"
     return ""
