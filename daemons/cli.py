@@ -46,10 +46,15 @@ _SERVE_OPTIONS = [
     _opt("--served-model-name", default=None, help="Model name clients send (default: the model directory's name)."),
     _opt("--data-parallel-size", "-dp", default=1, type=click.IntRange(1), help="Number of engine ranks (in the whole deployment)."),
     _opt("--api-server-count", default=None, type=click.IntRange(1), help="API-server processes on the port (default: local ranks)."),
-    _opt("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="auto: float32 on CPU, bfloat16 on CUDA."),
+    _opt("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="auto (vLLM's): a 16-bit checkpoint's dtype; float32 checkpoints in bfloat16 where the device computes it fast (CUDA, AVX512-BF16/AMX CPUs), else float32 on CPU."),
     _opt("--max-model-len", default=0, type=click.IntRange(0), help="Context length (0: the model's own)."),
     _opt("--max-num-seqs", default=256, type=click.IntRange(1), help="Running sequences per rank."),
-    _opt("--max-num-batched-tokens", default=8192, type=click.IntRange(1), help="Prompt tokens prefilled per step per rank."),
+    _opt("--max-num-batched-tokens", default=0, type=click.IntRange(0), help="Tokens per engine step per rank (0: 8192 on GPU, 512 on CPU)."),
+    _opt("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True, help="Split long prompts across steps, so decoding streams keep getting tokens."),
+    _opt("--long-prefill-token-threshold", default=0, type=click.IntRange(0), help="While others decode, a prefill chunk is at most this many tokens (0: the budget on GPU, 32 on CPU)."),
+    _opt("--kv-cache-memory-bytes", default=0, type=click.IntRange(0), help="KV-cache budget per rank in bytes (0: auto; CPU: 40%% of available memory split between local ranks, at most 4 GiB)."),
+    _opt("--gpu-memory-utilization", default=0.9, type=click.FloatRange(0.05, 1.0), help="CUDA: share of device memory for weights + KV cache (the KV cache takes what the model leaves)."),
+    _opt("--block-size", default=16, type=click.IntRange(1, 1024), help="Tokens per KV-cache block."),
     _opt("--lb-policy", default="tokens", type=click.Choice(LB_POLICIES), help="tokens: outstanding prompt + answer tokens; queue: 4 x waiting + running; round-robin."),
     _opt("--max-waiting-per-rank", default=4096, type=click.IntRange(1), help="Admission limit: beyond it requests get 429."),
     _opt("--max-request-body-bytes", default=4 * 1024 * 1024, type=click.IntRange(1024), help="Larger bodies get 413."),
@@ -134,6 +139,11 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
         max_model_len=opts["max_model_len"],
         max_num_seqs=opts["max_num_seqs"],
         max_num_batched_tokens=opts["max_num_batched_tokens"],
+        enable_chunked_prefill=opts["enable_chunked_prefill"],
+        long_prefill_token_threshold=opts["long_prefill_token_threshold"],
+        kv_cache_memory_bytes=opts["kv_cache_memory_bytes"],
+        gpu_memory_utilization=opts["gpu_memory_utilization"],
+        block_size=opts["block_size"],
         lb_policy=opts["lb_policy"],
         max_waiting_per_rank=opts["max_waiting_per_rank"],
         max_request_body_bytes=opts["max_request_body_bytes"],
@@ -242,11 +252,14 @@ def worker(model, **opts) -> None:
 
 @main.command("demo-model")
 @click.argument("directory", type=click.Path(file_okay=False))
-def demo_model(directory: str) -> None:
-    """Write the built-in tiny Llama demo model (weights, tokenizer, chat template) to DIRECTORY."""
+@click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True,
+              help="tiny: 1 M parameters (fast tests, make demo); small: a random-weight 135M-class Llama "
+                   "(30 layers, hidden 576, 9/3 heads, vocab 49,152, 8k context) for realistic engine costs.")
+def demo_model(directory: str, size: str) -> None:
+    """Write a built-in random-weight Llama demo model (weights, tokenizer, chat template) to DIRECTORY."""
     from dpserve.engine.demo_model import create_demo_model
 
-    path = create_demo_model(directory)
+    path = create_demo_model(directory, size)
     click.echo(path)
 
 

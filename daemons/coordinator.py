@@ -111,6 +111,8 @@ class RankTable:
         entry.slot_usage = msg.slot_usage
         entry.num_requests_finished = msg.num_requests_finished
         entry.num_requests_aborted = msg.num_requests_aborted
+        entry.kv_usage = msg.kv_usage
+        entry.num_preemptions = msg.num_preemptions
         self.dirty = True
         return True
 

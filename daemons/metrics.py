@@ -37,6 +37,9 @@ class _RankCollector:
         waiting = GaugeMetricFamily("dpserve_rank_waiting", "Waiting requests per rank.", labels=["rank"])
         alive = GaugeMetricFamily("dpserve_rank_routable", "1 when this API server routes to the rank.", labels=["rank"])
         inflight = GaugeMetricFamily("dpserve_api_in_flight", "This API server's requests in flight on each rank.", labels=["rank"])
+        # vLLM's names, so dashboards built for vLLM read dpserve's ranks too.
+        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage per rank (1 = every block in use).", labels=["rank"])
+        preempted = CounterMetricFamily("vllm:num_preemptions", "Sequences preempted for KV blocks per rank (current incarnation).", labels=["rank"])
         for rank, load in enumerate(self.router.loads):
             label = [str(rank)]
             alive.add_metric(label, 1.0 if self.router.routable(rank) else 0.0)
@@ -47,7 +50,9 @@ class _RankCollector:
             aborted.add_metric(label, load.num_requests_aborted)
             running.add_metric(label, load.num_running)
             waiting.add_metric(label, load.num_waiting)
-        yield from (finished, aborted, running, waiting, alive, inflight)
+            kv.add_metric(label, load.kv_usage)
+            preempted.add_metric(label, load.num_preemptions)
+        yield from (finished, aborted, running, waiting, alive, inflight, kv, preempted)
 
 
 class ApiMetrics:

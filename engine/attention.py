@@ -27,13 +27,14 @@ ATTN_IMPLEMENTATION = "dpserve_paged"
 class DecodeGroup:
     """Sequences with one new token each, of similar context length, attended in one batched call.
 
-    Rows [start, end) of the packed step; block_table [B, max blocks] (padded
-    with block 0); lengths [B] context lengths including the new token.
+    Rows [start, end) of the packed step; flat_blocks [B * max blocks]: each
+    row's block table padded with block 0, one after another; lengths [B]
+    context lengths including the new token.
     """
 
     start: int
     end: int
-    block_table: torch.Tensor
+    flat_blocks: torch.Tensor
     lengths: torch.Tensor
     _masks: dict = field(default_factory=dict)
 
@@ -149,8 +150,9 @@ def paged_attention(
     for g in meta.decodes:
         rows = g.end - g.start
         q = q_rows[g.start : g.end].reshape(rows, kv_heads, group, dim)
-        k = k_blocks[g.block_table].view(rows, -1, kv_heads, dim).transpose(1, 2)
-        v = v_blocks[g.block_table].view(rows, -1, kv_heads, dim).transpose(1, 2)
+        # index_select on a flat block list is several times faster than advanced indexing
+        k = k_blocks.index_select(0, g.flat_blocks).view(rows, -1, kv_heads, dim).transpose(1, 2)
+        v = v_blocks.index_select(0, g.flat_blocks).view(rows, -1, kv_heads, dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask(sliding_window, k.shape[2]), scale=scaling)
         out[g.start : g.end] = o.reshape(rows, heads, dim)
 
@@ -163,8 +165,8 @@ def paged_attention(
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=group > 1)
         else:
             total = c.context_len + n
-            k = k_blocks[c.block_table].view(1, -1, kv_heads, dim)[:, :total].transpose(1, 2)
-            v = v_blocks[c.block_table].view(1, -1, kv_heads, dim)[:, :total].transpose(1, 2)
+            k = k_blocks.index_select(0, c.block_table).view(1, -1, kv_heads, dim)[:, :total].transpose(1, 2)
+            v = v_blocks.index_select(0, c.block_table).view(1, -1, kv_heads, dim)[:, :total].transpose(1, 2)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask(sliding_window), scale=scaling, enable_gqa=group > 1)
         out[c.start : c.end] = o[0].transpose(0, 1)
 

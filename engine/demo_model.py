@@ -22,8 +22,26 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END)  # ids 0..3, in this order
 
-VOCAB_SIZE = 2048
+VOCAB_SIZE = 2048  # the trained tokenizer's size (and the tiny model's vocabulary)
 MAX_POSITIONS = 2048
+
+# Model shapes. "tiny" (1 M parameters) is the default: a forward costs
+# nothing, so fast tests and `make demo` stay fast. "small" has the shape of
+# a real 135M-class Llama chat model (SmolLM-135M's), so engine costs show:
+# its tokenizer is the same trained BPE, padded with invented words up to the
+# model's vocabulary so that every id the model can produce decodes to text.
+SIZES: dict[str, dict] = {
+    "tiny": {
+        "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": VOCAB_SIZE, "max_position_embeddings": MAX_POSITIONS,
+        "tie_word_embeddings": False,
+    },
+    "small": {
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+    },
+}
 REQUIRED_FILES = (
     "config.json",
     "model.safetensors",
@@ -126,25 +144,38 @@ def _build_tokenizer():
     return tok
 
 
-def _model_config(bos_id: int, eos_ids: list[int]) -> dict:
+def _pad_vocabulary(tok, size: int) -> None:
+    """Grow the BPE vocabulary to `size` ids with invented words (no merges make
+    them, so encoding is unchanged; decoding any id gives readable text)."""
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    rng = random.Random(SEED + 1)
+    next_id = max(vocab.values()) + 1
+    while next_id < size:
+        word = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(rng.randint(1, 3)))
+        piece = "\u0120" + word  # byte-level BPE's leading space
+        if piece not in vocab:
+            vocab[piece] = next_id
+            next_id += 1
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def _model_config(bos_id: int, eos_ids: list[int], size: str = "tiny") -> dict:
+    shape = SIZES[size]
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": 128,
-        "intermediate_size": 344,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
+        **{k: shape[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")},
         "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITIONS,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,  # transformers 4.x spelling
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},  # 5.x
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": shape["tie_word_embeddings"],
         "initializer_range": 0.02,
         "use_cache": True,
         "bos_token_id": bos_id,
@@ -163,8 +194,9 @@ def _parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     shapes = {
         "model.embed_tokens.weight": (vocab, hidden),
         "model.norm.weight": (hidden,),
-        "lm_head.weight": (vocab, hidden),
     }
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes |= {
@@ -201,13 +233,15 @@ def _weights(config: dict) -> dict:
     return tensors
 
 
-def _write_files(out: str) -> None:
+def _write_files(out: str, size: str = "tiny") -> None:
     from safetensors.torch import save_file
 
     tok = _build_tokenizer()
+    if SIZES[size]["vocab_size"] > VOCAB_SIZE:
+        tok = _pad_vocabulary(tok, SIZES[size]["vocab_size"])
     bos_id, eos_id, im_end_id = (tok.token_to_id(t) for t in (BOS, EOS, IM_END))
     eos_ids = [eos_id, im_end_id]
-    config = _model_config(bos_id, eos_ids)
+    config = _model_config(bos_id, eos_ids, size)
 
     tok.save(os.path.join(out, "tokenizer.json"))
     save_file(_weights(config), os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
@@ -220,7 +254,7 @@ def _write_files(out: str) -> None:
             "eos_token": EOS,
             "add_bos_token": True,
             "add_eos_token": False,
-            "model_max_length": MAX_POSITIONS,
+            "model_max_length": config["max_position_embeddings"],
             "clean_up_tokenization_spaces": False,
             "chat_template": CHAT_TEMPLATE,
         },
@@ -237,8 +271,8 @@ def is_complete(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, name)) for name in REQUIRED_FILES)
 
 
-def create_demo_model(path: str) -> str:
-    """Write the demo model into `path` (created) and return `path`.
+def create_demo_model(path: str, size: str = "tiny") -> str:
+    """Write the demo model of this size (see SIZES) into `path` (created) and return `path`.
 
     A complete directory is left untouched. The files are written into a
     sibling temp dir that is renamed into place, so a reader (or a racing
@@ -253,7 +287,7 @@ def create_demo_model(path: str) -> str:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     try:
-        _write_files(tmp)
+        _write_files(tmp, size)
         # mkdtemp (and safetensors) create private files; the model is meant to be shared.
         os.chmod(tmp, 0o755)
         for name in os.listdir(tmp):

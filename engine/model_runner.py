@@ -84,12 +84,16 @@ class ModelRunner:
         groups = []
         for start, end in group_decodes(lengths, self.decode_pad_cells):
             width = -(-lengths[end - 1] // bs)
-            tables = [seq.block_table[:width] + [0] * (width - min(width, len(seq.block_table))) for seq in decodes[start:end]]
+            flat: list[int] = []
+            for seq in decodes[start:end]:
+                table = seq.block_table[:width]
+                flat.extend(table)
+                flat.extend([0] * (width - len(table)))
             groups.append(
                 DecodeGroup(
                     start,
                     end,
-                    torch.tensor(tables, dtype=torch.long, device=self.device),
+                    torch.tensor(flat, dtype=torch.long, device=self.device),
                     torch.tensor(lengths[start:end], dtype=torch.long, device=self.device),
                 )
             )

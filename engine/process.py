@@ -245,6 +245,9 @@ class EngineProcess:
             model=self.cfg.engine.model,
             seconds=round(time.monotonic() - t0, 2),
             max_model_len=self.core.max_model_len,
+            dtype=str(self.core.dtype).removeprefix("torch."),
+            kv_cache_tokens=self.core.kv_capacity_tokens,
+            kv_cache_gib=round(self.core.kv.num_bytes / 2**30, 2),
         )
         self.supervisor.heartbeat()
         addresses = self.io.register(self.log, lambda: self.should_stop)
@@ -257,9 +260,18 @@ class EngineProcess:
         self.supervisor.ready(f"rank {self.rank}")
         self.log.info("engine ready", api_servers=len(addresses), incarnation=self.incarnation)
 
+    def _progress(self) -> None:
+        """Called from inside a step (after every layer): a long step still reports
+        load and heartbeats on time, so busy is never mistaken for hung. Only
+        this loop calls it: a stopped or deadlocked engine still goes silent."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.cfg.heartbeat_interval_s or now - self._last_report >= self.cfg.heartbeat_interval_s:
+            self._report_load()
+
     def run(self) -> int:
         core, io = self.core, self.io
         heartbeat_s = self.cfg.heartbeat_interval_s
+        core.on_progress = self._progress
         while not self.should_stop:
             # 1. Take input: block only while there is nothing to compute.
             if core.has_unfinished():
@@ -320,7 +332,8 @@ class EngineProcess:
     def _report_load(self, force: bool = False) -> None:
         core = self.core
         now = time.monotonic()
-        load = (core.num_running, core.num_waiting, core.num_waiting_prefill_tokens, self.num_finished, self.num_aborted)
+        load = (core.num_running, core.num_waiting, core.num_waiting_prefill_tokens, self.num_finished, self.num_aborted,
+                round(core.kv_usage, 3))
         changed = load != self._last_load
         due = now - self._last_report >= self.cfg.heartbeat_interval_s
         self._load_dirty = changed
@@ -340,6 +353,8 @@ class EngineProcess:
                     core.last_step_ms,
                     self.num_finished,
                     self.num_aborted,
+                    core.kv_usage,
+                    core.num_preemptions,
                 )
             )
         if force or now - self._last_heartbeat >= self.cfg.heartbeat_interval_s:

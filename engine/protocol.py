@@ -174,6 +174,8 @@ class LoadReport(msgspec.Struct, tag="load", array_like=True):
     step_ms: float
     num_requests_finished: int = 0  # cumulative, since this incarnation started
     num_requests_aborted: int = 0  # cumulative: aborted by their API server (client gone, stop string)
+    kv_usage: float = 0.0  # share of the rank's KV blocks in use (vLLM's kv_cache_usage_perc)
+    num_preemptions: int = 0  # cumulative: sequences preempted for KV blocks (recomputed later)
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -206,6 +208,8 @@ class RankLoad(msgspec.Struct, array_like=True):
     num_requests_finished: int = 0
     num_requests_aborted: int = 0
     down_reason: str = ""
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
 
 
 class LoadTable(msgspec.Struct, tag="table", array_like=True):
