@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import msgspec.structs
 
 from .openai_types import (
     UNSUPPORTED,
@@ -41,7 +42,8 @@ def _generation_responses(response: str, api_key: bool) -> dict:
             "description": "The answer; with `stream: true`, server-sent events ending in `data: [DONE]`.",
             "content": {
                 "application/json": {"schema": {"$ref": _REF.format(name=response)}},
-                "text/event-stream": {"schema": {"type": "string"}},
+                # each event: `data: <chunk JSON>`, the last one `data: [DONE]`
+                "text/event-stream": {"schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}},
             },
         },
         "400": _error("Invalid request: the message names the parameter (`param`)."),
@@ -56,10 +58,18 @@ def _generation_responses(response: str, api_key: bool) -> dict:
     return out
 
 
+def _fits(value: Any, type_: Any) -> bool:
+    try:
+        msgspec.convert(value, type_, strict=True)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
 def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_model_len: int) -> None:
     token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
-        schema = schemas[name]
+    for kind in (CompletionRequest, ChatCompletionRequest):
+        schema = schemas[kind.__name__]
         props = schema["properties"]
         # model is optional in the Struct only so that a missing one gets a clear 400.
         props["model"] = {"type": "string", "enum": [model_name], "description": "The served model name (others get 404)."}
@@ -70,10 +80,12 @@ def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_mode
                 # answer is longer than this; the type's own bound is larger.
                 props[field]["anyOf"][0]["maximum"] = max_model_len - 1
         props["stop_token_ids"]["anyOf"][0]["items"] = token_id
+        types = {f.name: f.type for f in msgspec.structs.fields(kind)}
         for field, accepted in UNSUPPORTED.items():
             if field in props:
+                # Only the defaults this endpoint's type takes (a completion's logprobs is an int, not false).
                 props[field] = {
-                    "enum": [*accepted, None],
+                    "enum": [*(v for v in accepted if _fits(v, types[field])), None],
                     "description": "Not supported by dpserve: only its default (or null) is accepted; anything else is a 400.",
                 }
     schemas["CompletionRequest"]["properties"]["prompt"] = {
