@@ -350,7 +350,7 @@ class Supervisor:
     def _reap(self, child: Child, pid: int, rc: int) -> None:
         if pid != child.pid:
             return
-        how = describe_exit(rc)
+        how = describe_exit(rc, killed_by_us=child.kill_requested)
         child.last_exit = how
         was = child.state
         child.proc = None

@@ -102,14 +102,19 @@ def raise_fd_limit() -> tuple[int, int]:
     return soft, hard
 
 
-def describe_exit(returncode: int) -> str:
-    """'exit code 3 (startup failure)' or 'signal SIGKILL (out of memory?)'."""
+def describe_exit(returncode: int, killed_by_us: bool = False) -> str:
+    """'exit code 3 (startup failure)' or 'signal SIGKILL (out of memory?)'.
+
+    A SIGKILL hints at the kernel's OOM killer only when the caller did not
+    send it itself (killed_by_us: a child that did not stop in time)."""
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
-        hint = " (out of memory?)" if -returncode == signal.SIGKILL else ""
+        hint = ""
+        if -returncode == signal.SIGKILL:
+            hint = " (killed by the supervisor: it did not stop in time)" if killed_by_us else " (out of memory?)"
         return f"signal {name}{hint}"
     desc = EXIT_DESCRIPTIONS.get(returncode)
     return f"exit code {returncode}" + (f" ({desc})" if desc else "")

@@ -121,6 +121,8 @@ def test_exits_during_shutdown_are_final(tmp_path):
 
 def test_exit_descriptions():
     assert describe_exit(-9) == "signal SIGKILL (out of memory?)"
+    # a child the supervisor itself killed is not blamed on the OOM killer
+    assert describe_exit(-9, killed_by_us=True) == "signal SIGKILL (killed by the supervisor: it did not stop in time)"
     assert describe_exit(-15) == "signal SIGTERM"
     assert describe_exit(3) == "exit code 3 (startup failure)"
     assert describe_exit(42) == "exit code 42"
