@@ -26,7 +26,7 @@ from msgspec import Meta, Struct
 INT32_MAX = 2**31 - 1
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 1024
-MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_TOKEN_IDS = 1024  # as the engine (engine/core.py); each is checked per token
 
 Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]

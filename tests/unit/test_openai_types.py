@@ -32,7 +32,7 @@ def completion(**kw) -> CompletionRequest:
         ("top_k", 2**64 - 1), ("top_k", 10**30), ("top_k", INT32_MAX + 1), ("max_tokens", INT32_MAX + 1),
         ("max_tokens", 10**30), ("min_tokens", -1), ("min_tokens", INT32_MAX + 1), ("seed", 2**63), ("seed", -(2**63) - 1),
         ("temperature", 101), ("temperature", 10**30), ("n", 129), ("presence_penalty", 3),
-        ("stop_token_ids", [-1]), ("stop_token_ids", [INT32_MAX + 1]), ("stop_token_ids", list(range(257))),
+        ("stop_token_ids", [-1]), ("stop_token_ids", [INT32_MAX + 1]), ("stop_token_ids", list(range(1025))),
         ("stop", [str(i) for i in range(17)]), ("stop", "x" * 1025), ("stop", ["x" * 1025]),
     ],
 )
@@ -43,7 +43,7 @@ def test_range_and_type_errors_name_the_field(field, value):
 
 
 def test_limits_that_are_allowed_decode():
-    req = completion(top_k=INT32_MAX, seed=-(2**63), stop_token_ids=list(range(256)), stop=["x" * 1024] * 16, max_tokens=INT32_MAX)
+    req = completion(top_k=INT32_MAX, seed=-(2**63), stop_token_ids=list(range(1024)), stop=["x" * 1024] * 16, max_tokens=INT32_MAX)
     assert req.top_k == INT32_MAX and req.seed == -(2**63)
 
 
