@@ -13,6 +13,9 @@
    measures it) against transformers' generate() on the same model.
 3. A short frontend run: `dpserve serve` at DP=1 driven by benchmarks/load.py
    (max_tokens=1 at c=32, streamed 64 tokens at c=32 and c=128).
+4. benchmarks/engine_realistic.py's throughput and stall parts on the
+   135M-class demo model (`demo-model --size small`), dpserve DP=1 on CUDA:
+   the same workloads as on the CPU, for side-by-side figures.
 
 Each phase has its own time budget so the whole check stays under 8 minutes.
 `--size tiny --device cpu` runs the same code on a toy model (a smoke test for
@@ -184,6 +187,23 @@ def frontend_phase(model_dir: Path, duration: float, warmup: float, ready_timeou
     return runs
 
 
+def realistic_phase(out: Path, duration: float) -> dict:
+    """engine_realistic's throughput (16 streamed clients) and stall parts, dpserve DP=1 on this device."""
+    from dpserve.engine.demo_model import create_demo_model
+
+    from benchmarks import engine_realistic
+
+    results: dict = {}
+    try:
+        model = create_demo_model(str(out / "demo-model-small"), "small")
+        engine_realistic.throughput(model, None, duration, ["dpserve dp1"], results)
+        engine_realistic.stall(model, results)
+    except Exception as exc:
+        log(f"realistic run failed: {type(exc).__name__}: {exc}"[:3000])
+        results["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="work dir for the models and gpu_check.json (default: a temp dir)")
@@ -195,6 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=15.0, help="frontend: measured seconds per workload")
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--skip-frontend", action="store_true")
+    p.add_argument("--skip-realistic", action="store_true", help="skip engine_realistic's throughput and stall parts")
     p.add_argument("--keep", action="store_true", help="keep the model files")
     args = p.parse_args(argv)
 
@@ -236,6 +257,8 @@ def main(argv=None) -> int:
     report["engine"] = engine_phase(real, args.device, batch_sizes, args.new_tokens, args.prompt_len)
     if not args.skip_frontend:
         report["frontend"] = frontend_phase(small_vocab, args.duration, args.warmup, ready_timeout=180.0)
+    if not args.skip_realistic:
+        report["realistic"] = realistic_phase(out, args.duration)
     report["elapsed_s"] = round(time.monotonic() - t_start, 1)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
 

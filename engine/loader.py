@@ -171,9 +171,9 @@ def kv_shape(loaded: LoadedModel) -> KVShape:
     """Layers, KV heads and head size as the model's attention modules define them."""
     cfg = loaded.model.config
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head")
+    heads = getattr(text, "num_attention_heads", None) or text.n_head
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd")
+    hidden = getattr(text, "hidden_size", None) or text.n_embd
     head_dim = getattr(text, "head_dim", None) or hidden // heads
-    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer")
+    layers = getattr(text, "num_hidden_layers", None) or text.n_layer
     return KVShape(int(layers), int(kv_heads), int(head_dim), loaded.dtype)
