@@ -57,6 +57,7 @@ class Child:
         "gave_up",
         "num_running",
         "num_waiting",
+        "kv_usage",
         "kill_requested",
         "restart_requested",
         "failure",
@@ -101,6 +102,7 @@ class Child:
         self.gave_up = False
         self.num_running = 0
         self.num_waiting = 0
+        self.kv_usage = 0.0
         self.kill_requested = False
         self.restart_requested = False  # a planned restart (SIGHUP), not a crash
         self.failure = ""  # why the supervisor stopped this process for failing (probes, late start)
@@ -129,6 +131,7 @@ class Child:
             "uptime_s": round(self.uptime(now), 3),
             "running": self.num_running,
             "waiting": self.num_waiting,
+            "kv_cache_usage_perc": round(self.kv_usage, 4),
         }
 
 

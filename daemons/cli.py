@@ -282,12 +282,14 @@ def status(url: str, as_json: bool) -> None:
         return
     click.echo(f"node: {data['phase']}, {'ready' if data['ready'] else 'NOT READY: ' + data['reason']}; "
                f"model {data['model']}, port {data['port']}, pid {data['pid']}")
-    click.echo(f"{'CHILD':<14} {'STATE':<9} {'PID':>8} {'RESTARTS':>8} {'RUNNING':>8} {'WAITING':>8} {'UPTIME':>9}  LAST EXIT")
+    click.echo(f"{'CHILD':<14} {'STATE':<9} {'PID':>8} {'RESTARTS':>8} {'RUNNING':>8} {'WAITING':>8} {'KV USED':>8} {'UPTIME':>9}  LAST EXIT")
     for c in data["children"]:
-        running = str(c["running"]) if c["kind"] == "engine" else "-"
-        waiting = str(c["waiting"]) if c["kind"] == "engine" else "-"
+        engine = c["kind"] == "engine"
+        running = str(c["running"]) if engine else "-"
+        waiting = str(c["waiting"]) if engine else "-"
+        kv = f"{100 * c.get('kv_cache_usage_perc', 0.0):.1f}%" if engine else "-"
         click.echo(
-            f"{c['name']:<14} {c['state']:<9} {c['pid'] or '-':>8} {c['restarts']:>8} {running:>8} {waiting:>8} "
+            f"{c['name']:<14} {c['state']:<9} {c['pid'] or '-':>8} {c['restarts']:>8} {running:>8} {waiting:>8} {kv:>8} "
             f"{c['uptime_s']:>8.1f}s  {c['last_exit'] or ''}"
         )
 

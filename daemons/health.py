@@ -85,6 +85,8 @@ class HealthServer:
         lines += [f'dpserve_rank_running{{rank="{c.rank}"}} {c.num_running}' for c in engines]
         lines += ["# HELP dpserve_rank_waiting Waiting requests per local rank.", "# TYPE dpserve_rank_waiting gauge"]
         lines += [f'dpserve_rank_waiting{{rank="{c.rank}"}} {c.num_waiting}' for c in engines]
+        lines += ["# HELP vllm:kv_cache_usage_perc KV-cache usage per local rank (1 = every block in use).", "# TYPE vllm:kv_cache_usage_perc gauge"]
+        lines += [f'vllm:kv_cache_usage_perc{{rank="{c.rank}"}} {c.kv_usage:.4f}' for c in engines]
         ready, _ = sup.node_ready()
         lines += ["# HELP dpserve_node_ready 1 when the node serves.", "# TYPE dpserve_node_ready gauge", f"dpserve_node_ready {int(ready)}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")

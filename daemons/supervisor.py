@@ -260,6 +260,7 @@ class Supervisor:
                 child.last_heartbeat = time.monotonic()
                 child.num_running = msg.num_running
                 child.num_waiting = msg.num_waiting
+                child.kv_usage = msg.kv_usage
             elif isinstance(msg, ChildReady) and child.state == ChildState.STARTING:
                 child.state = ChildState.READY
                 child.ready_at = time.monotonic()

@@ -359,7 +359,7 @@ class EngineProcess:
             )
         if force or now - self._last_heartbeat >= self.cfg.heartbeat_interval_s:
             self._last_heartbeat = now
-            self.supervisor.heartbeat(core.num_running, core.num_waiting)
+            self.supervisor.heartbeat(core.num_running, core.num_waiting, core.kv_usage)
 
     def announce_death(self, reason: str) -> None:
         self.io.broadcast(EngineDead(self.rank, self.incarnation, reason))

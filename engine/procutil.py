@@ -145,8 +145,8 @@ class SupervisorLink:
     def ready(self, detail: str = "") -> None:
         self.send(ChildReady(self.name, self.pid, detail))
 
-    def heartbeat(self, num_running: int = 0, num_waiting: int = 0) -> None:
-        self.send(Heartbeat(self.name, self.pid, num_running, num_waiting))
+    def heartbeat(self, num_running: int = 0, num_waiting: int = 0, kv_usage: float = 0.0) -> None:
+        self.send(Heartbeat(self.name, self.pid, num_running, num_waiting, kv_usage))
 
     def close(self) -> None:
         self._sock.close(0)

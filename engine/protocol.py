@@ -234,6 +234,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
     pid: int
     num_running: int = 0
     num_waiting: int = 0
+    kv_usage: float = 0.0  # engines: share of KV blocks in use
 
 
 ToSupervisor = ChildReady | Heartbeat

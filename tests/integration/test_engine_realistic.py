@@ -125,6 +125,11 @@ def test_mixed_lengths_over_the_kv_budget_all_finish_equal_to_their_answers_alon
     preemptions = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("vllm:num_preemptions_total{")]
     assert preemptions and sum(preemptions) > 0, "the load was meant to exceed the KV budget"
     assert engine_rss_within_budget(budget_server)
+    # the node's own view: KV usage per rank on the health port and in `dpserve status`
+    assert "kv_cache_usage_perc" in budget_server.child("engine-dp0")
+    from tests.server import http_get
+
+    assert 'vllm:kv_cache_usage_perc{rank="0"}' in http_get(budget_server.health_url + "/metrics")[1].decode()
 
 
 def engine_rss_within_budget(server: DpServer) -> bool:

@@ -191,5 +191,6 @@ def test_health_endpoints_through_startup_and_shutdown(demo_model_dir):
         # the status command renders the same table for a person
         out = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "status", srv.health_url], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0 and "engine-dp0" in out.stdout and "ready" in out.stdout, out
+        assert "KV USED" in out.stdout and "0.0%" in out.stdout, out.stdout
     finally:
         assert srv.stop() == 0

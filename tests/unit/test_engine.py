@@ -478,6 +478,60 @@ def test_malformed_request_fails_alone_and_any_int_seed_is_accepted(loaded_demo_
     assert set(Collector().run(engine).finish) == {"neg", "huge"}
 
 
+def test_top_k_beyond_int64_fails_alone_and_the_engine_serves_on(loaded_demo_model, reference):
+    """The request that crashed a rank (issue 12): top_k = 2^64 - 1 reaching the sampler."""
+    engine = make_engine(loaded_demo_model)
+    out = engine.add_request(request("bad", [5, 6], temperature=1.0, top_k=2**64 - 1, max_tokens=2))
+    assert out is not None and out.finish_reason == FINISH_ERROR and "top_k" in out.error
+    prompt = random_prompt(9, 7)
+    add(engine, request("good", prompt, max_tokens=6))
+    assert Collector().run(engine).tokens["good"] == reference(prompt, 6)
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(loaded_demo_model, reference, monkeypatch):
+    engine = make_engine(loaded_demo_model)
+    add(engine, request("a", random_prompt(1, 5), max_tokens=4), request("b", random_prompt(2, 6), max_tokens=4))
+    real_execute = engine.runner.execute
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    outs = engine.step()
+    assert {o.request_id for o in outs} == {"a", "b"}
+    assert all(o.finish_reason == FINISH_ERROR and "simulated kernel failure" in o.error for o in outs)
+    assert not engine.has_unfinished() and engine.num_step_errors == 1
+    assert_all_blocks_free(engine)
+    monkeypatch.setattr(engine.runner, "execute", real_execute)
+    prompt = random_prompt(3, 5)
+    add(engine, request("c", prompt, max_tokens=4))
+    assert Collector().run(engine).tokens["c"] == reference(prompt, 4)
+
+
+def test_sampling_that_raises_for_one_row_fails_only_that_request(loaded_demo_model, reference, monkeypatch):
+    engine = make_engine(loaded_demo_model)
+    prompts = {rid: random_prompt(i, 6) for i, rid in enumerate("xyz")}
+    add(engine, *(request(rid, p, max_tokens=5) for rid, p in prompts.items()))
+    real_sampler = engine.sampler
+
+    def picky(logits, seqs):
+        if any(s.request_id == "y" for s in seqs):
+            raise ValueError("cannot sample y")
+        return real_sampler(logits, seqs)
+
+    monkeypatch.setattr(engine, "sampler", picky)
+    got = Collector()
+    errors = {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        errors.update({o.request_id: o.error for o in outs if o.finish_reason == FINISH_ERROR})
+        got.feed([o for o in outs if o.finish_reason != FINISH_ERROR])
+    assert set(errors) == {"y"} and "cannot sample y" in errors["y"]
+    for rid in "xz":
+        assert got.tokens[rid] == reference(prompts[rid], 5)
+    assert_all_blocks_free(engine)
+
+
 # ---------------------------------------------------------------- demo model and loader
 
 
