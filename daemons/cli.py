@@ -50,7 +50,7 @@ _SERVE_OPTIONS = [
     _opt("--max-model-len", default=0, type=click.IntRange(0), help="Context length (0: the model's own)."),
     _opt("--max-num-seqs", default=256, type=click.IntRange(1), help="Running sequences per rank."),
     _opt("--max-num-batched-tokens", default=0, type=click.IntRange(0), help="Tokens per engine step per rank (0: 8192 on GPU, 512 on CPU)."),
-    _opt("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True, help="Split long prompts across steps, so decoding streams keep getting tokens."),
+    _opt("--enable-chunked-prefill/--no-enable-chunked-prefill", envvar="DPSERVE_ENABLE_CHUNKED_PREFILL", default=True, help="Split long prompts across steps, so decoding streams keep getting tokens."),
     _opt("--long-prefill-token-threshold", default=0, type=click.IntRange(0), help="While others decode, a prefill chunk is at most this many tokens (0: the budget on GPU, 32 on CPU)."),
     _opt("--kv-cache-memory-bytes", default=0, type=click.IntRange(0), help="KV-cache budget per rank in bytes (0: auto; CPU: 40%% of available memory split between local ranks, at most 4 GiB)."),
     _opt("--gpu-memory-utilization", default=0.9, type=click.FloatRange(0.05, 1.0), help="CUDA: share of device memory for weights + KV cache (the KV cache takes what the model leaves)."),
