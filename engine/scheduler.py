@@ -56,6 +56,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Waiting sequences have nothing computed (preemption resets them), so
+        # their prefill work is their whole length: kept as a running total,
+        # read with every load report, whatever the queue's length.
+        self._num_waiting_tokens = 0
         self._watermark = int(blocks.num_blocks * ADMIT_WATERMARK)
 
     # ------------------------------------------------------------ counters
@@ -71,9 +75,7 @@ class Scheduler:
     @property
     def num_waiting_prefill_tokens(self) -> int:
         """Tokens still to prefill: the waiting queue's and running sequences' unfinished prompts."""
-        return sum(s.num_uncomputed_tokens for s in self.waiting) + sum(
-            s.num_uncomputed_tokens for s in self.running if s.is_prefilling
-        )
+        return self._num_waiting_tokens + sum(s.num_uncomputed_tokens for s in self.running if s.is_prefilling)
 
     @property
     def num_remaining_decode_tokens(self) -> int:
@@ -96,11 +98,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._num_waiting_tokens += seq.num_tokens
 
     def remove(self, leaving: set[str]) -> None:
         """Forget these sequences wherever they are, freeing their blocks."""
         if any(s.request_id in leaving for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if not self._drop(s, leaving))
+            self._num_waiting_tokens = sum(s.num_tokens for s in self.waiting)
         if any(s.request_id in leaving for s in self.running):
             self.running = [s for s in self.running if not self._drop(s, leaving)]
 
@@ -155,6 +159,7 @@ class Scheduler:
             if missing > self.blocks.num_free_blocks - reserve:
                 break
             self.waiting.popleft()
+            self._num_waiting_tokens -= seq.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
@@ -185,6 +190,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self._num_waiting_tokens += seq.num_tokens
 
     def finish(self, seqs: list[Sequence]) -> None:
         """These running sequences are done: free their blocks and slots."""

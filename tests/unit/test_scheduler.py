@@ -25,6 +25,8 @@ def run_step(sched: Scheduler, sample: bool = True) -> list[tuple[str, int]]:
 
 
 def check_blocks(sched: Scheduler) -> None:
+    expected = sum(s.num_uncomputed_tokens for s in list(sched.waiting) + sched.running if s.is_prefilling or s in sched.waiting)
+    assert sched.num_waiting_prefill_tokens == expected, "the waiting-token total drifted"
     owned = [b for s in sched.running for b in s.block_table]
     assert len(owned) == len(set(owned)), "a block owned twice"
     assert not set(owned) & set(sched.blocks.free), "a block both owned and free"
