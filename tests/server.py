@@ -54,6 +54,32 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
     raise TimeoutError(f"timed out after {timeout:.1f} s waiting for {what}")
 
 
+def stream_request(port: int, max_tokens: int, result: dict, model: str = "demo", api_key: str | None = None) -> None:
+    """One streamed completion (run it in a thread): records when it started, its finish
+    reasons, any error event or exception, and whether [DONE] came."""
+    body = json.dumps({"model": model, "prompt": "drain me", "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers=headers)
+    finishes, done = [], False
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            result["started"] = time.monotonic()
+            for raw in resp:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        result["error"] = event["error"]
+                    finishes += [c["finish_reason"] for c in event.get("choices", []) if c.get("finish_reason")]
+    except Exception as exc:  # recorded for the assertion, not swallowed
+        result["exception"] = repr(exc)
+    result["finishes"] = finishes
+    result["done"] = done
+
+
 class DpServer:
     def __init__(
         self, model_dir: str, *args: str, env: dict | None = None, served_model_name: str | None = "demo", preexec_fn=None

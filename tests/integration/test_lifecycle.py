@@ -10,11 +10,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
-from tests.server import DpServer, http_get, pid_alive, wait_until
+from tests.server import DpServer, http_get, pid_alive, stream_request, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -50,31 +49,6 @@ class NotifySocket:
         self._stop = True
         self._thread.join(2)
         self.sock.close()
-
-
-def stream_request(port: int, max_tokens: int, result: dict) -> None:
-    """One streaming completion in a thread; records the text, finish and whether [DONE] came."""
-    body = json.dumps({"model": "demo", "prompt": "drain me", "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    finishes, done = [], False
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            result["started"] = time.monotonic()
-            for raw in resp:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        result["error"] = event["error"]
-                    for choice in event.get("choices", []):
-                        if choice.get("finish_reason"):
-                            finishes.append(choice["finish_reason"])
-    except Exception as exc:  # recorded for the assertion, not swallowed
-        result["exception"] = repr(exc)
-    result["finishes"] = finishes
-    result["done"] = done
 
 
 def test_notify_ready_watchdog_and_drain_on_sigterm(demo_model_dir, tmp_path):

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.server import DpServer, http_get, pid_alive, wait_until
+from tests.server import DpServer, http_get, pid_alive, stream_request, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -224,34 +224,10 @@ def test_malformed_requests_do_not_flood_the_warning_log(node):
 # ------------------------------------------------------------------ item 5: drain (stops the node)
 
 
-def stream_request(port: int, max_tokens: int, result: dict) -> None:
-    """One streaming completion in a thread; records when it started, its finishes and [DONE]."""
-    body = json.dumps({"model": "model", "prompt": "drain me", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}).encode()
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers=headers)
-    finishes, done = [], False
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            result["started"] = time.monotonic()
-            for raw in resp:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        result["error"] = event["error"]
-                    finishes += [c["finish_reason"] for c in event.get("choices", []) if c.get("finish_reason")]
-    except Exception as exc:  # recorded for the assertion, not swallowed
-        result["exception"] = repr(exc)
-    result["finishes"] = finishes
-    result["done"] = done
-
-
 def test_sigterm_refuses_new_connections_at_once_while_streams_finish(node):
     node.refresh_child_pids()
     result: dict = {}
-    stream = threading.Thread(target=stream_request, args=(node.port, 1500, result))
+    stream = threading.Thread(target=stream_request, args=(node.port, 1500, result, "model", API_KEY))
     stream.start()
     try:
         wait_until(lambda: "started" in result or "exception" in result, 30, 0.01, "the stream to start")
