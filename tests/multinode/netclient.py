@@ -14,7 +14,9 @@ and time and talks only to the namespaces' own addresses.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
+import os
 import sys
 import time
 
@@ -134,11 +136,16 @@ def rogue(head: str, rpc_port: int, api_address: str, key_file: str) -> dict:
     sock.send(Codec(EngineToApi).encode(EngineHello(0, "rogue")))
     result["api_reply_without_key"] = "got data" if sock.poll(2000) else "nothing"
     sock.close(0)
-    ctx.destroy(0)
+    # No ctx.term(): libzmq can block in it for good after a failed CURVE
+    # handshake on a slow machine (libzmq #2733, pyzmq #626), even with
+    # LINGER 0. main() leaves with os._exit once the answer is printed.
     return result
 
 
 def main() -> None:
+    # Stuck past the caller's patience: leave with every thread's stack on
+    # stderr, which the test shows, rather than be killed without a word.
+    faulthandler.dump_traceback_later(float(os.environ.get("NETCLIENT_DEADLINE", "110")), exit=True)
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "get":
         out = asyncio.run(get(args[0]))
@@ -150,7 +157,8 @@ def main() -> None:
     elif cmd == "loop":
         out = asyncio.run(loop(args[0], float(args[1]), int(args[2])))
     elif cmd == "rogue":
-        out = rogue(args[0], int(args[1]), args[2], args[3])
+        print(json.dumps(rogue(args[0], int(args[1]), args[2], args[3])), flush=True)
+        os._exit(0)
     else:
         raise SystemExit(f"unknown command {cmd}")
     print(json.dumps(out))

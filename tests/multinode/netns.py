@@ -79,6 +79,7 @@ class Node:
             capture_output=True,
             text=True,
             timeout=timeout,
+            env={**os.environ, "NETCLIENT_DEADLINE": str(max(1.0, timeout - 10))},
         )
         if out.returncode != 0:
             raise RuntimeError(f"netclient {args} failed ({out.returncode}): {out.stderr[-2000:]}")
