@@ -21,9 +21,9 @@ import zmq.asyncio
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
-from dpserve.engine.auth import CurveKeys, make_client, start_authenticator
-from dpserve.engine.logs import setup_logging
-from dpserve.engine.procutil import (
+from dpserve.engine.common.auth import CurveKeys, make_client, start_authenticator
+from dpserve.engine.common.logs import setup_logging
+from dpserve.engine.common.procutil import (
     EXIT_OK,
     EXIT_STARTUP,
     SupervisorLink,

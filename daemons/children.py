@@ -16,7 +16,7 @@ import re
 import sys
 import time
 
-from dpserve.engine.procutil import CHILD_CONFIG_ENV
+from dpserve.engine.common.procutil import CHILD_CONFIG_ENV
 
 _PRIO_PREFIX = re.compile(rb"^<[0-7]>")
 

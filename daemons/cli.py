@@ -17,7 +17,7 @@ import urllib.request
 
 import click
 from click.core import ParameterSource
-from dpserve.engine.procutil import EXIT_CONFIG, die_with_parent, raise_fd_limit
+from dpserve.engine.common.procutil import EXIT_CONFIG, die_with_parent, raise_fd_limit
 
 from .config import API_SERVER_LAUNCH, LB_POLICIES, RESTART_POLICIES, ServeConfig
 
@@ -200,7 +200,7 @@ def _api_key(opts: dict) -> str | None:
 
 
 def _run(role: str, model: str | None, opts: dict) -> None:
-    from dpserve.engine.logs import setup_logging
+    from dpserve.engine.common.logs import setup_logging
 
     log = setup_logging("supervisor", opts["log_level"])
     soft, _ = raise_fd_limit()

@@ -15,9 +15,9 @@ import signal
 import time
 
 import zmq
-from dpserve.engine.auth import HANDSHAKE_EVENTS, CurveKeys, describe_handshake_failure, make_server, start_authenticator
-from dpserve.engine.logs import setup_logging
-from dpserve.engine.procutil import (
+from dpserve.engine.common.auth import HANDSHAKE_EVENTS, CurveKeys, describe_handshake_failure, make_server, start_authenticator
+from dpserve.engine.common.logs import setup_logging
+from dpserve.engine.common.procutil import (
     EXIT_OK,
     SupervisorLink,
     child_config_from_env,

@@ -14,7 +14,7 @@ import asyncio
 
 import zmq
 import zmq.asyncio
-from dpserve.engine.auth import CurveKeys, make_client, make_server
+from dpserve.engine.common.auth import CurveKeys, make_client, make_server
 from dpserve.engine.protocol import (
     FINISH_ERROR,
     AbortRequests,

@@ -138,8 +138,8 @@ def _become(sock: socket.socket, req: LaunchRequest, fds: list[int]) -> None:
 
 
 def main() -> None:
-    from dpserve.engine.logs import setup_logging
-    from dpserve.engine.procutil import child_config_from_env, die_with_parent, set_process_name
+    from dpserve.engine.common.logs import setup_logging
+    from dpserve.engine.common.procutil import child_config_from_env, die_with_parent, set_process_name
 
     cfg = child_config_from_env(LauncherConfig)
     die_with_parent(cfg.parent_pid)
@@ -289,7 +289,7 @@ class Launcher:
         return {"pid": self.pid if alive else None, "state": state}
 
     async def start(self, log_stream) -> None:
-        from dpserve.engine.procutil import CHILD_CONFIG_ENV
+        from dpserve.engine.common.procutil import CHILD_CONFIG_ENV
 
         from .children import pump
 
@@ -315,7 +315,7 @@ class Launcher:
 
     async def _watch(self, proc: asyncio.subprocess.Process) -> None:
         """Say when the launcher dies, as it happens (not at the next API-server start)."""
-        from dpserve.engine.procutil import describe_exit
+        from dpserve.engine.common.procutil import describe_exit
 
         rc = await proc.wait()
         if self.proc is proc:  # not stopped by us (stop() lets go of it first)

@@ -11,8 +11,8 @@ import os
 import socket
 
 import msgspec
+from dpserve.engine.common.procutil import EXIT_CONFIG
 from dpserve.engine.config import EngineConfig, EngineProcessConfig
-from dpserve.engine.procutil import EXIT_CONFIG
 from dpserve.engine.protocol import config_fingerprint
 
 from .children import Child

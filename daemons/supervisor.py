@@ -21,17 +21,17 @@ import time
 import msgspec
 import zmq
 import zmq.asyncio
-from dpserve.engine.auth import HANDSHAKE_EVENTS, CurveKeys, describe_handshake_failure, make_client
-from dpserve.engine.config import (
-    resolve_max_model_len,
-)
-from dpserve.engine.procutil import (
+from dpserve.engine.common.auth import HANDSHAKE_EVENTS, CurveKeys, describe_handshake_failure, make_client
+from dpserve.engine.common.procutil import (
     EXIT_CONFIG,
     EXIT_NOTHING_SERVES,
     EXIT_OK,
     EXIT_STARTUP,
     become_subreaper,
     describe_exit,
+)
+from dpserve.engine.config import (
+    resolve_max_model_len,
 )
 from dpserve.engine.protocol import (
     ChildReady,

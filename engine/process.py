@@ -18,9 +18,8 @@ import uuid
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .auth import CurveKeys, make_client
-from .config import EngineProcessConfig
-from .procutil import (
+from .common.auth import CurveKeys, make_client
+from .common.procutil import (
     EXIT_CONFIG,
     EXIT_ERROR,
     EXIT_OK,
@@ -30,6 +29,7 @@ from .procutil import (
     die_with_parent,
     set_process_name,
 )
+from .config import EngineProcessConfig
 from .protocol import (
     AbortRequests,
     AddRequest,
@@ -372,7 +372,7 @@ def main() -> None:
     cfg = child_config_from_env(EngineProcessConfig)
     die_with_parent(cfg.parent_pid)
     set_process_name(f"dpserve-dp{cfg.engine.rank}")
-    from .logs import setup_logging
+    from .common.logs import setup_logging
 
     log = setup_logging(cfg.name, cfg.log_level).bind(rank=cfg.engine.rank)
     proc = EngineProcess(cfg, log)

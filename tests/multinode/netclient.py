@@ -94,7 +94,7 @@ async def wait_ready(url: str, timeout: float) -> dict:
 def rogue(head: str, rpc_port: int, api_address: str, key_file: str) -> dict:
     """Each attempt an outsider could make; the answer says what it got back."""
     import zmq
-    from dpserve.engine.auth import CurveKeys, make_client
+    from dpserve.engine.common.auth import CurveKeys, make_client
     from dpserve.engine.protocol import (
         Codec,
         CoordinatorInput,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dpserve.daemons.config import Addresses, ServeConfig
-from dpserve.engine.auth import CurveKeys
+from dpserve.engine.common.auth import CurveKeys
 
 
 @pytest.fixture

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 from dpserve.daemons.cli import _api_key
-from dpserve.engine.logs import _FloodFilter
+from dpserve.engine.common.logs import _FloodFilter
 
 
 def test_soft_fd_limit_is_raised_to_the_hard_limit():
     code = (
-        "import resource; from dpserve.engine.procutil import raise_fd_limit;"
+        "import resource; from dpserve.engine.common.procutil import raise_fd_limit;"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096));"
         "print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))"
     )
@@ -51,7 +51,7 @@ def _record(name: str, msg: str, exc: BaseException | None, level: int = logging
 
 def test_malformed_requests_become_one_info_line_per_window(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("dpserve.engine.logs.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("dpserve.engine.common.logs.time.monotonic", lambda: clock[0])
     flt = _FloodFilter()
     passed = []
     for _ in range(500):

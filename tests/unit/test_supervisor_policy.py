@@ -10,7 +10,7 @@ import structlog
 from dpserve.daemons.children import Child, ChildState
 from dpserve.daemons.config import ServeConfig
 from dpserve.daemons.supervisor import Supervisor
-from dpserve.engine.procutil import EXIT_NOTHING_SERVES, EXIT_STARTUP, describe_exit
+from dpserve.engine.common.procutil import EXIT_NOTHING_SERVES, EXIT_STARTUP, describe_exit
 from dpserve.engine.protocol import Codec, CoordinatorInput, RankDown
 
 

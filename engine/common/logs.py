@@ -3,8 +3,7 @@
 Each line starts with the syslog priority prefix (`<3>` error, `<4>` warning,
 `<6>` info, `<7>` debug) so journald files it at the right priority, and names
 its component (and rank) so `journalctl -u dpserve-head@m` can be read without
-guessing which process spoke. Shared by engines and daemons, so it lives in engine/ (engine/ never imports
-daemons/). Nothing here may import torch.
+guessing which process spoke. Nothing here may import torch.
 """
 
 from __future__ import annotations

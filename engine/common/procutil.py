@@ -1,7 +1,6 @@
 """Process plumbing shared by every dpserve child: exit codes, parent-death, supervisor link.
 
-Lives in engine/ because engines need it and engine/ never imports daemons/;
-the daemons import it from here. Must stay free of torch.
+Must stay free of torch (see the package docstring).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import sys
 
 import zmq
 
-from .protocol import ChildReady, Codec, Heartbeat, ToSupervisor
+from ..protocol import ChildReady, Codec, Heartbeat, ToSupervisor
 
 # Exit codes are a contract between children and the supervisor (and systemd):
 EXIT_OK = 0

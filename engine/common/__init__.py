@@ -1,0 +1,9 @@
+"""Plumbing every dpserve process shares, engines and daemons alike.
+
+Process helpers and exit codes (procutil), logging (logs), the CURVE keys of
+inter-node traffic (auth). It lives under engine/ because the dependency
+arrow points one way: daemons import engine, engine never imports daemons,
+and engines need these too. Rules for this folder: nothing about one DP rank
+(that is engine/) or about the node's daemons (that is daemons/); no torch,
+no transformers, so API servers and the supervisor stay small and start fast.
+"""
