@@ -16,6 +16,7 @@ import torch
 from .config import EngineConfig, resolve_max_model_len, resolve_token_budget
 from .kv_cache import DEFAULT_BLOCK_SIZE, BlockManager, KVCache, plan_num_blocks
 from .loader import LoadedModel, kv_shape, load_model
+from .logits_processors import token_logprobs
 from .model_runner import ModelRunner
 from .protocol import (
     FINISH_ERROR,
@@ -23,6 +24,7 @@ from .protocol import (
     FINISH_STOP,
     AddRequest,
     RequestOutput,
+    TokenLogprobs,
 )
 from .sampler import Sampler
 from .scheduler import Scheduler
@@ -30,6 +32,8 @@ from .sequence import Sequence
 
 MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 1024  # entries
 
 
 class EngineCore:
@@ -150,6 +154,30 @@ class EngineCore:
             return f"min_tokens must be between 0 and max_tokens ({p.max_tokens}), got {p.min_tokens}"
         if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(not (0 <= t <= MAX_INT32) for t in p.stop_token_ids):
             return f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, each between 0 and {MAX_INT32}"
+        return self._validate_processors(p)
+
+    def _validate_processors(self, p) -> str | None:
+        """The issue-14 parameters, re-checked: the API server bounds them, but no
+        value may ever reach the sampler that it cannot hold."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(p, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                return f"{name} must be between -2 and 2, got {value}"
+        if not (math.isfinite(p.repetition_penalty) and 0.0 < p.repetition_penalty <= 100.0):
+            return f"repetition_penalty must be in (0, 100], got {p.repetition_penalty}"
+        if not (0.0 <= p.min_p <= 1.0):
+            return f"min_p must be in [0, 1], got {p.min_p}"
+        if len(p.logit_bias) > MAX_LOGIT_BIAS:
+            return f"logit_bias takes at most {MAX_LOGIT_BIAS} entries"
+        for token, bias in p.logit_bias:
+            if not (0 <= token < self.vocab_size):
+                return f"logit_bias token id {token} is out of range for the vocabulary of size {self.vocab_size}"
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                return f"logit_bias values must be between -100 and 100, got {bias}"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(p, name)
+            if value is not None and not (0 <= value <= MAX_LOGPROBS):
+                return f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"
         return None
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -190,27 +218,59 @@ class EngineCore:
             seq.num_computed_tokens += n
         # 3. Sample and postprocess.
         outputs: list[RequestOutput] = []
+        if self.runner.last_prompt_logits:
+            failed = self._score_prompts(self.runner.last_prompt_logits)
+            if failed:
+                outputs = self._fail(failed, "computing prompt logprobs failed for this request")
+                rows = [i for i, s in enumerate(sampled) if s not in failed]
+                sampled = [sampled[i] for i in rows]
+                logits = logits[rows] if sampled else logits
         if sampled:
-            tokens, errors = self._sample(logits, sampled)
-            outputs = self._postprocess(sampled, tokens, errors)
+            tokens, logprobs, errors = self._sample(logits, sampled)
+            outputs += self._postprocess(sampled, tokens, logprobs, errors)
         self._last_step_ms = (time.perf_counter() - start) * 1000.0
         return outputs
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int | None], dict[int, str]]:
-        """One token per row; a row whose sampling raises gets None and an error instead."""
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int | None], list[TokenLogprobs | None] | None, dict[int, str]]:
+        """One token (and logprobs, if asked) per row; a row whose sampling raises gets None and an error instead."""
         try:
-            return self.sampler(logits, seqs), {}
+            tokens, logprobs = self.sampler(logits, seqs)
+            return tokens, logprobs, {}
         except Exception:
             pass
         tokens: list[int | None] = []
+        logprobs: list[TokenLogprobs | None] = []
         errors: dict[int, str] = {}
         for i, seq in enumerate(seqs):
             try:
-                tokens.extend(self.sampler(logits[i : i + 1], [seq]))
+                token, row_logprobs = self.sampler(logits[i : i + 1], [seq])
+                tokens.extend(token)
+                logprobs.append(row_logprobs[0] if row_logprobs else None)
             except Exception as e:
                 tokens.append(None)
+                logprobs.append(None)
                 errors[i] = f"sampling failed for this request: {e!r}"
-        return tokens, errors
+        return tokens, logprobs, errors
+
+    def _score_prompts(self, chunks: list[tuple[Sequence, int, torch.Tensor]]) -> list[Sequence]:
+        """Append prompt logprobs for the positions these chunks ran (raw logits, as
+        vLLM's prompt logprobs); returns the sequences for which that failed."""
+        failed = []
+        for seq, first, logits in chunks:
+            try:
+                done = len(seq.prompt_logprobs)
+                skip = done - first  # positions already scored (a preempted sequence recomputes)
+                if skip >= logits.shape[0]:
+                    continue
+                targets = seq.token_ids[first + 1 + max(skip, 0) : first + 1 + logits.shape[0]]
+                rows = logits[max(skip, 0) :]
+                k = seq.params.prompt_logprobs
+                seq.prompt_logprobs.extend(token_logprobs(rows, targets, [k] * len(targets)))
+            except Exception:
+                failed.append(seq)
+        return failed
 
     def _fail(self, seqs: list[Sequence], error: str) -> list[RequestOutput]:
         self.scheduler.remove({s.request_id for s in seqs})
@@ -218,7 +278,13 @@ class EngineCore:
             self._requests.pop(seq.request_id, None)
         return [RequestOutput(seq.request_id, [], finish_reason=FINISH_ERROR, error=error) for seq in seqs]
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int | None], errors: dict[int, str]) -> list[RequestOutput]:
+    def _postprocess(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int | None],
+        logprobs: list[TokenLogprobs | None] | None,
+        errors: dict[int, str],
+    ) -> list[RequestOutput]:
         outputs = []
         done: list[Sequence] = []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
@@ -228,7 +294,12 @@ class EngineCore:
                 continue
             seq.token_ids.append(token)
             finish_reason, stop_token_id = self._check_finish(seq, token)
-            outputs.append(RequestOutput(seq.request_id, [token], finish_reason, stop_token_id))
+            out = RequestOutput(seq.request_id, [token], finish_reason, stop_token_id)
+            if logprobs is not None and logprobs[i] is not None:
+                out.logprobs = [logprobs[i]]
+            if seq.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                out.prompt_logprobs = seq.prompt_logprobs
+            outputs.append(out)
             if finish_reason is not None:
                 done.append(seq)
         if done:

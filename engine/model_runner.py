@@ -44,7 +44,9 @@ class ModelRunner:
     execute() takes the step's (sequence, number of new tokens) pairs, whose
     block tables already cover the new tokens, and returns the logits of the
     sequences that complete their known tokens this step (they get a sampled
-    token), in the order of the returned list.
+    token), in the order of the returned list. Sequences that want prompt
+    logprobs also get the logits of every prompt position their chunk ran,
+    in `last_prompt_logits` (empty for every other step).
     """
 
     def __init__(self, loaded: LoadedModel, kv: KVCache) -> None:
@@ -55,6 +57,8 @@ class ModelRunner:
         params = inspect.signature(self.model.forward).parameters
         self._has_logits_to_keep = "logits_to_keep" in params
         self.decode_pad_cells = DECODE_PAD_CELLS
+        # (sequence, first position, logits of positions first.. of its chunk that lie in the prompt)
+        self.last_prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
 
     @torch.inference_mode()
     def execute(
@@ -100,6 +104,7 @@ class ModelRunner:
 
         # 2. Prefill chunks after them, one causal block each.
         chunks = []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # (seq, first position, first kept row, rows)
         for seq, n in prefills:
             first = seq.num_computed_tokens
             start = len(input_ids)
@@ -108,6 +113,11 @@ class ModelRunner:
             table = seq.block_table[: -(-(first + n) // bs)]
             slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + n))
             chunks.append(PrefillChunk(start, start + n, first, torch.tensor(table, dtype=torch.long, device=self.device)))
+            # Prompt logprobs: position p's logits score prompt token p + 1.
+            wanted = min(first + n, seq.num_prompt_tokens - 1) - first
+            if seq.prompt_logprobs is not None and wanted > 0 and first + wanted > len(seq.prompt_logprobs):
+                prompt_rows.append((seq, first, len(keep), wanted))
+                keep.extend(range(start, start + wanted))
             if first + n == seq.num_tokens:
                 keep.append(len(input_ids) - 1)
                 sampled.append(seq)
@@ -127,9 +137,17 @@ class ModelRunner:
             kwargs["logits_to_keep"] = torch.tensor(keep or [0], dtype=torch.long, device=self.device)
         with step_metadata(meta):
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
-        if not sampled:
-            return None, []
         logits = out.logits[0]
         if not self._has_logits_to_keep:
             logits = logits[torch.tensor(keep, device=self.device)]
+        self.last_prompt_logits = []
+        if prompt_rows:
+            # Split the kept rows: prompt positions go aside, the rest are sampled.
+            is_prompt = torch.zeros(len(keep), dtype=torch.bool, device=self.device)
+            for seq, first, row, count in prompt_rows:
+                self.last_prompt_logits.append((seq, first, logits[row : row + count]))
+                is_prompt[row : row + count] = True
+            logits = logits[~is_prompt]
+        if not sampled:
+            return None, []
         return logits, sampled

@@ -42,10 +42,27 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Issue 14 (vLLM's semantics). Trailing defaults are omitted on the wire, so a
+    # plain request's bytes do not change.
+    presence_penalty: float = 0.0  # output tokens only
+    frequency_penalty: float = 0.0  # output tokens only, per occurrence
+    repetition_penalty: float = 1.0  # prompt and output tokens
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    logprobs: int | None = None  # None: none; k: the sampled token's and the top k
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_processors(self) -> bool:
+        """Anything that changes the logits before temperature (penalties, bias) or truncates like min_p."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.min_p or self.logit_bias
+        )
 
 
 # ---------------------------------------------------------------- API server -> engine
@@ -74,6 +91,17 @@ EngineInput = AddRequest | AbortRequests | Ping
 # ---------------------------------------------------------------- engine -> API server
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One position's log-probabilities: the chosen token's (with its 1-based rank
+    in the vocabulary) and the top alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """New tokens of one request from one engine step.
 
@@ -86,6 +114,9 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_token_id: int | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs is set
+    # With the first token, when params.prompt_logprobs is set: prompt tokens 1.. (token 0 has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -1,23 +1,32 @@
 """Picks the next token of every running sequence from one [B, vocab] logits tensor.
 
-Owns temperature / top-k / top-p / seeded sampling and min_tokens suppression.
+Owns temperature / top-k / top-p / min_p / seeded sampling, min_tokens
+suppression, and the order in which logits processors apply (vLLM's:
+min_tokens -> logit_bias -> penalties -> temperature -> min_p -> top-k/top-p).
 It must never look at anything but the logits and each row's Sequence, and
-never loop over rows except the few that carry their own seed.
+never loop over rows except the few that carry their own seed or processors.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .logits_processors import apply_bias_and_penalties, apply_min_p, token_logprobs
+from .protocol import TokenLogprobs
 from .sequence import Sequence
 
 
 class Sampler:
-    """Batched sampling; greedy rows are exactly argmax of the logits given.
+    """Batched sampling; greedy rows are exactly argmax of the (processed) logits.
 
     Unseeded rows draw from one engine-wide generator (seeded from the
     engine config, so a restarted engine replays the same choices); seeded
     rows draw only from their own Sequence.generator.
+
+    Logprobs (for rows that ask) are the log-softmax of the logits after
+    min_tokens, logit_bias, penalties and temperature (greedy rows: none),
+    before min_p / top-k / top-p truncation, so every alternative has a
+    finite value (the distribution the request's processors define).
     """
 
     def __init__(self, eos_token_ids: frozenset[int], generator: torch.Generator) -> None:
@@ -25,23 +34,36 @@ class Sampler:
         self.generator = generator
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token id per row of logits; seqs[i] owns row i."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """One token id per row of logits (seqs[i] owns row i), and per row its
+        TokenLogprobs or None (the list is None when no row asked)."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         # Upcast like generate() does: bf16 logits would tie too often.
         logits = logits.float()
+        copied = False
         if any(s.needs_min_tokens for s in seqs):
             logits = self._suppress_stops(logits.clone(), seqs)
-        if all(s.params.is_greedy for s in seqs):
-            return logits.argmax(dim=-1).tolist()
+            copied = True
+        processed = [i for i, s in enumerate(seqs) if s.has_processors]
+        if processed:
+            if not copied:
+                logits = logits.clone()
+            apply_bias_and_penalties(logits, seqs, processed)
+        params = [s.params for s in seqs]
+        if all(p.is_greedy for p in params):
+            tokens = logits.argmax(dim=-1).tolist()
+            return tokens, self._logprobs(logits, seqs, tokens)
 
         device = logits.device
-        params = [s.params for s in seqs]
         greedy = torch.tensor([p.is_greedy for p in params], device=device)
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                              dtype=logits.dtype, device=device)
         scaled = logits / temps.unsqueeze(1)
+        logprob_source = scaled
 
+        if any(p.min_p > 0 and not p.is_greedy for p in params):
+            scaled = scaled.clone()
+            apply_min_p(scaled, seqs)
         use_top_k = any(p.top_k > 0 for p in params)
         use_top_p = any(p.top_p < 1.0 for p in params)
         if use_top_k or use_top_p:
@@ -64,7 +86,24 @@ class Sampler:
         else:
             picked = self._draw(scaled.softmax(dim=-1), seqs)
 
-        return torch.where(greedy, logits.argmax(dim=-1), picked).tolist()
+        tokens = torch.where(greedy, logits.argmax(dim=-1), picked).tolist()
+        return tokens, self._logprobs(logprob_source, seqs, tokens)
+
+    @staticmethod
+    def _logprobs(source: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprobs | None] | None:
+        """TokenLogprobs for the rows whose request asks; greedy rows' temperature divides by 1."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return None
+        found = token_logprobs(
+            source[torch.tensor(rows, device=source.device)],
+            [tokens[i] for i in rows],
+            [seqs[i].params.logprobs for i in rows],
+        )
+        out: list[TokenLogprobs | None] = [None] * len(seqs)
+        for i, lp in zip(rows, found):
+            out[i] = lp
+        return out
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Sample one column per row by the exponential race: argmax(p / Exp(1)).

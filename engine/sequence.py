@@ -47,6 +47,8 @@ class Sequence:
         "status",
         "generator",
         "num_preemptions",
+        "has_processors",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -66,6 +68,10 @@ class Sequence:
         self.arrival_time = arrival_time
         self.status = SequenceStatus.WAITING
         self.num_preemptions = 0
+        # Computed once: the sampler asks every step, for every row.
+        self.has_processors = params.has_processors
+        # Logprobs of prompt tokens 1.. as their chunks run; only with params.prompt_logprobs.
+        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device)

@@ -1,0 +1,203 @@
+"""The sampler's processors (issue 14) against reference computations in torch,
+and the engine's logprobs against the demo model's own logits."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from dpserve.engine import demo_model
+from dpserve.engine.config import EngineConfig
+from dpserve.engine.core import EngineCore
+from dpserve.engine.logits_processors import LOGPROB_FLOOR, apply_bias_and_penalties, token_logprobs
+from dpserve.engine.protocol import FINISH_ERROR, AddRequest, SamplingParams
+from dpserve.engine.sampler import Sampler
+from dpserve.engine.sequence import Sequence
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB = 50
+
+
+def seq(prompt: list[int], output: list[int] = (), **params) -> Sequence:
+    params.setdefault("max_tokens", 16)
+    s = Sequence("r", prompt, SamplingParams(**params))
+    s.token_ids.extend(output)
+    return s
+
+
+def reference_processed(logits: torch.Tensor, s: Sequence) -> torch.Tensor:
+    """vLLM's bias and penalties written out token by token."""
+    p = s.params
+    out = logits.clone()
+    for token, bias in p.logit_bias:
+        out[token] += bias
+    outputs = s.output_token_ids
+    for token in range(out.shape[0]):
+        if token in outputs or token in s.prompt_token_ids:
+            value = out[token].item()
+            out[token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+        count = outputs.count(token)
+        out[token] -= p.frequency_penalty * count
+        if count:
+            out[token] -= p.presence_penalty
+    return out
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(repetition_penalty=1.7),
+        dict(repetition_penalty=0.6),
+        dict(frequency_penalty=0.9),
+        dict(presence_penalty=-1.3),
+        dict(logit_bias=((3, 5.0), (7, -100.0))),
+        dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.7, logit_bias=((1, 2.5),)),
+    ],
+)
+def test_bias_and_penalties_match_the_reference(params):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, VOCAB, generator=gen) * 3
+    seqs = [seq([1, 2, 2, 9], [4, 4, 4, 11, 2], **params), seq([5], []), seq([8, 8], [8, 30, 30], **params)]
+    got = logits.clone()
+    apply_bias_and_penalties(got, seqs, [0, 2])
+    torch.testing.assert_close(got[0], reference_processed(logits[0], seqs[0]))
+    torch.testing.assert_close(got[1], logits[1])  # a row that was not named is untouched
+    torch.testing.assert_close(got[2], reference_processed(logits[2], seqs[2]))
+
+
+def test_greedy_rows_take_the_argmax_after_processors_and_plain_rows_are_unchanged():
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
+    top = int(logits[0].argmax())
+    seqs = [seq([top], [top], temperature=0.0, repetition_penalty=50.0, logit_bias=((0, 100.0),)),
+            seq([top], [top], temperature=0.0)]
+    tokens, logprobs = Sampler(frozenset(), torch.Generator())(logits, seqs)
+    assert tokens == [0, int(logits[1].argmax())]
+    assert logprobs is None  # nobody asked
+
+
+def test_logprobs_are_log_softmax_of_processed_scaled_logits_with_rank_and_top():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, VOCAB, generator=gen) * 2
+    seqs = [
+        seq([1], [], temperature=0.0, logprobs=5),
+        seq([1], [3, 3], temperature=0.7, seed=5, logprobs=0, frequency_penalty=1.0),
+        seq([1], [], temperature=1.0),
+    ]
+    tokens, logprobs = Sampler(frozenset(), torch.Generator().manual_seed(0))(logits, seqs)
+    assert logprobs[2] is None
+    ref0 = torch.log_softmax(logits[0], -1)
+    ref1 = torch.log_softmax(reference_processed(logits[1], seqs[1]) / 0.7, -1)
+    for lp, ref, token in ((logprobs[0], ref0, tokens[0]), (logprobs[1], ref1, tokens[1])):
+        assert lp.token_id == token
+        assert math.isclose(lp.logprob, ref[token].item(), abs_tol=1e-5)
+        assert lp.rank == int((ref > ref[token]).sum()) + 1
+    assert logprobs[0].rank == 1  # greedy took the most likely token
+    assert logprobs[0].top_ids == ref0.topk(5).indices.tolist()
+    torch.testing.assert_close(torch.tensor(logprobs[0].top_logprobs), ref0.topk(5).values)
+    assert logprobs[1].top_ids == [] and logprobs[1].top_logprobs == []
+
+
+def test_a_forbidden_token_reports_the_floor_not_minus_infinity():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 4] = float("-inf")
+    (lp,) = token_logprobs(logits, [4], [VOCAB])
+    assert lp.logprob == LOGPROB_FLOOR and min(lp.top_logprobs) == LOGPROB_FLOOR
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely():
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, 7], logits[0, 8], logits[0, 9] = 5.0, 5.0 + math.log(0.5), 5.0 + math.log(0.05)
+    sampler = Sampler(frozenset(), torch.Generator().manual_seed(0))
+    seen = set()
+    for seed in range(300):
+        tokens, _ = sampler(logits, [seq([1], [], temperature=1.0, min_p=0.1, seed=seed)])
+        seen.update(tokens)
+    assert seen == {7, 8}  # 9 is at 0.05 of the top, below min_p; 8 at 0.5 stays
+    tokens, _ = sampler(logits, [seq([1], [], temperature=1.0, min_p=1.0, seed=1)])
+    assert tokens == [7]
+
+
+def test_seeded_rows_with_processors_repeat_and_do_not_depend_on_the_batch():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+    params = dict(temperature=1.0, seed=42, presence_penalty=0.5, min_p=0.05, logprobs=2)
+    sampler = Sampler(frozenset(), torch.Generator().manual_seed(9))
+    alone, lp_alone = sampler(logits[1:2], [seq([1], [2], **params)])
+    batch, lp_batch = sampler(logits, [seq([1], [], temperature=1.0), seq([1], [2], **params), seq([3], [], temperature=0.5)])
+    assert batch[1] == alone[0] and lp_batch[1] == lp_alone[0]
+
+
+# ---------------------------------------------------------------- the engine on the demo model
+
+
+def make_engine(loaded, **overrides) -> EngineCore:
+    return EngineCore.from_loaded(EngineConfig(model=loaded.model_dir, device="cpu", dtype="float32", **overrides), loaded)
+
+
+def run(engine: EngineCore, *reqs: AddRequest) -> dict[str, list]:
+    for r in reqs:
+        assert engine.add_request(r) is None
+    outs: dict[str, list] = {}
+    for _ in range(500):
+        if not engine.has_unfinished():
+            return outs
+        for out in engine.step():
+            assert out.finish_reason != FINISH_ERROR, out.error
+            outs.setdefault(out.request_id, []).append(out)
+    raise AssertionError("engine did not finish")
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(len(demo_model.SPECIAL_TOKENS), demo_model.VOCAB_SIZE) for _ in range(length)]
+
+
+@pytest.mark.parametrize("budget", [0, 8])  # 8: the prompt prefills in several chunks
+def test_engine_logprobs_match_the_models_own_logits(loaded_demo_model, budget):
+    overrides = dict(max_num_batched_tokens=budget, long_prefill_token_threshold=budget) if budget else {}
+    engine = make_engine(loaded_demo_model, **overrides)
+    ids = prompt(7, 21)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = run(engine, AddRequest("a", ids, params, 0.0), AddRequest("b", prompt(8, 13), plain, 0.0))
+    assert all(o.logprobs is None and o.prompt_logprobs is None for o in outs["b"])
+    tokens = [t for o in outs["a"] for t in o.new_token_ids]
+    assert [o.prompt_logprobs is not None for o in outs["a"]] == [True] + [False] * 5
+    sampled = [lp for o in outs["a"] for lp in o.logprobs]
+    # The model over prompt + answer at once: position p's logits score token p + 1.
+    full = torch.tensor([ids + tokens])
+    with torch.inference_mode():
+        ref = torch.log_softmax(loaded_demo_model.model(full).logits[0].float(), -1)
+    scored = outs["a"][0].prompt_logprobs + sampled
+    assert len(scored) == len(ids) - 1 + len(tokens)
+    for pos, lp in enumerate(scored):
+        target = (ids + tokens)[pos + 1]
+        assert lp.token_id == target
+        assert math.isclose(lp.logprob, ref[pos, target].item(), abs_tol=1e-4), pos
+        above = ref[pos] - ref[pos, target]  # rank within fp tolerance of ties
+        assert int((above > 1e-4).sum()) + 1 <= lp.rank <= int((above > -1e-4).sum()), pos
+        k = 2 if pos < len(ids) - 1 else 3
+        torch.testing.assert_close(torch.tensor(lp.top_logprobs), ref[pos].topk(k).values, atol=1e-4, rtol=0)
+    assert all(lp.rank == 1 for lp in sampled)  # greedy
+
+
+def test_engine_refuses_out_of_range_processor_values_per_request(loaded_demo_model):
+    engine = make_engine(loaded_demo_model)
+    bad = [
+        dict(presence_penalty=3.0),
+        dict(frequency_penalty=float("nan")),
+        dict(repetition_penalty=0.0),
+        dict(min_p=1.5),
+        dict(logit_bias=((demo_model.VOCAB_SIZE + 5, 1.0),)),
+        dict(logit_bias=((3, 101.0),)),
+        dict(logprobs=21),
+        dict(prompt_logprobs=-1),
+    ]
+    for i, extra in enumerate(bad):
+        out = engine.add_request(AddRequest(f"x{i}", [5, 6], SamplingParams(max_tokens=2, **extra), 0.0))
+        assert out is not None and out.finish_reason == FINISH_ERROR, extra
+        name = next(iter(extra))
+        assert name in out.error, (name, out.error)
+    assert not engine.has_unfinished()
