@@ -255,11 +255,17 @@ def worker(model, **opts) -> None:
 @click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True,
               help="tiny: 1 M parameters (fast tests, make demo); small: a random-weight 135M-class Llama "
                    "(30 layers, hidden 576, 9/3 heads, vocab 49,152, 8k context) for realistic engine costs.")
-def demo_model(directory: str, size: str) -> None:
+@click.option("--tokenizer", type=click.Choice(["bytelevel", "metaspace"]), default="bytelevel", show_default=True,
+              help="bytelevel: GPT-2/Llama-3 style BPE; metaspace: SentencePiece style (Llama-2, Mistral, Gemma: "
+                   "U+2581 for spaces, byte fallback), tiny size only.")
+def demo_model(directory: str, size: str, tokenizer: str) -> None:
     """Write a built-in random-weight Llama demo model (weights, tokenizer, chat template) to DIRECTORY."""
     from dpserve.engine.demo_model import create_demo_model
 
-    path = create_demo_model(directory, size)
+    try:
+        path = create_demo_model(directory, size, tokenizer)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     click.echo(path)
 
 

@@ -17,11 +17,13 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 _REPLACEMENT_CHAR = "\ufffd"
-# Prompt tokens kept as decoding context (vLLM's choice): enough for decoders that
-# strip or merge leading spaces to see the output's first token as a continuation.
-_PROMPT_CONTEXT_TOKENS = 5
+# Prompt tokens kept as decoding context (vLLM keeps 4 to 24): enough for decoders
+# that strip or merge leading spaces to see the output's first token as a continuation.
+_PROMPT_CONTEXT_TOKENS = 8
+_MAX_PROMPT_CONTEXT_TOKENS = 24
 # Text is held back only while a UTF-8 sequence may still complete (at most 3 more
 # bytes). Past this many held tokens the tail is invalid bytes or text-less tokens.
 _MAX_HELD_TOKENS = 16
@@ -296,31 +298,131 @@ class TextTokenizer:
         return ids
 
 
+def prompt_context(tokenizer: TextTokenizer, prompt_ids: Sequence[int] | None,
+                   skip_special_tokens: bool = True) -> list[int]:
+    """The prompt's last few ids, as decoding context for its output.
+
+    The expected text of an output is decode(prompt + output) minus decode(prompt),
+    as vLLM and transformers give it: decoders that treat a text's first token
+    specially (Metaspace drops its leading space: 'world' for ' world') must see the
+    output as a continuation. A short tail gives the same text as the whole prompt
+    because these decoders look at one token at a time, apart from the first. As in
+    vLLM, the tail is the shortest of at least _PROMPT_CONTEXT_TOKENS ids that decodes
+    without U+FFFD (it does not start inside a character or a byte-fallback run).
+    Failing that, it is cut back past a character the prompt leaves open (a prompt
+    given as raw ids may end inside one), so the output's bytes never merge with the
+    prompt's. (Where output bytes turn a byte-fallback run that began in the prompt
+    invalid, the whole prompt would be needed to match; such text is garbage anyway.)
+    """
+    prompt = list(prompt_ids or ())
+    backend = tokenizer._tok
+
+    def decode(ids: list[int]) -> str:
+        return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    for size in range(min(len(prompt), _PROMPT_CONTEXT_TOKENS), min(len(prompt), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
+        if _REPLACEMENT_CHAR not in decode(prompt[-size:]):
+            return prompt[-size:]
+    context = prompt[-_PROMPT_CONTEXT_TOKENS:]
+    while context and decode(context).endswith(_REPLACEMENT_CHAR):
+        del context[-1]
+    return context
+
+
+def decode_continuation(tokenizer: TextTokenizer, context: Sequence[int], ids: Sequence[int],
+                        skip_special_tokens: bool = True) -> str:
+    """decode(context + ids) minus decode(context): a whole answer's text in one go,
+    the same text IncrementalDetokenizer gives piece by piece."""
+    backend = tokenizer._tok
+    if not context:
+        return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    head = backend.decode(list(context), skip_special_tokens=skip_special_tokens)
+    return backend.decode([*context, *ids], skip_special_tokens=skip_special_tokens)[len(head):]
+
+
 class IncrementalDetokenizer:
     """Turns one request's output ids into text as they arrive.
+
+    The text equals decode_continuation(prompt_context(prompt), output ids). The
+    common case runs in `tokenizers`' own DecodeStream (Rust; vLLM's fast incremental
+    detokenizer), primed with the prompt context. Invariants: `_tail` is a run of ids
+    that starts and ends at clean boundaries (nothing open) and whose text has been
+    returned; `_held` are the ids fed since, whose text has not. DecodeStream holds a
+    tail that does not yet decode to valid text for as long as it lasts, re-decoding
+    it on every step; once more than _MAX_HELD_TOKENS are held (invalid bytes, or
+    tokens without text such as skipped specials) or it raises, the request moves for
+    good to _WindowDetokenizer, which releases such tails and keeps the window short.
+    Known limit (vLLM's too): a ByteFallback decoder turns an invalid run of byte
+    tokens into U+FFFD as a whole once the run ends, so text already returned for the
+    run's first bytes can differ from a full decode of that garbage.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self._backend = tokenizer._tok
+        self._skip_special_tokens = skip_special_tokens
+        self._tail = prompt_context(tokenizer, prompt_ids, skip_special_tokens)
+        self._held: list[int] = []
+        self._stream: DecodeStream | None = DecodeStream(ids=self._tail, skip_special_tokens=skip_special_tokens)
+        self._window: _WindowDetokenizer | None = None
+
+    def step(self, new_ids: Iterable[int]) -> str:
+        """Append ids; return the text that became final (possibly "")."""
+        if self._window is not None:
+            return self._window.step(new_ids)
+        new_ids = list(new_ids)
+        if not new_ids:
+            return ""
+        self._held += new_ids
+        try:
+            text = self._stream.step(self._backend, new_ids if len(new_ids) > 1 else new_ids[0])
+        except Exception:  # e.g. "invalid prefix" from the Rust side: the window copes
+            text = None
+        else:
+            if text is not None:
+                self._tail, self._held = self._held, []
+                return text
+            if len(self._held) <= _MAX_HELD_TOKENS:
+                return ""
+        self._window = _WindowDetokenizer(self._backend, self._skip_special_tokens, self._tail)
+        self._stream = None
+        return self._window.step(self._held)
+
+    def flush(self) -> str:
+        """Return everything still held; an unfinished UTF-8 sequence becomes U+FFFD, as in
+        a full decode. Call once, at the end of the request."""
+        if self._window is not None:
+            return self._window.flush()
+        held, self._held = self._held, []
+        if not held:
+            return ""
+        head = self._decode(self._tail)
+        return self._decode(self._tail + held)[len(head):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+class _WindowDetokenizer:
+    """The fallback of IncrementalDetokenizer: a hand-written incremental decode that
+    releases text DecodeStream would hold forever.
 
     Invariants: all text up to `_read` has been returned; `_ids[_prefix:_read]` decodes to
     `_prefix_text`; `_read` (and so later `_prefix`) is a token boundary after which decoding
     restarts cleanly: the text there did not end in U+FFFD, so no UTF-8 sequence is open.
     Each step decodes only the window `_ids[_prefix:]`, a few tokens long, so the cost per
-    token does not grow with the output. For byte-level BPE the concatenation of step()
-    results and flush() equals tokenizer.decode(output ids).
+    token does not grow with the output. Started on (context, pending ids), the
+    concatenation of step() results and flush() equals decode(context + ids) minus
+    decode(context).
     """
 
-    def __init__(self, tokenizer: TextTokenizer, prompt_ids_tail: Sequence[int] | None = None,
-                 skip_special_tokens: bool = True) -> None:
-        self._backend = tokenizer._tok
+    def __init__(self, backend: Tokenizer, skip_special_tokens: bool, context: list[int]) -> None:
+        self._backend = backend
         self._skip_special_tokens = skip_special_tokens
-        context = list(prompt_ids_tail or ())[-_PROMPT_CONTEXT_TOKENS:]
-        context_text = self._decode(context)
-        if context_text.endswith(_REPLACEMENT_CHAR):
-            # A prompt given as raw ids may end mid-character; its bytes must not merge
-            # with the output's, or the output would differ from its own decode.
-            context, context_text = [], ""
-        self._ids = context
+        self._ids = list(context)
         self._prefix = 0
         self._read = len(context)
-        self._prefix_text = context_text
+        self._prefix_text = self._decode(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)

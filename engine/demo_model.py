@@ -1,4 +1,4 @@
-"""A tiny random Llama with a real byte-level BPE tokenizer, built offline.
+"""A tiny random Llama with a real BPE tokenizer (byte-level or Metaspace), built offline.
 
 Owns the demo model's recipe and its on-disk cache; it must never download
 anything, and the same version string must always produce the same bytes
@@ -110,16 +110,33 @@ def _corpus(rng: random.Random) -> list[str]:
     return lines
 
 
-def _build_tokenizer():
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
+# Tokenizer families: "bytelevel" (GPT-2/Llama-3 style: every byte is a symbol)
+# and "metaspace" (SentencePiece style, as Llama-2, Mistral and Gemma convert:
+# spaces become U+2581, the decoder drops the space before the text's first
+# token, and characters outside the vocabulary fall back to <0xXX> byte tokens).
+TOKENIZERS = ("bytelevel", "metaspace")
+_METASPACE = "\u2581"
+
+
+def _template_processor(bos_id: int):
+    from tokenizers import processors
+
+    # BOS comes from the post-processor so that plain Tokenizer.encode() agrees
+    # with add_bos_token=true in tokenizer_config.json.
+    return processors.TemplateProcessing(
+        single=f"{BOS} $A",
+        pair=f"{BOS} $A {BOS}:1 $B:1",
+        special_tokens=[(BOS, bos_id)],
     )
 
+
+def _build_tokenizer(kind: str = "bytelevel"):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    if kind not in TOKENIZERS:
+        raise ValueError(f"unknown demo tokenizer {kind!r} (one of {', '.join(TOKENIZERS)})")
+    if kind == "metaspace":
+        return _build_metaspace_tokenizer()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -130,17 +147,38 @@ def _build_tokenizer():
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(random.Random(SEED)), trainer=trainer)
-    bos_id = tok.token_to_id(BOS)
-    # BOS comes from the post-processor so that plain Tokenizer.encode() agrees
-    # with add_bos_token=true in tokenizer_config.json.
     tok.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(
-            single=f"{BOS} $A",
-            pair=f"{BOS} $A {BOS}:1 $B:1",
-            special_tokens=[(BOS, bos_id)],
-        ),
+        _template_processor(tok.token_to_id(BOS)),
     ])
+    return tok
+
+
+def _build_metaspace_tokenizer():
+    """SentencePiece-style BPE: trained to VOCAB_SIZE - 256 ids, then the 256 byte
+    tokens <0x00>..<0xFF> fill the top ids (byte_fallback), as in Llama-2's vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_METASPACE, prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - 256,
+        special_tokens=list(SPECIAL_TOKENS),
+        limit_alphabet=200,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(random.Random(SEED)), trainer=trainer)
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    data["model"]["byte_fallback"] = True
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.decoder = decoders.Sequence([
+        decoders.ByteFallback(),
+        decoders.Metaspace(replacement=_METASPACE, prepend_scheme="first"),
+    ])
+    tok.post_processor = _template_processor(tok.token_to_id(BOS))
     return tok
 
 
@@ -233,10 +271,12 @@ def _weights(config: dict) -> dict:
     return tensors
 
 
-def _write_files(out: str, size: str = "tiny") -> None:
+def _write_files(out: str, size: str = "tiny", tokenizer: str = "bytelevel") -> None:
     from safetensors.torch import save_file
 
-    tok = _build_tokenizer()
+    if tokenizer != "bytelevel" and SIZES[size]["vocab_size"] != VOCAB_SIZE:
+        raise ValueError(f"the {tokenizer} demo tokenizer comes in the tiny size only")
+    tok = _build_tokenizer(tokenizer)
     if SIZES[size]["vocab_size"] > VOCAB_SIZE:
         tok = _pad_vocabulary(tok, SIZES[size]["vocab_size"])
     bos_id, eos_id, im_end_id = (tok.token_to_id(t) for t in (BOS, EOS, IM_END))
@@ -248,31 +288,49 @@ def _write_files(out: str, size: str = "tiny") -> None:
     files = {
         "config.json": config,
         "generation_config.json": {"bos_token_id": bos_id, "eos_token_id": eos_ids},
-        "tokenizer_config.json": {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS,
-            "eos_token": EOS,
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "model_max_length": config["max_position_embeddings"],
-            "clean_up_tokenization_spaces": False,
-            "chat_template": CHAT_TEMPLATE,
-        },
+        "tokenizer_config.json": _tokenizer_config(config["max_position_embeddings"]),
     }
+    _write_json_files(out, files)
+    with open(os.path.join(out, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(CHAT_TEMPLATE)
+
+
+def _tokenizer_config(max_length: int) -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _write_json_files(out: str, files: dict[str, dict]) -> None:
     for name, data in files.items():
         with open(os.path.join(out, name), "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, sort_keys=True)
             f.write("\n")
-    with open(os.path.join(out, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(CHAT_TEMPLATE)
+
+
+def write_tokenizer(out: str, tokenizer: str = "bytelevel") -> str:
+    """Write only the tiny demo model's tokenizer files (what an API server reads) into
+    `out` (created): for tests and benchmarks of text handling, without torch."""
+    os.makedirs(out, exist_ok=True)
+    _build_tokenizer(tokenizer).save(os.path.join(out, "tokenizer.json"))
+    _write_json_files(out, {"tokenizer_config.json": _tokenizer_config(MAX_POSITIONS)})
+    return out
 
 
 def is_complete(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, name)) for name in REQUIRED_FILES)
 
 
-def create_demo_model(path: str, size: str = "tiny") -> str:
-    """Write the demo model of this size (see SIZES) into `path` (created) and return `path`.
+def create_demo_model(path: str, size: str = "tiny", tokenizer: str = "bytelevel") -> str:
+    """Write the demo model of this size (see SIZES) and tokenizer family (see
+    TOKENIZERS) into `path` (created) and return `path`.
 
     A complete directory is left untouched. The files are written into a
     sibling temp dir that is renamed into place, so a reader (or a racing
@@ -287,7 +345,7 @@ def create_demo_model(path: str, size: str = "tiny") -> str:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     try:
-        _write_files(tmp, size)
+        _write_files(tmp, size, tokenizer)
         # mkdtemp (and safetensors) create private files; the model is meant to be shared.
         os.chmod(tmp, 0o755)
         for name in os.listdir(tmp):

@@ -11,3 +11,12 @@ def demo_model_dir(tmp_path_factory) -> str:
     from dpserve.engine.demo_model import create_demo_model
 
     return create_demo_model(str(tmp_path_factory.mktemp("demo-model") / "model"))
+
+
+@pytest.fixture(scope="session")
+def metaspace_model_dir(tmp_path_factory) -> str:
+    """The demo model with its SentencePiece-style (Metaspace) tokenizer, for the text
+    paths that differ between tokenizer families (a decoder that drops a leading space)."""
+    from dpserve.engine.demo_model import create_demo_model
+
+    return create_demo_model(str(tmp_path_factory.mktemp("metaspace-model") / "model"), tokenizer="metaspace")
