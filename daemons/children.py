@@ -14,7 +14,6 @@ import enum
 import os
 import re
 import sys
-import time
 
 from dpserve.engine.common.procutil import CHILD_CONFIG_ENV
 
@@ -55,6 +54,7 @@ class Child:
         "next_start_at",
         "deadline",
         "gave_up",
+        "spawning",
         "num_running",
         "num_waiting",
         "kv_usage",
@@ -99,7 +99,8 @@ class Child:
         self.last_exit = ""
         self.next_start_at = 0.0
         self.deadline = 0.0  # startup deadline, or kill deadline while STOPPING
-        self.gave_up = False
+        self.gave_up = ""  # why the supervisor gave up on it (policy.CANNOT_BOOT, CRASH_LOOP), or ""
+        self.spawning = False  # a spawn task for it is in flight
         self.num_running = 0
         self.num_waiting = 0
         self.kv_usage = 0.0
@@ -135,13 +136,14 @@ class Child:
         }
 
 
-async def spawn(child: Child, log_stream, launcher=None) -> None:
-    """Start the child's process; its output is pumped into `log_stream` line by line.
+async def launch(child: Child, log_stream, launcher=None):
+    """Start the child's process and return it; its output is pumped into `log_stream`.
 
     API servers are forked from the prefork launcher when one is given and
-    able; otherwise (and for every other kind) the process is exec'd.
+    able; otherwise (and for every other kind) the process is exec'd. Runs as
+    a task of its own (a launcher may take seconds to answer) and never writes
+    the child record: the supervisor's loop does that when told the pid.
     """
-    requested = time.monotonic()  # the start counts from here, launcher wait included
     env = dict(os.environ)
     env[CHILD_CONFIG_ENV] = child.config_json.decode()
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -162,17 +164,22 @@ async def spawn(child: Child, log_stream, launcher=None) -> None:
             pass_fds=child.pass_fds,
             close_fds=True,
         )
+    asyncio.create_task(pump(proc.stdout, child.name, b"<6>", log_stream))
+    asyncio.create_task(pump(proc.stderr, child.name, b"<4>", log_stream))
+    return proc
+
+
+def started(child: Child, proc, requested_at: float, now: float) -> None:
+    """Record a new process of `child` (called by the supervisor's loop only)."""
     child.proc = proc
     child.pid = proc.pid
     child.state = ChildState.STARTING
-    child.started_at = requested
-    child.last_heartbeat = time.monotonic()
+    child.started_at = requested_at  # the start counts from the request, launcher wait included
+    child.last_heartbeat = now
     child.consecutive_failures = 0
     child.kill_requested = False
     child.restart_requested = False
     child.failure = ""
-    asyncio.create_task(pump(proc.stdout, child.name, b"<6>", log_stream))
-    asyncio.create_task(pump(proc.stderr, child.name, b"<4>", log_stream))
 
 
 async def pump(stream: asyncio.StreamReader, name: str, default_prio: bytes, out) -> None:

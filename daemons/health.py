@@ -2,21 +2,19 @@
 
 It listens from the supervisor's first second, so an operator or router can
 see a node that is loading, degraded or stopping, not just a dark port.
-Reads the supervisor's state; never changes it.
+Reads a NodeView; never changes the node's state.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .children import ChildState
-
-if TYPE_CHECKING:
-    from .supervisor import Supervisor
+from .supervisor.views import NodeView
 
 _encode = msgspec.json.Encoder().encode
 
@@ -25,9 +23,47 @@ def _json(obj, status: int = 200) -> web.Response:
     return web.Response(body=_encode(obj), status=status, content_type="application/json")
 
 
+class NodeCollector:
+    """The node's children as Prometheus metrics, read from the view at scrape time.
+
+    Names, labels and values are a contract with existing dashboards: keep them.
+    """
+
+    def __init__(self, view: NodeView) -> None:
+        self.view = view
+
+    def collect(self):
+        view = self.view
+        now = time.monotonic()
+        children = view.children()
+        by_child = ["child", "kind"]
+        up = GaugeMetricFamily("dpserve_child_up", "1 when the child process is running and passes its probes.", labels=by_child)
+        restarts = CounterMetricFamily("dpserve_child_restarts", "Restarts of each child.", labels=by_child)
+        failures = CounterMetricFamily("dpserve_child_probe_failures", "Failed probes of each child.", labels=by_child)
+        uptime = GaugeMetricFamily("dpserve_child_uptime_seconds", "Seconds since the child started.", labels=by_child)
+        for c in children:
+            labels = [c.name, c.kind]
+            up.add_metric(labels, int(view.is_up(c)))
+            restarts.add_metric(labels, c.restarts)
+            failures.add_metric(labels, c.probe_failures_total)
+            uptime.add_metric(labels, round(c.uptime(now), 3))
+        yield from (up, restarts, failures, uptime)
+        running = GaugeMetricFamily("dpserve_rank_running", "Running sequences per local rank.", labels=["rank"])
+        waiting = GaugeMetricFamily("dpserve_rank_waiting", "Waiting requests per local rank.", labels=["rank"])
+        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage per local rank (1 = every block in use).", labels=["rank"])
+        for c in view.children("engine"):
+            running.add_metric([str(c.rank)], c.num_running)
+            waiting.add_metric([str(c.rank)], c.num_waiting)
+            kv.add_metric([str(c.rank)], round(c.kv_usage, 4))
+        yield from (running, waiting, kv)
+        yield GaugeMetricFamily("dpserve_node_ready", "1 when the node serves.", value=int(view.node_ready()[0]))
+
+
 class HealthServer:
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
+    def __init__(self, view: NodeView) -> None:
+        self.view = view
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(NodeCollector(view))
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -50,43 +86,18 @@ class HealthServer:
             await self.runner.cleanup()
 
     async def health(self, request: web.Request) -> web.Response:
-        bad = self.sup.unhealthy_children()
+        bad = self.view.unhealthy_children()
         if bad:
             return _json({"status": "unhealthy", "unhealthy": bad}, 503)
-        return _json({"status": "ok", "phase": self.sup.phase})
+        return _json({"status": "ok", "phase": self.view.phase})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        ready, reason = self.sup.node_ready()
-        body = {"status": "ready" if ready else "not ready", "phase": self.sup.phase, "reason": reason}
+        ready, reason = self.view.node_ready()
+        body = {"status": "ready" if ready else "not ready", "phase": self.view.phase, "reason": reason}
         return _json(body, 200 if ready else 503)
 
     async def status(self, request: web.Request) -> web.Response:
-        return _json(self.sup.status_dict())
+        return _json(self.view.status_dict())
 
     async def metrics(self, request: web.Request) -> web.Response:
-        sup = self.sup
-        now = time.monotonic()
-        lines = [
-            "# HELP dpserve_child_up 1 when the child process is running and passes its probes.",
-            "# TYPE dpserve_child_up gauge",
-        ]
-        children = list(sup.children.values())
-        for c in children:
-            up = 1 if c.state in (ChildState.READY, ChildState.STARTING) and c.consecutive_failures < sup.cfg.probe_failure_threshold else 0
-            lines.append(f'dpserve_child_up{{child="{c.name}",kind="{c.kind}"}} {up}')
-        lines += ["# HELP dpserve_child_restarts_total Restarts of each child.", "# TYPE dpserve_child_restarts_total counter"]
-        lines += [f'dpserve_child_restarts_total{{child="{c.name}",kind="{c.kind}"}} {c.restarts}' for c in children]
-        lines += ["# HELP dpserve_child_probe_failures_total Failed probes of each child.", "# TYPE dpserve_child_probe_failures_total counter"]
-        lines += [f'dpserve_child_probe_failures_total{{child="{c.name}",kind="{c.kind}"}} {c.probe_failures_total}' for c in children]
-        lines += ["# HELP dpserve_child_uptime_seconds Seconds since the child started.", "# TYPE dpserve_child_uptime_seconds gauge"]
-        lines += [f'dpserve_child_uptime_seconds{{child="{c.name}",kind="{c.kind}"}} {c.uptime(now):.3f}' for c in children]
-        engines = [c for c in children if c.kind == "engine"]
-        lines += ["# HELP dpserve_rank_running Running sequences per local rank.", "# TYPE dpserve_rank_running gauge"]
-        lines += [f'dpserve_rank_running{{rank="{c.rank}"}} {c.num_running}' for c in engines]
-        lines += ["# HELP dpserve_rank_waiting Waiting requests per local rank.", "# TYPE dpserve_rank_waiting gauge"]
-        lines += [f'dpserve_rank_waiting{{rank="{c.rank}"}} {c.num_waiting}' for c in engines]
-        lines += ["# HELP vllm:kv_cache_usage_perc KV-cache usage per local rank (1 = every block in use).", "# TYPE vllm:kv_cache_usage_perc gauge"]
-        lines += [f'vllm:kv_cache_usage_perc{{rank="{c.rank}"}} {c.kv_usage:.4f}' for c in engines]
-        ready, _ = sup.node_ready()
-        lines += ["# HELP dpserve_node_ready 1 when the node serves.", "# TYPE dpserve_node_ready gauge", f"dpserve_node_ready {int(ready)}"]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -35,6 +35,7 @@ import sys
 import time
 
 import msgspec
+import psutil
 
 _READY = b"ready"
 _MAX_FDS = 8
@@ -225,28 +226,20 @@ def reap_strays(known: set[int]) -> list[tuple[int, int]]:
     """
     reaped = []
     try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
+        children = psutil.Process().children()  # every thread's children, as /proc lists them
+    except psutil.Error:
         return reaped
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids = [int(p) for p in f.read().split()]
-        except OSError:
+    for proc in children:
+        if proc.pid in known:
             continue
-        for pid in pids:
-            if pid in known:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
                 continue
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    continue
-                wpid, status = os.waitpid(pid, os.WNOHANG)
-            except (OSError, IndexError):
-                continue
-            if wpid:
-                reaped.append((pid, os.waitstatus_to_exitcode(status)))
+            wpid, status = os.waitpid(proc.pid, os.WNOHANG)
+        except (psutil.Error, OSError):
+            continue
+        if wpid:
+            reaped.append((proc.pid, os.waitstatus_to_exitcode(status)))
     return reaped
 
 

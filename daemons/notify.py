@@ -8,6 +8,7 @@ WATCHDOG_USEC is set for this very process (WATCHDOG_PID, if present, matches).
 from __future__ import annotations
 
 import os
+import time
 
 import sdnotify
 
@@ -52,5 +53,9 @@ class Notifier:
     def stopping(self, status: str = "stopping") -> None:
         self.send("STOPPING=1", f"STATUS={status}")
 
-    def reloading(self) -> None:
-        self.send("RELOADING=1")
+    def reloading(self, status: str = "reloading: rolling restart of the API servers") -> None:
+        """Type=notify-reload protocol: MONOTONIC_USEC says which reload this is;
+        READY=1 (ready()) ends it."""
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self._last_status = status
+        self.send("RELOADING=1", f"MONOTONIC_USEC={usec}", f"STATUS={status}")

@@ -3,31 +3,32 @@
 API servers are probed over HTTP (/health for liveness, /readyz for
 readiness) on their private unix socket, because behind the shared port a
 probe would reach a random API server (vLLM #35066). Engines and the
-coordinator are judged by heartbeats that only their working loop sends.
-`failure threshold` consecutive failures post a ("dead", ...) event; the
-supervisor's main loop acts on it.
+coordinator are judged by heartbeats that only their working loop sends: a
+heartbeat later than its interval plus the probe timeout fails the probe.
+The prober reads a NodeView and posts ProbeResult and ClusterSeen events;
+counting failures and declaring a child dead is the supervisor loop's job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import aiohttp
 import msgspec
 
 from .children import Child, ChildState
+from .supervisor.events import ClusterSeen, Event, ProbeResult
+from .supervisor.views import NodeView
 
-if TYPE_CHECKING:
-    from .supervisor import Supervisor
+STARTUP_CHECK_INTERVAL_S = 0.2
 
 
 class Prober:
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
-        self.all_ranks_routable = False
-        self.num_alive_ranks = 0  # as the API servers see the cluster (coordinator's table)
+    def __init__(self, view: NodeView, post: Callable[[Event], None]) -> None:
+        self.view = view
+        self.post = post
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._readyz: dict[str, tuple[int, bytes]] = {}  # this cycle's /readyz answers, by API server
 
@@ -43,22 +44,46 @@ class Prober:
         async with session.get(f"http://localhost{route}", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             return resp.status, await resp.read()
 
+    async def run(self) -> None:
+        """While starting: is the cluster routable yet? While serving: probe every READY child."""
+        view = self.view
+        try:
+            while True:
+                if view.phase == "starting":
+                    await asyncio.sleep(STARTUP_CHECK_INTERVAL_S)
+                    children = view.children()
+                    if view.phase == "starting" and children and all(c.state == ChildState.READY for c in children):
+                        await self.check_routable()
+                    continue
+                await asyncio.sleep(view.probe_interval_s)
+                self._readyz.clear()
+                await asyncio.gather(*(self._probe(c) for c in view.children() if c.state == ChildState.READY))
+                # The probes' own /readyz answers say what the cluster looks like;
+                # asking again would wait on a hung API server a second time.
+                apis = view.children("api")
+                if apis and len(self._readyz) == len(apis):
+                    self.post(self._judge(list(self._readyz.values())))
+        finally:
+            for session in self._sessions.values():
+                await session.close()
+
     async def check_routable(self) -> None:
         """During startup: does every API server route to every rank it should,
         and does the cluster hold all data-parallel-size ranks?"""
-        size = self.sup.cfg.data_parallel_size
-        apis = [c for c in self.sup.children.values() if c.kind == "api"]
+        apis = self.view.children("api")
         if not apis:
-            self.all_ranks_routable = True  # a headless worker: its engines' readiness is the test
+            # a headless worker: its engines' readiness is the test
+            self.post(ClusterSeen(True, self.view.data_parallel_size))
             return
         try:
             results = await asyncio.gather(*(self._get(c, "/readyz", 1.0) for c in apis))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return
-        self._judge(results, size)
+        self.post(self._judge(results))
 
-    def _judge(self, results: list[tuple[int, bytes]], size: int) -> None:
+    def _judge(self, results: list[tuple[int, bytes]]) -> ClusterSeen:
         """Routability of the cluster from API servers' /readyz answers (all of them)."""
+        size = self.view.data_parallel_size
         ok = True
         alive = size
         for status, body in results:
@@ -66,58 +91,24 @@ class Prober:
             routable, eligible = info.get("routable_ranks", []), info.get("eligible_ranks", [None])
             alive = min(alive, len(info.get("alive_ranks", [])))
             ok = ok and status == 200 and routable == eligible
-        self.num_alive_ranks = alive
-        self.all_ranks_routable = ok and alive == size
-
-    async def run(self) -> None:
-        sup = self.sup
-        interval = sup.cfg.probe_interval_s
-        try:
-            while True:
-                await asyncio.sleep(interval)
-                children = [c for c in sup.children.values() if c.state == ChildState.READY]
-                self._readyz.clear()
-                await asyncio.gather(*(self._probe(c) for c in children))
-                # The probes' own /readyz answers say what the cluster looks like;
-                # asking again would wait on a hung API server a second time.
-                apis = [c for c in sup.children.values() if c.kind == "api"]
-                if apis and len(self._readyz) == len(apis):
-                    self._judge(list(self._readyz.values()), sup.cfg.data_parallel_size)
-        finally:
-            for session in self._sessions.values():
-                await session.close()
+        return ClusterSeen(ok and alive == size, alive)
 
     async def _probe(self, child: Child) -> None:
-        sup = self.sup
-        pid = child.pid
+        view = self.view
+        name, pid = child.name, child.pid
         started = time.monotonic()
         if child.kind == "api":
             ok, detail, ready = await self._probe_api(child)
         else:
             age = started - child.last_heartbeat
-            ok = age <= sup.cfg.probe_interval_s
+            ok = age <= view.heartbeat_interval_s + view.probe_timeout_s
             detail = f"last heartbeat {age:.1f} s ago"
             ready = ok
-        if child.pid != pid or child.state != ChildState.READY:
-            return  # the child changed while we probed; this verdict is stale
-        child.last_probe = {
-            "at": time.time(),
-            "ok": ok,
-            "ready": ready,
-            "detail": detail,
-            "latency_ms": round((time.monotonic() - started) * 1000, 1),
-        }
-        if ok:
-            child.consecutive_failures = 0
-            return
-        child.consecutive_failures += 1
-        child.probe_failures_total += 1
-        sup.log.warning("probe failed", child=child.name, detail=detail, consecutive=child.consecutive_failures)
-        if child.consecutive_failures >= sup.cfg.probe_failure_threshold:
-            sup.events.put_nowait(("dead", child, pid, f"{child.consecutive_failures} failed probes: {detail}"))
+        latency_ms = round((time.monotonic() - started) * 1000, 1)
+        self.post(ProbeResult(name, pid, ok, ready, detail, latency_ms, time.time()))
 
     async def _probe_api(self, child: Child) -> tuple[bool, str, bool]:
-        timeout = self.sup.cfg.probe_timeout_s
+        timeout = self.view.probe_timeout_s
         try:
             status, _ = await self._get(child, "/health", timeout)
             if status != 200:

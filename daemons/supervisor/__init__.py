@@ -1,0 +1,41 @@
+"""The per-node supervisor: starts, watches, probes, restarts and stops every child.
+
+Shaped like gunicorn's arbiter: producers only post events, one loop applies
+them, and that loop is the single writer of the child table.
+
+    producers (post an event)            the loop (core.py), every <= 0.1 s
+    -------------------------            ----------------------------------
+    signal handlers   SignalReceived     1. wait for an event (or the tick)
+    exit watchers     Exited             2. apply it and all queued ones:
+    spawn tasks       Spawned              on_signal  stop, or begin_rolling_restart
+                      SpawnFailed          on_spawned record pid, watch its exit
+    control socket    Ready, Heartbeat     on_exit    reap: decode, out of routing,
+    prober            ProbeResult                     policy.decide -> restart/stay/give up
+                      ClusterSeen          on_ready   STARTING -> READY
+    coordinator link  Fatal                on_probe   count failures -> declare_dead
+    launcher restart  LauncherRestarted  3. tick: kill overdue, spawn due restarts,
+                                           check_startup (READY=1 or exit 3),
+                                           rolling.advance, sweep_strays,
+                                           policy.node_exit_code (exit 4/5)
+                                         4. notify: STATUS=, WATCHDOG=1
+
+Spawning never blocks the loop (a prefork launcher may take seconds): spawn()
+starts a task that posts Spawned. Files: events.py (the event kinds),
+policy.py (the pure restart decision), core.py (the loop and its verbs),
+rolling.py (SIGHUP's one-at-a-time restart), setup.py, shutdown.py, views.py
+(the read-only NodeView that the health port and the prober get).
+"""
+
+from __future__ import annotations
+
+
+def __getattr__(name: str):
+    # Lazy, so probes.py and health.py can import events/views without a cycle.
+    if name == "Supervisor":
+        from .core import Supervisor
+
+        return Supervisor
+    raise AttributeError(name)
+
+
+__all__ = ["Supervisor"]

@@ -1,0 +1,48 @@
+"""SIGHUP: restart the API servers one at a time, each replaced before the next stops.
+
+A state machine the loop advances on every tick (no task of its own, so the
+loop stays the only writer of child state): [fresh launcher] -> for each API
+server that is READY: stop it (planned restart) -> wait until its new process
+is READY or the step's deadline passes -> next -> done.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..children import ChildState
+
+if TYPE_CHECKING:
+    from .core import Supervisor
+
+
+class RollingRestart:
+    def __init__(self, names: list[str], wait_for_launcher: bool) -> None:
+        self.pending = list(names)  # API servers not yet restarted, in order
+        self.waiting_for_launcher = wait_for_launcher  # until LauncherRestarted arrives
+        self.current = ""  # the API server being replaced now
+        self.old_pid = 0
+        self.deadline = 0.0
+
+    def advance(self, sup: Supervisor, now: float) -> bool:
+        """One step; True once every API server has been replaced (or skipped)."""
+        if self.waiting_for_launcher:
+            return False
+        if self.current:
+            child = sup.children[self.current]
+            replaced = child.pid != self.old_pid and child.state == ChildState.READY
+            if not replaced and now < self.deadline:
+                return False
+            self.current = ""
+        while self.pending:
+            child = sup.children[self.pending.pop(0)]
+            if child.state != ChildState.READY:
+                continue  # down or restarting anyway
+            cfg = sup.cfg
+            stop_s = cfg.shutdown_timeout_s + cfg.kill_grace_s
+            self.current, self.old_pid = child.name, child.pid
+            self.deadline = now + stop_s + cfg.api_server_startup_timeout_s
+            child.restart_requested = True
+            sup.terminate(child, kill_after=stop_s)
+            return False
+        return True

@@ -1,0 +1,69 @@
+"""What the supervisor sets up before any child starts: the listening sockets it
+owns (bound once, no SO_REUSEPORT, handed to every API server), the run
+directory, its ZeroMQ sockets, the child table and the prefork launcher."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+from dpserve.engine.common.auth import CurveKeys, make_client
+from dpserve.engine.common.procutil import become_subreaper
+from dpserve.engine.config import resolve_max_model_len
+from dpserve.engine.protocol import Codec, CoordinatorInput
+
+from ..config import Addresses
+from ..launcher import Launcher
+from ..plan import bind_listen_socket, node_address_towards, plan_children
+
+if TYPE_CHECKING:
+    from .core import Supervisor
+
+_enc = msgspec.json.Encoder().encode
+
+
+def prepare(sup: Supervisor) -> None:
+    """Raises StartupError or ValueError when the node cannot start (exit 2 or 3)."""
+    cfg = sup.cfg
+    sup.max_model_len = resolve_max_model_len(cfg.model, cfg.max_model_len)
+    sup.keys = CurveKeys.from_file(cfg.key_file, sup.log) if cfg.key_file else None
+    if cfg.runs_api_servers:
+        count = cfg.api_server_count if cfg.lb_mode == "external" else 1
+        # external LB: one port per local rank (port + i); otherwise one shared port
+        sup.listen_socks = [bind_listen_socket(cfg.host, cfg.port + i if cfg.port else 0) for i in range(count)]
+        sup.port = sup.listen_socks[0].getsockname()[1]
+    if cfg.run_dir:
+        os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
+        sup.run_dir = cfg.run_dir
+    else:
+        sup.run_dir = tempfile.mkdtemp(prefix="dpserve-")
+        sup.own_run_dir = True
+    sup.node_address = cfg.node_address or node_address_towards(cfg.data_parallel_address)
+    sup.addr = Addresses.for_node(cfg, sup.run_dir, sup.node_address)
+    sup.ctl = sup.zctx.socket(zmq.PULL)
+    sup.ctl.setsockopt(zmq.LINGER, 0)
+    sup.ctl.bind(sup.addr.supervisor)
+    sup.coord_link = sup.zctx.socket(zmq.DEALER)
+    sup.coord_link.setsockopt(zmq.LINGER, 0)
+    sup.coord_link.setsockopt(zmq.IDENTITY, f"supervisor-{cfg.data_parallel_start_rank}".encode())
+    make_client(sup.coord_link, sup.keys)
+    sup.coord_link.connect(sup.addr.coordinator_engines)
+    sup.coord_codec = Codec(CoordinatorInput)
+    for child in plan_children(cfg, sup.addr, sup.listen_socks, sup.max_model_len, sup.heartbeat_interval_s):
+        sup.children[child.name] = child
+    if any(c.kind == "api" for c in sup.children.values()) and cfg.api_server_launch == "prefork":
+        if become_subreaper():
+            sup.launcher = Launcher(os.getpid(), ["dpserve.daemons.api_server", "uvloop"], sup.log, cfg.log_level)
+        else:
+            sup.log.warning("cannot become a child subreaper; API servers start with exec")
+
+
+def write_ports_file(path: str | None, port: int, supervisor_port: int) -> None:
+    if path:
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(_enc({"port": port, "supervisor_port": supervisor_port, "pid": os.getpid()}))
+        os.replace(tmp, path)
