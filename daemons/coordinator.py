@@ -3,9 +3,12 @@
 It owns the cluster's view of which ranks exist, which are alive and how
 loaded each is. Engines register (HELLO -> WELCOME, refused on a protocol or
 config mismatch or a rank already held), then stream LoadReports; the
-coordinator publishes a LoadTable to every API server whenever something
-changed (at most every PUBLISH_MIN_INTERVAL_S) and at least every second.
-It never sees a request or a token.
+coordinator publishes to every API server the entries of the ranks that
+changed (at most every PUBLISH_MIN_INTERVAL_S), and every rank once a second
+(and at once when an API server joins) so a subscriber that missed a message
+or just joined catches up. Every LoadTable names at most MAX_RANKS_PER_TABLE
+ranks, so publishing costs what changed, and no message grows with the
+cluster past that bound (issue 19). It never sees a request or a token.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ from zmq.utils.monitor import parse_monitor_message
 from .config import CoordinatorConfig
 
 PUBLISH_MIN_INTERVAL_S = 0.002
-PUBLISH_KEEPALIVE_S = 1.0
+PUBLISH_KEEPALIVE_S = 1.0  # every rank, this often: the resync
+MAX_RANKS_PER_TABLE = 256  # ~16 KiB of msgpack
+EXPIRE_EVERY_S = 0.1  # the staleness scan visits every rank: not on every message
 HANDSHAKE_WARN_EVERY_S = 10.0  # a peer with another key retries ~10 times a second
 
 
@@ -64,6 +69,7 @@ class RankTable:
         self.last_seen: dict[int, float] = {}
         self.seq = 0
         self.dirty = True
+        self.changed: set[int] = set()  # ranks whose entry changed since the last delta
 
     def register(self, msg: EngineRegister, now: float) -> str:
         """'' when accepted, else the reason for refusal."""
@@ -83,8 +89,12 @@ class RankTable:
             return f"rank {msg.rank} is already served by a live engine (incarnation {held.incarnation})"
         self.ranks[msg.rank] = RankLoad(msg.rank, msg.incarnation, is_alive=False, down_reason="registering")
         self.last_seen[msg.rank] = now
-        self.dirty = True
+        self._touch(msg.rank)
         return ""
+
+    def _touch(self, rank: int) -> None:
+        self.changed.add(rank)
+        self.dirty = True
 
     def ready(self, msg: EngineReady, now: float) -> bool:
         entry = self.ranks.get(msg.rank)
@@ -93,7 +103,7 @@ class RankTable:
         entry.is_alive = True
         entry.down_reason = ""
         self.last_seen[msg.rank] = now
-        self.dirty = True
+        self._touch(msg.rank)
         return True
 
     def load(self, msg: LoadReport, now: float) -> bool:
@@ -104,6 +114,18 @@ class RankTable:
         if not entry.is_alive and entry.down_reason != "registering":
             return False  # declared lost: it must register again
         self.last_seen[msg.rank] = now
+        if (
+            entry.num_running == msg.num_running
+            and entry.num_waiting == msg.num_waiting
+            and entry.num_waiting_prefill_tokens == msg.num_waiting_prefill_tokens
+            and entry.num_remaining_decode_tokens == msg.num_remaining_decode_tokens
+            and entry.num_requests_finished == msg.num_requests_finished
+            and entry.num_requests_aborted == msg.num_requests_aborted
+            and entry.num_preemptions == msg.num_preemptions
+            and entry.kv_usage == msg.kv_usage
+            and entry.slot_usage == msg.slot_usage
+        ):
+            return True  # a heartbeat: nothing to publish
         entry.num_running = msg.num_running
         entry.num_waiting = msg.num_waiting
         entry.num_waiting_prefill_tokens = msg.num_waiting_prefill_tokens
@@ -113,7 +135,7 @@ class RankTable:
         entry.num_requests_aborted = msg.num_requests_aborted
         entry.kv_usage = msg.kv_usage
         entry.num_preemptions = msg.num_preemptions
-        self.dirty = True
+        self._touch(msg.rank)
         return True
 
     def down(self, rank: int, reason: str) -> bool:
@@ -123,7 +145,7 @@ class RankTable:
         entry.is_alive = False
         entry.down_reason = reason
         entry.num_running = entry.num_waiting = 0
-        self.dirty = True
+        self._touch(rank)
         return True
 
     def expire(self, now: float) -> list[int]:
@@ -136,9 +158,27 @@ class RankTable:
         return gone
 
     def snapshot(self) -> LoadTable:
+        """Every rank in one table (tests and tools; publishing uses tables())."""
         self.seq += 1
         self.dirty = False
+        self.changed.clear()
         return LoadTable(self.seq, self.size, [self.ranks[r] for r in sorted(self.ranks)])
+
+    def tables(self, full: bool) -> list[LoadTable]:
+        """The next messages to publish: the ranks that changed since the last
+        call (or every rank, when `full`), at most MAX_RANKS_PER_TABLE each,
+        each with its own seq. Empty when nothing changed."""
+        ranks = sorted(self.ranks) if full else sorted(self.changed)
+        self.changed.clear()
+        self.dirty = False
+        out = []
+        for i in range(0, len(ranks), MAX_RANKS_PER_TABLE):
+            self.seq += 1
+            out.append(LoadTable(self.seq, self.size, [self.ranks[r] for r in ranks[i : i + MAX_RANKS_PER_TABLE]]))
+        if full and not out:
+            self.seq += 1
+            out.append(LoadTable(self.seq, self.size, []))  # a keepalive even before any rank registered
+        return out
 
 
 class Coordinator:
@@ -178,7 +218,10 @@ class Coordinator:
         self.table = RankTable(cfg.data_parallel_size, cfg.fingerprint, cfg.stale_after_s)
         self.should_stop = False
         self.last_publish = 0.0
+        self.last_full_publish = 0.0
+        self.last_expire = 0.0
         self.last_heartbeat = 0.0
+        self.num_tables_published = 0
 
     def _on_signal(self, signum, _frame) -> None:
         self.should_stop = True
@@ -195,18 +238,28 @@ class Coordinator:
             if self.monitor is not None:
                 self._note_handshakes(self.monitor in ready, now)
             # 2. Retire ranks that went quiet.
-            for rank in self.table.expire(now):
-                self.log.warning("rank stopped reporting; taken out of routing", rank=rank)
-            # 3. Publish the table if it changed (rate-limited) or as a keepalive.
-            since = now - self.last_publish
-            if (self.table.dirty and since >= PUBLISH_MIN_INTERVAL_S) or since >= PUBLISH_KEEPALIVE_S:
-                self.pub.send(self.table_codec.encode(self.table.snapshot()))
-                self.last_publish = now
+            if now - self.last_expire >= EXPIRE_EVERY_S:
+                self.last_expire = now
+                for rank in self.table.expire(now):
+                    self.log.warning("rank stopped reporting; taken out of routing", rank=rank)
+            # 3. Publish what changed (rate-limited), and every rank once a second.
+            if now - self.last_full_publish >= PUBLISH_KEEPALIVE_S:
+                self._publish(full=True, now=now)
+            elif self.table.dirty and now - self.last_publish >= PUBLISH_MIN_INTERVAL_S:
+                self._publish(full=False, now=now)
             # 4. Heartbeat to the supervisor from this loop only.
             if now - self.last_heartbeat >= self.cfg.heartbeat_interval_s:
                 self.supervisor.heartbeat()
                 self.last_heartbeat = now
         return EXIT_OK
+
+    def _publish(self, full: bool, now: float) -> None:
+        for table in self.table.tables(full):
+            self.pub.send(self.table_codec.encode(table))
+            self.num_tables_published += 1
+        self.last_publish = now
+        if full:
+            self.last_full_publish = now
 
     def _note_handshakes(self, has_events: bool, now: float) -> None:
         """Warn about peers that fail the CURVE handshake (a node with another key
@@ -231,9 +284,11 @@ class Coordinator:
             self.last_handshake_warning = now
 
     def _poll_timeout_ms(self) -> int:
+        now = time.monotonic()
         if self.table.dirty:
-            return max(0, int((PUBLISH_MIN_INTERVAL_S - (time.monotonic() - self.last_publish)) * 1000))
-        return int(min(PUBLISH_KEEPALIVE_S, self.cfg.heartbeat_interval_s) * 1000)
+            return max(0, int((PUBLISH_MIN_INTERVAL_S - (now - self.last_publish)) * 1000))
+        until_full = PUBLISH_KEEPALIVE_S - (now - self.last_full_publish)
+        return max(0, int(min(until_full, self.cfg.heartbeat_interval_s) * 1000))
 
     def _drain(self) -> None:
         now = time.monotonic()
@@ -271,6 +326,7 @@ class Coordinator:
                     self.api_servers[key] = msg.address
                     self.log.info("api server registered", node_rank=msg.node_rank, index=msg.index, address=msg.address)
                     self._push_api_servers()
+                    self.last_full_publish = 0.0  # it needs every rank now, not in a second
             elif isinstance(msg, RankDown):
                 if self.table.down(msg.rank, msg.reason):
                     self.log.warning("rank taken out of routing", rank=msg.rank, reason=msg.reason)

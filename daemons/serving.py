@@ -47,7 +47,7 @@ from .openai_types import (
     encode,
     stop_strings,
 )
-from .router import parse_rank_header
+from .router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
 from .tokenizer import IncrementalDetokenizer, StopChecker, TextTokenizer
 
 _json_str = msgspec.json.encode
@@ -87,6 +87,50 @@ def _failure_kind(status: int) -> tuple[str, str | None]:
     if status == 504:
         return "server_error", "first_token_timeout"
     return "invalid_request_error", None
+
+
+def parse_rank_header(value: str | None, size: int) -> int | None:
+    """X-data-parallel-rank: None when absent, else an int in [0, size) or a 400."""
+    if value is None:
+        return None
+    # ASCII digits only: int() would also take " 1 ", "+1", "0_1" and non-ASCII digits.
+    if not (value.isascii() and value.isdigit()):
+        raise ApiError(
+            400,
+            f"X-data-parallel-rank must be an integer in [0, {size}); got {value[:40]!r}.",
+            param="X-data-parallel-rank",
+            code="invalid_rank",
+        )
+    # (a long run of digits is out of range without int(), which refuses past 4,300 digits)
+    rank = int(value) if len(value) <= 9 else size
+    if not 0 <= rank < size:
+        raise ApiError(
+            400,
+            f"X-data-parallel-rank {value[:20]} is out of range: this deployment has ranks 0..{size - 1}.",
+            param="X-data-parallel-rank",
+            code="invalid_rank",
+        )
+    return rank
+
+
+def routing_error(exc: RoutingError) -> ApiError:
+    """The HTTP face of a routing failure (the router itself knows nothing of HTTP)."""
+    retry = {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, RankNotEligible):
+        ranks = ", ".join(map(str, exc.eligible))
+        return ApiError(
+            400,
+            f"X-data-parallel-rank {exc.rank} is not served through this API server; it routes to rank(s) {ranks}.",
+            param="X-data-parallel-rank",
+            code="invalid_rank",
+        )
+    if isinstance(exc, QueueFull):
+        return ApiError(429, "Every rank is at its waiting-queue limit; retry shortly.", type="rate_limit_error", code="overloaded", headers=retry)
+    if isinstance(exc, NoRankAvailable) and exc.unreachable:
+        return ApiError(503, "No engine rank is reachable right now.", type="service_unavailable", code="rank_unavailable", headers=retry)
+    if isinstance(exc, NoRankAvailable) and exc.rank is not None:
+        return ApiError(503, f"Rank {exc.rank} is not serving right now.", type="service_unavailable", code="rank_unavailable", headers=retry)
+    return ApiError(503, "No engine rank is serving right now.", type="service_unavailable", code="no_rank_available", headers=retry)
 
 
 def _take_outputs(state: RequestState) -> tuple[list[int], str | None]:
@@ -289,7 +333,10 @@ class OpenAIServing:
         stops = stop_strings(req)
         pinned = parse_rank_header(request.headers.get(_RANK_HEADER), self.router.size)
         if pinned is not None:
-            self.router.check_pin(pinned)
+            try:
+                self.router.check_pin(pinned)
+            except RankNotEligible as exc:
+                raise routing_error(exc) from None
         request_id = f"{self._id_prefix}-{next(self._ids):x}"
         state = RequestState(request_id, len(ids), max_tokens)
         add = AddRequest(request_id, ids, params, time.time())
@@ -326,26 +373,30 @@ class OpenAIServing:
         """
         try:
             return self._send_once(state, add, pinned)
-        except ApiError as err:
-            if err.status != 503 or self.draining:
-                raise
-            first = err
+        except NoRankAvailable as exc:
+            if self.draining:
+                raise routing_error(exc) from None
+            first = routing_error(exc)
+        except RoutingError as exc:
+            raise routing_error(exc) from None
         deadline = time.monotonic() + self.cfg.wait_for_engine_s
         while await self.client.wait_routes(deadline - time.monotonic()):
             if self.draining:
                 break
             try:
                 return self._send_once(state, add, pinned)
-            except ApiError as err:
-                if err.status != 503:
-                    raise
+            except NoRankAvailable:
+                pass
+            except RoutingError as exc:
+                raise routing_error(exc) from None
         if self.draining:
             raise ApiError(503, "The server is shutting down.", type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})
         waited = f" (waited {self.cfg.wait_for_engine_s:g} s)" if self.cfg.wait_for_engine_s > 0 else ""
         raise ApiError(503, first.message + waited, type=first.type, code=first.code, headers=first.headers)
 
     def _send_once(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
-        """Send to the best rank; a rank whose socket is gone is skipped, not fatal."""
+        """Send to the best rank; a rank whose socket is gone is skipped, not fatal.
+        Raises RoutingError when no rank takes it."""
         for _ in range(self.router.size):
             rank = self.router.pick(pinned)
             try:
@@ -357,7 +408,7 @@ class OpenAIServing:
                 self.router.engine_dead(rank, self.router.hello[rank])
                 if pinned is not None:
                     break
-        raise ApiError(503, "No engine rank is reachable right now.", type="service_unavailable", code="rank_unavailable", headers={"Retry-After": "1"})
+        raise NoRankAvailable(unreachable=True)
 
     async def _events(self, state: RequestState, stops: list[str]) -> AsyncIterator[tuple[str, str | None]]:
         """(new text, finish_reason or None) as outputs arrive; raises EngineFailure."""

@@ -244,7 +244,12 @@ class RankLoad(msgspec.Struct, array_like=True):
 
 
 class LoadTable(msgspec.Struct, tag="table", array_like=True):
-    """Coordinator -> API servers: every rank it knows, alive or not."""
+    """Coordinator -> API servers: the entries of some ranks, alive or not.
+
+    Each entry replaces what the receiver held for that rank; ranks not named
+    keep theirs. The coordinator names the ranks that changed, and every rank
+    once a second (at most 256 a message), so cost follows change.
+    """
 
     seq: int
     data_parallel_size: int

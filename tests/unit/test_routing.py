@@ -5,15 +5,19 @@ from __future__ import annotations
 import pytest
 from dpserve.daemons.coordinator import RankTable
 from dpserve.daemons.openai_types import ApiError
-from dpserve.daemons.router import Router, parse_rank_header
+from dpserve.daemons.router import NoRankAvailable, QueueFull, RankNotEligible, Router
+from dpserve.daemons.serving import parse_rank_header, routing_error
 from dpserve.engine.protocol import (
     PROTOCOL_VERSION,
+    Codec,
     EngineReady,
     EngineRegister,
     LoadReport,
     LoadTable,
     RankLoad,
 )
+
+TABLE_CODEC = Codec(LoadTable)
 
 
 def table(seq: int, *loads: RankLoad) -> LoadTable:
@@ -72,9 +76,8 @@ def test_rank_is_routable_only_when_alive_and_greeted_by_same_incarnation():
     assert router.routable_ranks == [0]
     lost = router.update_table(table(2, RankLoad(0, "a", False, down_reason="gone"), RankLoad(1, "b", True)))
     assert lost == [(0, "gone")]
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(NoRankAvailable):
         router.pick()
-    assert err.value.status == 503
 
 
 def test_restarted_incarnation_fails_old_requests():
@@ -86,18 +89,40 @@ def test_restarted_incarnation_fails_old_requests():
 def test_admission_control_gives_429_when_every_rank_is_full():
     router = live_router(2, max_waiting_per_rank=2)
     router.update_table(table(2, RankLoad(0, "i0", True, 0, 2), RankLoad(1, "i1", True, 0, 5)))
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(QueueFull):
         router.pick()
-    assert err.value.status == 429 and err.value.headers["Retry-After"]
 
 
 def test_eligible_ranks_and_pins():
     router = live_router(4, eligible=[2, 3])
     assert {router.pick() for _ in range(4)} <= {2, 3}
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(RankNotEligible) as err:
         router.check_pin(0)
-    assert err.value.status == 400 and "2, 3" in err.value.message
+    assert err.value.eligible == [2, 3]
     router.check_pin(3)
+    with pytest.raises(NoRankAvailable) as pin:
+        Router(4).pick(1)  # pinned to a rank no table has named yet
+    assert pin.value.rank == 1
+
+
+# The API server's face of each routing failure: statuses, bodies and Retry-After
+# exactly as clients saw them when the router raised HTTP errors itself.
+@pytest.mark.parametrize(
+    "exc, status, kind, code, message, retry",
+    [
+        (NoRankAvailable(), 503, "service_unavailable", "no_rank_available", "No engine rank is serving right now.", "2"),
+        (NoRankAvailable(3), 503, "service_unavailable", "rank_unavailable", "Rank 3 is not serving right now.", "1"),
+        (NoRankAvailable(unreachable=True), 503, "service_unavailable", "rank_unavailable", "No engine rank is reachable right now.", "1"),
+        (QueueFull(4), 429, "rate_limit_error", "overloaded", "Every rank is at its waiting-queue limit; retry shortly.", "1"),
+        (RankNotEligible(0, [2, 3]), 400, "invalid_request_error", "invalid_rank",
+         "X-data-parallel-rank 0 is not served through this API server; it routes to rank(s) 2, 3.", None),
+    ],
+)
+def test_routing_errors_map_to_openai_errors(exc, status, kind, code, message, retry):
+    err = routing_error(exc)
+    assert isinstance(err, ApiError)
+    assert (err.status, err.type, err.code, err.message) == (status, kind, code, message)
+    assert (err.headers or {}).get("Retry-After") == retry
 
 
 @pytest.mark.parametrize("value, expected", [(None, None), ("0", 0), ("3", 3), ("03", 3)])
@@ -168,3 +193,47 @@ def test_tokens_policy_forgets_a_prefill_once_it_is_done():
     assert router.pick() == 0
     router.on_finish(0, 15)
     assert router.inflight_tokens[0] == 0 and router.inflight[0] == 0
+
+
+def test_rank_table_publishes_only_what_changed():
+    t = RankTable(600, "fp", stale_after_s=5)
+    for r in range(600):
+        t.register(register(r, "a"), 0)
+        t.ready(EngineReady(r, "a"), 0)
+    full = t.tables(full=True)
+    assert [len(m.ranks) for m in full] == [256, 256, 88]  # bounded messages
+    assert [m.seq for m in full] == [1, 2, 3]
+    assert t.tables(full=False) == []
+    # a report that repeats the load is a heartbeat: nothing to publish
+    assert t.load(LoadReport(7, "a", 0, 0, 0, 0, 0.0, 0.0), 1)
+    assert not t.dirty and t.tables(full=False) == []
+    assert t.load(LoadReport(7, "a", 2, 1, 30, 8, 0.1, 1.0), 1)
+    t.down(9, "gone")
+    delta = t.tables(full=False)
+    assert [[e.rank for e in m.ranks] for m in delta] == [[7, 9]]
+    assert delta[0].ranks[0].num_waiting_prefill_tokens == 30 and not delta[0].ranks[1].is_alive
+
+
+def wire(table: LoadTable) -> LoadTable:
+    """What an API server holds: a decoded copy, not the coordinator's own objects."""
+    return TABLE_CODEC.decode(TABLE_CODEC.encode(table))
+
+
+def test_router_applies_deltas_and_resyncs():
+    t = RankTable(3, "fp", stale_after_s=5)
+    router = Router(3, "tokens")
+    for r in range(3):
+        t.register(register(r, "a"), 0)
+        t.ready(EngineReady(r, "a"), 0)
+        router.engine_hello(r, "a")
+    for m in t.tables(full=True):
+        router.update_table(wire(m))
+    t.load(LoadReport(0, "a", 1, 1, 500, 0, 0.0, 0.0), 1)
+    t.load(LoadReport(1, "a", 1, 1, 400, 0, 0.0, 0.0), 1)
+    t.tables(full=False)  # this delta is lost on the way ...
+    assert router.pick() == 0  # ... so the router still sees the old, equal loads
+    for m in t.tables(full=True):  # ... until the next resync
+        router.update_table(wire(m))
+    assert [router.pick() for _ in range(3)] == [2, 2, 2]
+    lost = [router.update_table(wire(m)) for m in (t.down(2, "gone") and t.tables(full=False))]
+    assert lost == [[(2, "gone")]] and router.pick() == 1
