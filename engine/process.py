@@ -54,6 +54,11 @@ from .protocol import (
 
 LOAD_REPORT_MIN_INTERVAL_S = 0.002  # at most one report per 2 ms while load changes
 REGISTER_RETRY_S = 2.0
+# How long a dying engine waits for its EngineDead to reach each API server.
+# Long enough for any live peer (vLLM lingers seconds); short enough that an
+# engine whose API servers are already gone (node shutdown) still exits well
+# within the supervisor's kill grace (5 s by default).
+DEATH_LINGER_S = 1.0
 
 
 class _EngineIO:
@@ -362,10 +367,20 @@ class EngineProcess:
             self.supervisor.heartbeat(core.num_running, core.num_waiting, core.kv_usage)
 
     def announce_death(self, reason: str) -> None:
+        """Tell every API server, and make sure the news leaves before the process does.
+
+        The sockets keep LINGER 0 while serving (a gone API server must never
+        stall a step); only this last message gets a linger, so close() waits
+        for it to be handed over, up to DEATH_LINGER_S in all. Without it
+        the context's destruction would drop it, and the API servers would
+        learn of the death only from the supervisor, with another reason.
+        """
         self.io.broadcast(EngineDead(self.rank, self.incarnation, reason))
+        for sock in self.io.api:
+            sock.close(linger=int(DEATH_LINGER_S * 1000))
 
     def close(self) -> None:
-        self.ctx.destroy(linger=0)
+        self.ctx.destroy(linger=0)  # already-closed sockets keep their own linger
 
 
 def main() -> None:

@@ -52,23 +52,41 @@ def fully_ready(srv: DpServer) -> bool:
     )
 
 
-async def completion(session: aiohttp.ClientSession, url: str, max_tokens: int, pin: int | None = None, stream: bool = False) -> tuple[int, str, float]:
-    """(status, error text or '', seconds) of one request; errors inside a stream count as failures."""
+async def completion(
+    session: aiohttp.ClientSession, url: str, max_tokens: int, pin: int | None = None, stream: bool = False, streaming: list | None = None
+) -> tuple[int, str, float]:
+    """(status, error text or '', seconds) of one request; an error inside a stream is 599.
+
+    streaming: a stream appends to it once its first event has arrived, so a
+    test can wait until requests really are in flight instead of sleeping."""
     headers = {"X-data-parallel-rank": str(pin)} if pin is not None else {}
     payload = {"model": "demo", "prompt": "fault tolerance", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
     t0 = time.monotonic()
     try:
         async with session.post(f"{url}/v1/completions", json=payload, headers=headers) as resp:
-            body = await resp.read()
             if resp.status != 200:
-                return resp.status, body.decode(errors="replace"), time.monotonic() - t0
+                return resp.status, (await resp.read()).decode(errors="replace"), time.monotonic() - t0
             if stream:
-                text = body.decode()
+                first = await resp.content.readline()
+                if streaming is not None:
+                    streaming.append(t0)
+                text = (first + await resp.read()).decode()
                 if '"error"' in text or not text.rstrip().endswith("data: [DONE]"):
                     return 599, text[-300:], time.monotonic() - t0
+            else:
+                await resp.read()
             return 200, "", time.monotonic() - t0
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return 598, repr(exc), time.monotonic() - t0
+
+
+async def until(predicate, timeout: float, what: str, interval: float = 0.01) -> None:
+    """wait_until for coroutines: poll without blocking the requests in flight."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.1f} s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 async def burst(url: str, n: int, max_tokens: int = 4, concurrency: int = 16) -> list[tuple[int, str, float]]:
@@ -87,8 +105,9 @@ def test_killed_engine_fails_its_requests_fast_and_comes_back(node):
 
     async def scenario():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-            inflight = [asyncio.create_task(completion(session, node.url, 1500 // 8, pin=1, stream=True)) for _ in range(8)]
-            await asyncio.sleep(0.3)  # streams are running on rank 1
+            streaming = []
+            inflight = [asyncio.create_task(completion(session, node.url, 1500 // 8, pin=1, stream=True, streaming=streaming)) for _ in range(8)]
+            await until(lambda: len(streaming) == 8, 30, "8 streams on rank 1")
             killed_at = time.monotonic()
             os.kill(victim["pid"], signal.SIGKILL)
             results = await asyncio.gather(*inflight)
@@ -97,7 +116,7 @@ def test_killed_engine_fails_its_requests_fast_and_comes_back(node):
             return results, ended, after, killed_at
 
     results, ended, after, killed_at = asyncio.run(scenario())
-    assert all(status != 200 for status, _, _ in results), results  # each ended with an error ...
+    assert [status for status, _, _ in results] == [599] * 8, results  # each stream ended with an error event ...
     assert ended < 1.0, f"in-flight requests took {ended:.2f} s to fail"  # ... within a second
     assert [s for s, _, _ in after] == [200] * 60, [r for r in after if r[0] != 200][:3]
     wait_until(lambda: fully_ready(node), 120, 0.1, "rank 1 to return")
@@ -107,6 +126,28 @@ def test_killed_engine_fails_its_requests_fast_and_comes_back(node):
     assert "SIGKILL" in child["last_exit"]
     print(f"\nengine kill: in-flight failed after {ended:.3f} s, rank back in routing after {recovered:.1f} s")
     assert [s for s, _, _ in asyncio.run(burst(node.url, 20))] == [200] * 20
+
+
+def test_sigtermed_engine_fails_its_in_flight_requests_with_its_own_reason(node):
+    """A stopping engine announces its death (EngineDead) and lingers until the
+    announcement is out, so its streams end with the engine's own words, not
+    with whatever the supervisor later infers from the exit (issue 13 #4)."""
+    victim = node.child("engine-dp1")
+
+    async def scenario():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            streaming = []
+            inflight = [asyncio.create_task(completion(session, node.url, 1500 // 8, pin=1, stream=True, streaming=streaming)) for _ in range(8)]
+            await until(lambda: len(streaming) == 8, 30, "8 streams on rank 1")
+            os.kill(victim["pid"], signal.SIGTERM)
+            return await asyncio.gather(*inflight)
+
+    results = asyncio.run(scenario())
+    assert [status for status, _, _ in results] == [599] * 8, results
+    assert all("engine shut down" in text for _, text, _ in results), [text for _, text, _ in results][:2]
+    wait_until(lambda: fully_ready(node), 120, 0.1, "rank 1 to return")
+    child = node.child("engine-dp1")
+    assert child["restarts"] == victim["restarts"] + 1 and child["last_exit"] == "exit code 0 (clean exit)"
 
 
 def test_killed_api_server_does_not_fail_new_requests(node):
@@ -207,18 +248,20 @@ def test_sighup_rolls_api_servers_without_a_failed_request(node):
                         result = await completion(session, node.url, 4)
                     results.append(result)
 
-        workers = [asyncio.create_task(loop()) for _ in range(4)]
-        await asyncio.sleep(0.5)
-        os.kill(node.proc.pid, signal.SIGHUP)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
+        def rolled_and_ready() -> bool:
             now = {c["name"]: c["pid"] for c in node.status()["children"] if c["kind"] == "api"}
-            if all(now[n] != before[n] for n in before) and fully_ready(node):
-                break
-        await asyncio.sleep(0.5)
-        stop.set()
-        await asyncio.gather(*workers)
+            return all(now[n] != before[n] for n in before) and fully_ready(node)
+
+        workers = [asyncio.create_task(loop()) for _ in range(4)]
+        try:
+            await until(lambda: len(results) >= 4, 30, "requests flowing before the reload")
+            os.kill(node.proc.pid, signal.SIGHUP)
+            await until(rolled_and_ready, 90, "every API server to be replaced", interval=0.2)
+            rolled = len(results)
+            await until(lambda: len(results) >= rolled + 8, 30, "requests after the reload")
+        finally:
+            stop.set()
+            await asyncio.gather(*workers)
         return results
 
     results = asyncio.run(scenario())

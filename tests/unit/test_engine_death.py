@@ -1,0 +1,61 @@
+"""An engine's death announcement is sure to leave (issue 13 #4).
+
+EngineDead goes out NOBLOCK on sockets that linger 0 while serving; the
+process then destroys its ZeroMQ context and exits. Here the API server binds
+its socket only after the engine has announced and begun to close, so the
+message is still queued when the context goes: only a linger delivers it.
+Real EngineProcess sockets, a real peer; no model is loaded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import structlog
+import zmq
+from dpserve.engine.config import EngineConfig, EngineProcessConfig
+from dpserve.engine.process import DEATH_LINGER_S, EngineProcess
+from dpserve.engine.protocol import Codec, EngineDead, EngineToApi
+
+
+def test_engine_dead_reaches_an_api_server_that_binds_after_the_close_began(tmp_path):
+    api_address = f"ipc://{tmp_path}/api-0"
+    cfg = EngineProcessConfig(
+        name="engine-dp3",
+        engine=EngineConfig(model=str(tmp_path), rank=3),
+        node_rank=0,
+        key_file="",
+        coordinator_address=f"ipc://{tmp_path}/coordinator",
+        supervisor_address=f"ipc://{tmp_path}/supervisor",
+        fingerprint="test",
+        heartbeat_interval_s=1.0,
+        parent_pid=0,
+    )
+    proc = EngineProcess(cfg, structlog.get_logger())
+    proc.io.connect_api_servers([api_address])
+    ctx = zmq.Context()
+    api = ctx.socket(zmq.ROUTER)
+    api.setsockopt(zmq.LINGER, 0)
+    received = []
+
+    def api_server_comes_up_late() -> None:
+        time.sleep(DEATH_LINGER_S / 4)
+        api.bind(api_address)
+        if api.poll(int(DEATH_LINGER_S * 2000)):
+            received.append(api.recv_multipart())
+
+    thread = threading.Thread(target=api_server_comes_up_late)
+    try:
+        thread.start()
+        proc.announce_death("engine shut down")
+        proc.close()  # waits for the announcement, at most DEATH_LINGER_S
+        thread.join(DEATH_LINGER_S * 3)
+    finally:
+        api.close(0)
+        ctx.term()
+    assert len(received) == 1, "EngineDead was dropped with the context"
+    identity, data = received[0][0], received[0][-1]
+    msg = Codec(EngineToApi).decode(data)
+    assert identity == b"3" and isinstance(msg, EngineDead)
+    assert (msg.rank, msg.incarnation, msg.reason) == (3, proc.incarnation, "engine shut down")
