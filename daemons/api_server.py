@@ -10,6 +10,7 @@ SIGTERM -> cleanup, exit 0.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import os
 import signal
 import socket
@@ -35,7 +36,7 @@ from dpserve.engine.protocol import ApiServerRegister, Codec
 
 from .config import ApiServerConfig
 from .engine_client import EngineClient
-from .http_limits import ConnectionGuard, GuardedSockSite, connection_limits
+from .http_limits import ConnectionGuard, connection_limits
 from .metrics import ApiMetrics
 from .openai_types import ApiError, encode, error_body
 from .openapi import build_openapi
@@ -43,7 +44,17 @@ from .router import Router
 from .serving import OpenAIServing
 from .tokenizer import TextTokenizer
 
-VERSION = "0.1.0"
+
+
+def _package_version() -> str:
+    """/version and the OpenAPI document report the installed package, never a constant."""
+    try:
+        return importlib.metadata.version("dpserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
+        return "0+unknown"
+
+
+VERSION = _package_version()
 FAULT_STARTUP_DELAY_ENV = "DPSERVE_FAULT_API_STARTUP_DELAY_S"
 _ACCEPTED_GRACE_S = 0.25
 
@@ -127,18 +138,32 @@ class _JsonErrorHandler(RequestHandler):
 
 
 class _JsonErrorServer(web.Server):
+    guard: ConnectionGuard | None = None
+
     def __call__(self) -> RequestHandler:
         handler = super().__call__()
         handler.__class__ = _JsonErrorHandler  # same slots: aiohttp offers no handler-class option
+        if self.guard is not None:
+            self.guard.adopt(handler)
         return handler
 
 
 class ApiAppRunner(web.AppRunner):
-    """An AppRunner whose connections answer protocol errors in JSON (see _JsonErrorHandler)."""
+    """An AppRunner whose connections answer protocol errors in JSON (see _JsonErrorHandler)
+    and pass through a ConnectionGuard, whatever public site serves them.
+
+    _make_server is aiohttp's runner hook (BaseRunner's abstract method, not documented):
+    tests/unit/test_dependency_internals.py fails by name if a release renames it.
+    """
+
+    def __init__(self, app: web.Application, guard: ConnectionGuard | None = None, **kwargs) -> None:
+        super().__init__(app, **kwargs)
+        self._guard = guard
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _JsonErrorServer
+        server.guard = self._guard
         return server
 
 
@@ -253,14 +278,14 @@ class ApiServer:
         # and between keep-alive requests alike (aiohttp closes a connection idle that
         # long, counted from its start or its last response, partial headers or not).
         self.runner = ApiAppRunner(
-            self.build_app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0, keepalive_timeout=self.cfg.http_idle_timeout_s
+            self.build_app(), self.guard, access_log=None, handler_cancellation=True, shutdown_timeout=1.0, keepalive_timeout=self.cfg.http_idle_timeout_s
         )
         await self.runner.setup()
         self.probe_runner = web.AppRunner(self.build_probe_app(), access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
         await self.probe_runner.setup()
         sock = socket.socket(fileno=self.cfg.listen_fd)
         sock.setblocking(False)
-        self.port_site = GuardedSockSite(self.runner, sock, self.guard)
+        self.port_site = web.SockSite(self.runner, sock)
         probe_site = web.UnixSite(self.probe_runner, self.cfg.probe_path)
         try:
             if os.path.exists(self.cfg.probe_path):

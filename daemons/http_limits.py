@@ -80,19 +80,16 @@ class ConnectionGuard:
             )
             self.num_rejected = self.num_dropped = 0
 
-    def protocol_factory(self, server: web.Server):
-        """Wraps the runner's Server: its handlers, counted and capped."""
-
-        def make():
-            handler = server()
-            handler.__class__ = self._guarded(type(handler))
-            return handler
-
-        return make
+    def adopt(self, handler) -> None:
+        """Count and cap `handler`, a protocol handler aiohttp's web.Server just made for a
+        new connection (the API server's runner calls this from its Server's factory)."""
+        handler.__class__ = self._guarded(type(handler))
 
     def _guarded(self, base: type) -> type:
         """A subclass of aiohttp's handler class (whatever the runner made) with the same
-        slots, so that an instance can take it on; aiohttp offers no handler-class option."""
+        slots, so that an instance can take it on; aiohttp offers no handler-class option.
+        It sets two of RequestHandler's private slots (_request_handler, _keepalive_timeout):
+        tests/unit/test_dependency_internals.py fails by name if an aiohttp release drops them."""
         cls = self._classes.get(base)
         if cls is not None:
             return cls
@@ -123,19 +120,3 @@ class ConnectionGuard:
         cls = type(f"Guarded{base.__name__}", (base,), {"__slots__": (), "connection_made": connection_made, "connection_lost": connection_lost})
         self._classes[base] = cls
         return cls
-
-
-class GuardedSockSite(web.SockSite):
-    """A SockSite whose connections pass through a ConnectionGuard."""
-
-    __slots__ = ("_guard",)
-
-    def __init__(self, runner: web.BaseRunner, sock, guard: ConnectionGuard, **kwargs) -> None:
-        super().__init__(runner, sock, **kwargs)
-        self._guard = guard
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)  # registers the site with its runner
-        loop = asyncio.get_running_loop()
-        factory = self._guard.protocol_factory(self._runner.server)
-        self._server = await loop.create_server(factory, sock=self._sock, ssl=self._ssl_context, backlog=self._backlog)

@@ -97,6 +97,14 @@ def max_bytes_per_token(tokenizer: Tokenizer) -> int | None:
     return longest * shrink
 
 
+def byte_fallback_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """Ids of the <0xXX> tokens when the decoder has ByteFallback, else none."""
+    decoder = tokenizer.decoder
+    if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
+        return frozenset()
+    return frozenset(i for t, i in tokenizer.get_vocab().items() if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
+
+
 def _token_text(value: Any) -> str | None:
     """A special-token field from tokenizer_config.json: a string or {"content": ...}."""
     if isinstance(value, dict):
@@ -217,6 +225,7 @@ class TextTokenizer:
             self._strip_bos = post_processor_adds and not add_bos
         self.adds_bos = self.bos_token_id is not None and self.encode("a")[:1] == [self.bos_token_id]
         self.max_bytes_per_token = max_bytes_per_token(tokenizer)
+        self.byte_fallback_ids = byte_fallback_ids(tokenizer)
         # Compiled once, at load: a broken template fails the start, not a request.
         self._chat_template = compile_chat_template(chat_template) if chat_template else None
 
@@ -314,29 +323,37 @@ def prompt_context(tokenizer: TextTokenizer, prompt_ids: Sequence[int] | None,
     prompt's. (Where output bytes turn a byte-fallback run that began in the prompt
     invalid, the whole prompt would be needed to match; such text is garbage anyway.)
     """
+    return _prompt_context(tokenizer._tok, prompt_ids, skip_special_tokens)[0]
+
+
+def _prompt_context(backend: Tokenizer, prompt_ids: Sequence[int] | None,
+                    skip_special_tokens: bool) -> tuple[list[int], str]:
+    """prompt_context and its decoded text."""
     prompt = list(prompt_ids or ())
-    backend = tokenizer._tok
 
     def decode(ids: list[int]) -> str:
         return backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     for size in range(min(len(prompt), _PROMPT_CONTEXT_TOKENS), min(len(prompt), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
-        if _REPLACEMENT_CHAR not in decode(prompt[-size:]):
-            return prompt[-size:]
+        text = decode(prompt[-size:])
+        if _REPLACEMENT_CHAR not in text:
+            return prompt[-size:], text
     context = prompt[-_PROMPT_CONTEXT_TOKENS:]
-    while context and decode(context).endswith(_REPLACEMENT_CHAR):
+    text = decode(context)
+    while context and text.endswith(_REPLACEMENT_CHAR):
         del context[-1]
-    return context
+        text = decode(context)
+    return context, text
 
 
-def decode_continuation(tokenizer: TextTokenizer, context: Sequence[int], ids: Sequence[int],
+def decode_continuation(tokenizer: TextTokenizer, prompt_ids: Sequence[int] | None, ids: Sequence[int],
                         skip_special_tokens: bool = True) -> str:
-    """decode(context + ids) minus decode(context): a whole answer's text in one go,
-    the same text IncrementalDetokenizer gives piece by piece."""
+    """decode(prompt + ids) minus decode(prompt), through prompt_context: a whole answer's
+    text in one go, the same text IncrementalDetokenizer gives piece by piece."""
     backend = tokenizer._tok
+    context, head = _prompt_context(backend, prompt_ids, skip_special_tokens)
     if not context:
         return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-    head = backend.decode(list(context), skip_special_tokens=skip_special_tokens)
     return backend.decode([*context, *ids], skip_special_tokens=skip_special_tokens)[len(head):]
 
 
@@ -352,17 +369,21 @@ class IncrementalDetokenizer:
     it on every step; once more than _MAX_HELD_TOKENS are held (invalid bytes, or
     tokens without text such as skipped specials) or it raises, the request moves for
     good to _WindowDetokenizer, which releases such tails and keeps the window short.
-    Known limit (vLLM's too): a ByteFallback decoder turns an invalid run of byte
-    tokens into U+FFFD as a whole once the run ends, so text already returned for the
-    run's first bytes can differ from a full decode of that garbage.
+    A ByteFallback decoder turns a run of <0xXX> tokens that is invalid UTF-8 into
+    U+FFFD as a whole, so text decoded from a run's first bytes is final only once
+    the run ends: ids ending in a byte token wait (`_unstepped`) for the next token.
+    Only a run longer than _MAX_HELD_TOKENS that turns invalid after its release can
+    differ from a full decode (vLLM's stream has the same limit for any run).
     """
 
     def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int] | None = None,
                  skip_special_tokens: bool = True) -> None:
         self._backend = tokenizer._tok
         self._skip_special_tokens = skip_special_tokens
-        self._tail = prompt_context(tokenizer, prompt_ids, skip_special_tokens)
+        self._tail = _prompt_context(self._backend, prompt_ids, skip_special_tokens)[0]
         self._held: list[int] = []
+        self._unstepped: list[int] = []  # the end of _held that DecodeStream has not seen
+        self._byte_ids = tokenizer.byte_fallback_ids
         self._stream: DecodeStream | None = DecodeStream(ids=self._tail, skip_special_tokens=skip_special_tokens)
         self._window: _WindowDetokenizer | None = None
 
@@ -374,6 +395,11 @@ class IncrementalDetokenizer:
         if not new_ids:
             return ""
         self._held += new_ids
+        if self._byte_ids and new_ids[-1] in self._byte_ids and len(self._held) <= _MAX_HELD_TOKENS:
+            self._unstepped += new_ids  # a byte run may go on: its text is not final yet
+            return ""
+        if self._unstepped:
+            new_ids, self._unstepped = self._unstepped + new_ids, []
         try:
             text = self._stream.step(self._backend, new_ids if len(new_ids) > 1 else new_ids[0])
         except Exception:  # e.g. "invalid prefix" from the Rust side: the window copes
@@ -393,7 +419,7 @@ class IncrementalDetokenizer:
         a full decode. Call once, at the end of the request."""
         if self._window is not None:
             return self._window.flush()
-        held, self._held = self._held, []
+        held, self._held, self._unstepped = self._held, [], []
         if not held:
             return ""
         head = self._decode(self._tail)

@@ -1,0 +1,124 @@
+"""The undocumented parts of our dependencies that dpserve relies on, each checked by
+name so that an upgrade which drops one fails here with a clear message (pyproject.toml
+pins upper bounds; raise them only with this file green).
+
+aiohttp: ApiAppRunner overrides AppRunner._make_server (BaseRunner's undocumented hook)
+and swaps the class of each protocol handler (RequestHandler, same __slots__), and the
+ConnectionGuard sets two of its private slots. transformers: the engine registers its
+paged attention through AttentionInterface and falls back to transformers' SDPA
+function outside an engine step. The round trips below run the real code on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import socket
+
+import pytest
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+AIOHTTP_HINT = "aiohttp changed an internal that dpserve uses (daemons/api_server.py, daemons/http_limits.py)"
+
+
+def test_aiohttp_internals_exist():
+    make_server = getattr(web.AppRunner, "_make_server", None)
+    assert make_server is not None and inspect.iscoroutinefunction(make_server), (
+        f"{AIOHTTP_HINT}: web.AppRunner._make_server is gone or no longer a coroutine")
+    slots = getattr(RequestHandler, "__slots__", None)
+    assert slots is not None, f"{AIOHTTP_HINT}: RequestHandler has no __slots__ (class swap relies on them)"
+    for name in ("_request_handler", "_keepalive_timeout"):
+        assert name in slots, f"{AIOHTTP_HINT}: RequestHandler.{name} is gone"
+
+
+def _request(port: int, raw: bytes) -> tuple[int, dict]:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(raw)
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_guarded_runner_caps_connections_and_answers_bad_http_in_json():
+    """ApiAppRunner on a public SockSite: over the cap a request gets the guard's 503,
+    a malformed request line gets OpenAI-style JSON, and under the cap it is served."""
+    from dpserve.daemons.api_server import ApiAppRunner
+    from dpserve.daemons.http_limits import ConnectionGuard
+
+    class Log:
+        def warning(self, *args, **kwargs) -> None:
+            pass
+
+    async def main() -> None:
+        async def ok(request: web.Request) -> web.Response:
+            return web.json_response({"ok": True})
+
+        app = web.Application()
+        app.router.add_get("/ok", ok)
+        guard = ConnectionGuard(1, 8, b'{"error": {"message": "busy"}}', Log())
+        runner = ApiAppRunner(app, guard, access_log=None)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        site = web.SockSite(runner, sock)
+        await site.start()
+        try:
+            get = b"GET /ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            assert await asyncio.to_thread(_request, port, get) == (200, {"ok": True})
+            status, body = await asyncio.to_thread(_request, port, b"NOT HTTP AT ALL\r\n\r\n")
+            assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+            holder = socket.create_connection(("127.0.0.1", port))  # takes the one slot
+            try:
+                for _ in range(100):
+                    if guard.open:
+                        break
+                    await asyncio.sleep(0.01)
+                assert await asyncio.to_thread(_request, port, get) == (503, {"error": {"message": "busy"}})
+                assert guard.num_rejected_total == 1
+            finally:
+                holder.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+TRANSFORMERS_HINT = "transformers changed an API that the engine uses (engine/attention.py)"
+
+
+def test_transformers_attention_registration():
+    try:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError as exc:
+        pytest.fail(f"{TRANSFORMERS_HINT}: {exc}")
+    from dpserve.engine.attention import paged_attention, register
+
+    assert callable(sdpa_attention_forward) and hasattr(AttentionInterface, "register"), TRANSFORMERS_HINT
+    name = register()
+    assert ALL_ATTENTION_FUNCTIONS[name] is paged_attention, (
+        f"{TRANSFORMERS_HINT}: AttentionInterface.register no longer makes {name!r} known to models")
+
+
+def test_tokenizers_decode_stream_takes_a_prefill_and_lists(tmp_path):
+    """daemons/tokenizer.py primes DecodeStream with the prompt's tail (ids=...) and steps
+    it with one id or a list (tokenizers 0.22+)."""
+    from dpserve.engine.demo_model import write_tokenizer
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+
+    tok = Tokenizer.from_file(write_tokenizer(str(tmp_path), "metaspace") + "/tokenizer.json")
+    prompt, output = tok.encode("Hello").ids, tok.encode(" world and more", add_special_tokens=False).ids
+    try:
+        stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+        assert stream.step(tok, output[0]) == " world"
+        assert stream.step(tok, output[1:]) == tok.decode(prompt + output)[len("Hello world"):]
+    except TypeError as exc:
+        pytest.fail(f"tokenizers' DecodeStream lacks the prefill or list step dpserve uses: {exc}")
