@@ -48,7 +48,7 @@ from .openai_types import (
     stop_strings,
 )
 from .router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
-from .tokenizer import IncrementalDetokenizer, StopChecker, TextTokenizer
+from .tokenizer import IncrementalDetokenizer, StopChecker, TextTokenizer, decode_continuation
 
 _json_str = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"
@@ -346,12 +346,12 @@ class OpenAIServing:
         try:
             if req.stream:
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
-                resp = await self._stream(request, state, self._events(state, stops), len(ids), chat, include_usage)
+                resp = await self._stream(request, state, self._events(state, stops, ids), len(ids), chat, include_usage)
             elif stops:
-                text, reason = await self._join(self._events(state, stops))
+                text, reason = await self._join(self._events(state, stops, ids))
                 resp = self._complete(state, text, reason, len(ids), chat)
             else:
-                text, reason = await self._collect(state)
+                text, reason = await self._collect(state, ids)
                 resp = self._complete(state, text, reason, len(ids), chat)
             self.metrics.observe(endpoint, resp.status, time.perf_counter() - t0)
             return resp
@@ -410,9 +410,10 @@ class OpenAIServing:
                     break
         raise NoRankAvailable(unreachable=True)
 
-    async def _events(self, state: RequestState, stops: list[str]) -> AsyncIterator[tuple[str, str | None]]:
-        """(new text, finish_reason or None) as outputs arrive; raises EngineFailure."""
-        detok = IncrementalDetokenizer(self.tokenizer)
+    async def _events(self, state: RequestState, stops: list[str], prompt_ids: list[int]) -> AsyncIterator[tuple[str, str | None]]:
+        """(new text, finish_reason or None) as outputs arrive; raises EngineFailure.
+        The text continues the prompt's (see prompt_context)."""
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         stopper = StopChecker(stops) if stops else None
         while True:
             if not state.pending and not state.is_finished:
@@ -436,7 +437,7 @@ class OpenAIServing:
             if text:
                 yield text, None
 
-    async def _collect(self, state: RequestState) -> tuple[str, str]:
+    async def _collect(self, state: RequestState, prompt_ids: list[int]) -> tuple[str, str]:
         """A whole answer without stop strings: wait for the end, then decode once.
 
         The same text as _events: the incremental detokenizer exists to reproduce
@@ -449,7 +450,8 @@ class OpenAIServing:
             last, finished = _take_outputs(state)
             ids += last
             if finished:
-                return (self.tokenizer.decode(ids) if ids else ""), finished
+                text = decode_continuation(self.tokenizer, prompt_ids, ids) if ids else ""
+                return text, finished
 
     @staticmethod
     async def _join(events) -> tuple[str, str]:
