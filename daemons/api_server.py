@@ -45,7 +45,6 @@ from .serving import OpenAIServing
 from .tokenizer import TextTokenizer
 
 
-
 def _package_version() -> str:
     """/version and the OpenAPI document report the installed package, never a constant."""
     try:
