@@ -269,6 +269,16 @@ def demo_model(directory: str, size: str, tokenizer: str) -> None:
     click.echo(path)
 
 
+@main.command("sim-engine", context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+              add_help_option=False)
+@click.pass_context
+def sim_engine(ctx) -> None:
+    """Simulated ranks for control-plane tests and benchmarks: NO MODEL, never a way to serve (--help for options)."""
+    from dpserve.engine.sim import main as sim_main
+
+    sys.exit(sim_main(ctx.args))
+
+
 @main.command()
 @click.argument("url", required=False, default="http://127.0.0.1:9256")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw /status JSON.")

@@ -1,0 +1,434 @@
+"""A simulated engine: many DP ranks in one process, the real wire protocol, no model.
+
+A TEST AND BENCHMARK TOOL, never a serving option: it loads no model and
+produces meaningless token ids at configured prefill/decode speeds, so that
+control-plane tests and the cluster-size benchmark can run hundreds of ranks
+on two cores (`dpserve sim-engine`, benchmarks/cluster_bench.py). It must
+never import torch or transformers.
+
+What is real: every socket and message an engine rank uses (EngineRegister
+-> RegisterReply, ApiServerList, PleaseRegister, EngineReady, LoadReports on
+change and as heartbeats, EngineHello on every API-server (re)connection,
+AddRequest / AbortRequests / Ping in, EngineOutputs / Pong / EngineDead out).
+What is simulated: the model. Each rank keeps a FIFO waiting queue and up to
+`max_num_seqs` running sequences; a step every `decode_step_ms` prefills up
+to prefill_tokens_per_s x step of waiting prompts (a prompt's first token
+comes with the step that finishes it) and gives every running sequence one
+token; a sequence ends at max_tokens ("length") or on one of its
+stop_token_ids ("stop"). Ranks in one process share one poll loop; a ranks'
+sockets are its own, as in a real rank process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections import deque
+
+import msgspec
+import zmq
+
+from .common.auth import CurveKeys, make_client
+from .common.procutil import die_with_parent
+from .protocol import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    AbortRequests,
+    AddRequest,
+    ApiServerList,
+    Codec,
+    CoordinatorInput,
+    CoordinatorToEngine,
+    EngineDead,
+    EngineHello,
+    EngineInput,
+    EngineOutputs,
+    EngineReady,
+    EngineRegister,
+    EngineToApi,
+    LoadReport,
+    Ping,
+    PleaseRegister,
+    Pong,
+    RegisterReply,
+    RequestOutput,
+)
+
+LOAD_REPORT_MIN_INTERVAL_S = 0.002  # as the real engine
+REGISTER_RETRY_S = 2.0
+GREET_CHECK_S = 0.25  # how often reconnections are looked for (a re-greeting's delay at most)
+HEARTBEAT_SCAN_S = 0.02
+
+
+class SimConfig(msgspec.Struct, kw_only=True):
+    ranks: list[int]
+    coordinator_address: str
+    fingerprint: str
+    node_rank: int = 0
+    key_file: str = ""
+    report_interval_s: float = 1.0  # a load report at least this often (the heartbeat)
+    prefill_tokens_per_s: float = 50_000.0
+    decode_step_ms: float = 10.0
+    max_num_seqs: int = 64
+    token_ids: list[int] = msgspec.field(default_factory=lambda: list(range(68, 94)))  # what answers are made of
+
+
+class _Seq:
+    __slots__ = ("request_id", "owner", "prefill_left", "max_tokens", "num_generated", "stop_ids", "first")
+
+    def __init__(self, req: AddRequest, owner: int) -> None:
+        self.request_id = req.request_id
+        self.owner = owner
+        self.prefill_left = len(req.prompt_token_ids)
+        self.max_tokens = req.params.max_tokens
+        self.num_generated = 0
+        self.stop_ids = set(req.params.stop_token_ids)
+        self.first = req.prompt_token_ids[0] if req.prompt_token_ids else 0
+
+
+class SimRank:
+    """One simulated rank: its sockets, its queues, its load. Driven by SimEngine's loop.
+
+    Invariant: every request in `waiting` or `running` came from API server
+    `owner` and gets exactly one finishing output unless aborted.
+    """
+
+    def __init__(self, eng: SimEngine, rank: int) -> None:
+        self.eng = eng
+        self.cfg = eng.cfg
+        self.rank = rank
+        self.incarnation = uuid.uuid4().hex[:12]
+        ctx = eng.ctx
+        self.coordinator = ctx.socket(zmq.DEALER)
+        self.coordinator.setsockopt(zmq.LINGER, 0)
+        self.coordinator.setsockopt(zmq.IDENTITY, f"engine-{rank}-{self.incarnation}".encode())
+        self.coordinator.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.coordinator.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        make_client(self.coordinator, eng.keys)
+        self.coordinator.connect(self.cfg.coordinator_address)
+        eng.watch(self.coordinator, self, -1)
+        self.api: list[zmq.Socket] = []
+        self.api_addresses: list[str] = []
+        self.monitors: list[zmq.Socket] = []
+        self.registered = False
+        self.last_register = 0.0
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.by_id: dict[str, _Seq] = {}
+        self.next_step = 0.0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.last_report = 0.0
+        self.last_load: tuple = ()
+        self.load_dirty = False
+
+    # ---------------------------------------------------------------- membership
+
+    def register(self, now: float) -> None:
+        self.last_register = now
+        msg = EngineRegister(self.rank, self.incarnation, self.cfg.fingerprint, os.getpid(), socket.gethostname(), self.cfg.node_rank)
+        self.to_coordinator(msg)
+
+    def connect_api_servers(self, addresses: list[str]) -> None:
+        for address in addresses:
+            if address in self.api_addresses:
+                continue
+            sock = self.eng.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, str(self.rank).encode())
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            make_client(sock, self.eng.keys)
+            self.monitors.append(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+            sock.connect(address)
+            self.eng.watch(sock, self, len(self.api))
+            self.api.append(sock)
+            self.api_addresses.append(address)
+
+    def greet_reconnections(self) -> None:
+        """EngineHello on every completed (re)connection, as the real engine does."""
+        for index, monitor in enumerate(self.monitors):
+            while True:
+                try:
+                    monitor.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.send_api(index, EngineHello(self.rank, self.incarnation))
+
+    def on_coordinator(self, msg: object, now: float) -> None:
+        if isinstance(msg, RegisterReply):
+            if not msg.accepted:
+                self.eng.log(f"rank {self.rank}: coordinator refused registration: {msg.reason}")
+                self.eng.refused = True
+                return
+            self.connect_api_servers(msg.api_server_addresses)
+            self.registered = True
+            self.to_coordinator(EngineReady(self.rank, self.incarnation))
+            self.report_load(now, force=True)
+        elif isinstance(msg, ApiServerList):
+            self.connect_api_servers(msg.api_server_addresses)
+        elif isinstance(msg, PleaseRegister):
+            self.register(now)
+
+    # ---------------------------------------------------------------- requests
+
+    def on_api(self, index: int, msg: object, now: float) -> None:
+        if isinstance(msg, AddRequest):
+            seq = _Seq(msg, index)
+            self.by_id[seq.request_id] = seq
+            self.waiting.append(seq)
+            if self.next_step < now:
+                self.next_step = now  # an idle rank starts a step at once
+            self.load_dirty = True
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                seq = self.by_id.pop(rid, None)
+                if seq is None:
+                    continue
+                self.num_aborted += 1
+                if seq in self.running:
+                    self.running.remove(seq)
+                else:
+                    self.waiting.remove(seq)
+            self.load_dirty = True
+        elif isinstance(msg, Ping):
+            self.send_api(index, Pong(self.rank, msg.nonce))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self, now: float) -> None:
+        """One simulated scheduler step: prefill within the budget, one token per running sequence."""
+        cfg = self.cfg
+        step_s = cfg.decode_step_ms / 1000
+        self.next_step = now + step_s
+        outs: dict[int, list[RequestOutput]] = {}
+        tokens = cfg.token_ids
+        # 1. Decode: every sequence that already had its first token gets one more.
+        still = []
+        for seq in self.running:
+            self._emit(seq, tokens[(seq.first + seq.num_generated) % len(tokens)], outs, still)
+        self.running = still
+        # 2. Prefill: FIFO within the token budget; a finished prefill yields the first token.
+        budget = cfg.prefill_tokens_per_s * step_s
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            used = min(budget, seq.prefill_left)
+            seq.prefill_left -= used
+            budget -= used
+            if seq.prefill_left > 0:
+                break
+            self.waiting.popleft()
+            self._emit(seq, tokens[seq.first % len(tokens)], outs, self.running)
+        # 3. One message per API server with this step's outputs.
+        for index, batch in outs.items():
+            self.send_api(index, EngineOutputs(self.rank, batch, len(self.running), len(self.waiting)))
+        self.load_dirty = True
+
+    def _emit(self, seq: _Seq, token: int, outs: dict[int, list[RequestOutput]], keep: list[_Seq]) -> None:
+        seq.num_generated += 1
+        if token in seq.stop_ids:
+            out = RequestOutput(seq.request_id, [token], FINISH_STOP, stop_token_id=token)
+        elif seq.num_generated >= seq.max_tokens:
+            out = RequestOutput(seq.request_id, [token], FINISH_LENGTH)
+        else:
+            keep.append(seq)
+            outs.setdefault(seq.owner, []).append(RequestOutput(seq.request_id, [token]))
+            return
+        del self.by_id[seq.request_id]
+        self.num_finished += 1
+        outs.setdefault(seq.owner, []).append(out)
+
+    # ---------------------------------------------------------------- load and sockets
+
+    def report_load(self, now: float, force: bool = False) -> None:
+        if not self.registered:
+            return
+        waiting_tokens = int(sum(s.prefill_left for s in self.waiting))
+        load = (len(self.running), len(self.waiting), waiting_tokens, self.num_finished, self.num_aborted)
+        changed = load != self.last_load
+        due = now - self.last_report >= self.cfg.report_interval_s
+        self.load_dirty = changed
+        if not (force or due or (changed and now - self.last_report >= LOAD_REPORT_MIN_INTERVAL_S)):
+            return
+        self.load_dirty = False
+        self.last_load = load
+        self.last_report = now
+        remaining = sum(s.max_tokens - s.num_generated for s in self.running)
+        usage = len(self.running) / self.cfg.max_num_seqs
+        self.to_coordinator(
+            LoadReport(self.rank, self.incarnation, load[0], load[1], waiting_tokens, remaining, usage,
+                       self.cfg.decode_step_ms if self.running else 0.0, self.num_finished, self.num_aborted, usage)
+        )
+
+    def to_coordinator(self, msg: object) -> None:
+        try:
+            self.coordinator.send(self.eng.coord_codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def send_api(self, index: int, msg: object) -> None:
+        try:
+            self.api[index].send(self.eng.out_codec.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def announce_death(self, reason: str) -> None:
+        data = self.eng.out_codec.encode(EngineDead(self.rank, self.incarnation, reason))
+        for sock in self.api:
+            try:
+                sock.send(data, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+
+class SimEngine:
+    """The process: one poll loop over every simulated rank's sockets."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.keys = CurveKeys.from_file(cfg.key_file, None) if cfg.key_file else None
+        self.in_codec = Codec(EngineInput)
+        self.out_codec = Codec(EngineToApi)
+        self.coord_codec = Codec(CoordinatorInput | CoordinatorToEngine)
+        self.poller = zmq.Poller()
+        self.owners: dict[zmq.Socket, tuple[SimRank, int]] = {}
+        self.should_stop = False
+        self.refused = False
+        self.ranks = [SimRank(self, r) for r in cfg.ranks]
+
+    def log(self, text: str) -> None:
+        print(f"sim-engine[{os.getpid()}]: {text}", file=sys.stderr, flush=True)
+
+    def watch(self, sock: zmq.Socket, rank: SimRank, index: int) -> None:
+        self.owners[sock] = (rank, index)
+        self.poller.register(sock, zmq.POLLIN)
+
+    def run(self) -> int:
+        ranks = self.ranks
+        now = time.monotonic()
+        for r in ranks:
+            r.register(now)
+        last_greet = last_scan = 0.0
+        while not self.should_stop and not self.refused:
+            # 1. Wait for input, never past the next due step or housekeeping.
+            busy = [r for r in ranks if r.has_work]
+            wake = min((r.next_step for r in busy), default=now + HEARTBEAT_SCAN_S)
+            wake = min(wake, now + HEARTBEAT_SCAN_S)
+            timeout_ms = max(0, int((wake - time.monotonic()) * 1000))
+            for sock, _ in self.poller.poll(timeout_ms):
+                self._drain(sock)
+            now = time.monotonic()
+            # 2. Step every rank whose step is due.
+            for r in ranks:
+                if r.has_work and r.next_step <= now:
+                    r.step(now)
+            # 3. Load reports (on change, rate-limited, and as heartbeats); registration retries.
+            if now - last_scan >= HEARTBEAT_SCAN_S:
+                last_scan = now
+                for r in ranks:
+                    if not r.registered and now - r.last_register >= REGISTER_RETRY_S:
+                        r.register(now)
+                    r.report_load(now)
+            else:
+                for r in ranks:
+                    if r.load_dirty:
+                        r.report_load(now)
+            # 4. Greet API servers we (re)connected to.
+            if now - last_greet >= GREET_CHECK_S:
+                last_greet = now
+                for r in ranks:
+                    r.greet_reconnections()
+        return 2 if self.refused else 0
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        rank, index = self.owners[sock]
+        now = time.monotonic()
+        codec = self.coord_codec if index < 0 else self.in_codec
+        while True:
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = codec.decode(data)
+            except Exception:
+                continue  # another protocol's bytes: ignored, as a real rank does
+            if index < 0:
+                rank.on_coordinator(msg, now)
+            else:
+                rank.on_api(index, msg, now)
+
+    def close(self, reason: str) -> None:
+        for r in self.ranks:
+            if r.registered:
+                r.announce_death(reason)
+        self.ctx.destroy(linger=0)
+
+
+def parse_ranks(text: str) -> list[int]:
+    """'0-63' or '0,2,5-7' -> ranks."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="dpserve sim-engine",
+        description="Simulated engine ranks for control-plane tests and benchmarks: the real protocol, NO MODEL "
+        "(answers are meaningless token ids). Never a way to serve.",
+    )
+    ap.add_argument("--coordinator", required=True, help="the coordinator's engine address (ipc:// or tcp://)")
+    ap.add_argument("--fingerprint", required=True, help="the deployment's config fingerprint (the head logs it)")
+    ap.add_argument("--ranks", required=True, help="ranks this process simulates, e.g. 0-63 or 0,2,5-7")
+    ap.add_argument("--node-rank", type=int, default=0)
+    ap.add_argument("--key-file", default="")
+    ap.add_argument("--report-interval-s", type=float, default=1.0)
+    ap.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
+    ap.add_argument("--decode-step-ms", type=float, default=10.0)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies (test harnesses)")
+    args = ap.parse_args(argv)
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)
+    cfg = SimConfig(
+        ranks=parse_ranks(args.ranks),
+        coordinator_address=args.coordinator,
+        fingerprint=args.fingerprint,
+        node_rank=args.node_rank,
+        key_file=args.key_file,
+        report_interval_s=args.report_interval_s,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_step_ms=args.decode_step_ms,
+        max_num_seqs=args.max_num_seqs,
+    )
+    eng = SimEngine(cfg)
+
+    def stop(signum, _frame) -> None:
+        eng.should_stop = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    eng.log(f"simulating ranks {args.ranks} (no model: a test and benchmark tool)")
+    code = 1
+    try:
+        code = eng.run()
+    finally:
+        eng.close("simulated engine shut down")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
