@@ -1,4 +1,4 @@
-"""dpserve.daemons.tokenizer against a real byte-level BPE tokenizer trained here."""
+"""dpserve.daemons.tokenizer against real tokenizers: a byte-level BPE trained here and both demo-model families (byte-level, Metaspace)."""
 
 from __future__ import annotations
 
@@ -368,13 +368,7 @@ def test_no_chat_template_is_a_clear_error(tmp_path, tokenizer_json):
 def any_model_dir(request, tmp_path_factory, tokenizer_json) -> Path:
     if request.param == "trained-here":
         return make_model_dir(tmp_path_factory.mktemp("m"), tokenizer_json)
-    demo = pytest.importorskip("dpserve.engine.demo_model")
-    if not hasattr(demo, "create_demo_model"):
-        pytest.skip("engine/demo_model.py has no create_demo_model yet")
-    try:  # it writes weights, which needs torch; this module's own code never does
-        return Path(demo.create_demo_model(str(tmp_path_factory.mktemp("demo") / "model")))
-    except ImportError as exc:
-        pytest.skip(f"demo model needs {exc.name}")
+    return Path(request.getfixturevalue("demo_model_dir"))
 
 
 def test_model_dir_end_to_end(any_model_dir):
