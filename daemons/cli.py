@@ -17,7 +17,7 @@ import urllib.request
 
 import click
 from click.core import ParameterSource
-from dpserve.engine.common.procutil import EXIT_CONFIG, die_with_parent, raise_fd_limit
+from dpserve.engine.common.procutil import EXIT_CONFIG, die_with_parent, raise_fd_limit, set_process_name
 
 from .config import API_SERVER_LAUNCH, LB_POLICIES, RESTART_POLICIES, ServeConfig
 
@@ -77,7 +77,8 @@ _SERVE_OPTIONS = [
     _opt("--restart-policy", default="always", type=click.Choice(RESTART_POLICIES), help="When a dead child is restarted."),
     _opt("--max-restarts", default=10, type=click.IntRange(1), help="Restarts per child within --restart-window-s before giving up on it."),
     _opt("--restart-window-s", default=300.0, type=click.FloatRange(min=1), help="Window for --max-restarts."),
-    _opt("--shutdown-timeout", default=30.0, type=click.FloatRange(min=0), help="Seconds API servers drain in-flight requests on stop."),
+    # DPSERVE_SHUTDOWN_TIMEOUT_S, like its siblings; the name without _S still works (the first one set wins).
+    _opt("--shutdown-timeout", default=30.0, type=click.FloatRange(min=0), envvar=["DPSERVE_SHUTDOWN_TIMEOUT_S", "DPSERVE_SHUTDOWN_TIMEOUT"], help="Seconds API servers drain in-flight requests on stop."),
     _opt("--kill-grace-s", default=5.0, type=click.FloatRange(min=0.1), help="SIGTERM to SIGKILL grace for engines."),
     _opt("--run-dir", default="", help="Directory for the node's IPC sockets (default: a private temp dir)."),
     _opt("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"])),
@@ -203,6 +204,7 @@ def _run(role: str, model: str | None, opts: dict) -> None:
     from dpserve.engine.common.logs import setup_logging
 
     log = setup_logging("supervisor", opts["log_level"])
+    set_process_name("dpserve")  # `pgrep -x dpserve` finds the supervisor however it was started
     soft, _ = raise_fd_limit()
     if soft < 4096:
         log.warning("the open-file limit is low; raise LimitNOFILE / ulimit -Hn", soft_limit=soft)

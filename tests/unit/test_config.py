@@ -88,3 +88,18 @@ def test_curve_keys_derive_the_same_on_every_node_and_differ_per_secret():
     assert a.server_public != a.client_public
     with pytest.raises(ValueError, match="at least"):
         CurveKeys(b"short")
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [({}, 30.0), ({"DPSERVE_SHUTDOWN_TIMEOUT_S": "12"}, 12.0), ({"DPSERVE_SHUTDOWN_TIMEOUT": "7"}, 7.0),
+     ({"DPSERVE_SHUTDOWN_TIMEOUT_S": "12", "DPSERVE_SHUTDOWN_TIMEOUT": "7"}, 12.0)],
+)
+def test_shutdown_timeout_reads_the_s_name_and_keeps_the_old_one(monkeypatch, env, expected):
+    from dpserve.daemons.cli import main
+
+    for name in ("DPSERVE_SHUTDOWN_TIMEOUT_S", "DPSERVE_SHUTDOWN_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main.commands["serve"].make_context("serve", []).params["shutdown_timeout"] == expected
