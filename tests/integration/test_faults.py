@@ -205,6 +205,7 @@ def test_api_servers_are_forked_children_of_the_supervisor(node):
     launcher = status["launcher"]
     assert launcher["state"] == "ready" and launcher["pid"], launcher
     assert psutil.Process(launcher["pid"]).ppid() == node.proc.pid
+    assert psutil.Process(node.proc.pid).name() == "dpserve"  # what `pgrep -x dpserve` finds (README)
     for c in status["children"]:
         proc = psutil.Process(c["pid"])
         assert proc.ppid() == node.proc.pid, c  # re-parented to the supervisor, not the launcher
