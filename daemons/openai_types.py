@@ -37,6 +37,14 @@ TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=100.0)]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs bound
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+MAX_LOGIT_BIAS = 1024  # entries, as the engine (engine/core.py)
+LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS)]
+MAX_CHOICES = 256  # prompts x n in one completions request
+CompletionMaxTokens = Annotated[int, Meta(ge=0, le=INT32_MAX)]  # 0: only with echo (prompt scoring)
 StopString = Annotated[str, Meta(max_length=MAX_STOP_LENGTH)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_SEQUENCES)]
 StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
@@ -89,19 +97,22 @@ class _SamplingFields(Struct, kw_only=True):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Known but not implemented: accepted only at their default (see UNSUPPORTED).
+    # Issue 14: served by daemons/choices.py (a request that sets any of these).
     n: NumChoices | None = None
-    best_of: int | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
     include_stop_str_in_output: bool | None = None
-    min_p: float | None = None
+    min_p: MinP | None = None
+    prompt_logprobs: NumLogprobs | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    # Known but not implemented: accepted only at their default (see UNSUPPORTED).
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     guided_json: Any = None
@@ -121,8 +132,9 @@ class _SamplingFields(Struct, kw_only=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[Any]
+    max_tokens: CompletionMaxTokens | None = None
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: NumLogprobs | None = None
     suffix: str | None = None
 
 
@@ -142,7 +154,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     add_generation_prompt: bool | None = True
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -202,7 +214,8 @@ def decode_request(body: bytes, kind: type[Struct], on_unknown: Callable[[str], 
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _ERR_PATH.search(text)
-        param = match.group(1) if match else None
+        # A dict's value is at `$.field[...]`: name the field itself.
+        param = match.group(1).replace("[...]", "") if match else None
         raise ApiError(400, f"Invalid request: {text}", param=param or None) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"Malformed JSON body: {exc}") from None
@@ -215,18 +228,10 @@ def decode_request(body: bytes, kind: type[Struct], on_unknown: Callable[[str], 
 # silent no-op. The OpenAPI document derives these fields' schemas from here.
 # Tools are checked before tool_choice, so "auto" there means "no tools".
 UNSUPPORTED: dict[str, tuple] = {
-    "n": (1,),
     "best_of": (1,),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "repetition_penalty": (1.0,),
-    "logit_bias": ({},),
     "response_format": ({"type": "text"},),
-    "include_stop_str_in_output": (False,),
-    "min_p": (0.0,),
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
-    "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
     "guided_json": (),
@@ -234,10 +239,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
-    "echo": (False,),
     "suffix": ("",),
-    "logprobs": (False,),  # completions: an int (how many alternatives); chat: a bool
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "functions": ([],),
@@ -248,13 +250,46 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
+# What the 400 adds for a few of them, so a user knows it is a gap, not a typo.
+_UNSUPPORTED_WHY = {
+    "tools": " yet: tool calling is not implemented",
+    "tool_choice": " yet: tool calling is not implemented",
+    "functions": " yet: tool calling is not implemented",
+    "function_call": " yet: tool calling is not implemented",
+    **dict.fromkeys(
+        ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+        " yet: structured (guided) output is not implemented",
+    ),
+}
+
+
 def check_unsupported(req: _SamplingFields) -> None:
     """Reject parameters we would otherwise silently ignore."""
     for name, accepted in UNSUPPORTED.items():
         value = getattr(req, name, None)
-        # Types compared too: a completion's logprobs=0 is not chat's logprobs=false.
         if value is not None and not any(type(value) is type(a) and value == a for a in accepted):
-            raise ApiError(400, f"{name} is not supported by this server (got {_short(value)}).", param=name)
+            why = _UNSUPPORTED_WHY.get(name, "")
+            raise ApiError(400, f"{name} is not supported by this server{why} (got {_short(value)}).", param=name)
+
+
+# Set to anything (even its default), these send a request down the issue-14 path
+# (daemons/choices.py); a request with none of them takes the plain path, which
+# pays only for this one scan.
+_EXTRA_FIELDS = (
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "include_stop_str_in_output",
+    "min_p", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "logprobs",
+)
+
+
+def uses_extras(req: _SamplingFields) -> bool:
+    """True when the request needs the n / logprobs / echo / processors path."""
+    for name in _EXTRA_FIELDS:
+        if getattr(req, name) is not None:
+            return True
+    if isinstance(req, CompletionRequest):
+        return req.echo is not None or req.max_tokens == 0 or (isinstance(req.prompt, list) and len(req.prompt) > 1
+                                                              and not isinstance(req.prompt[0], int))
+    return req.top_logprobs is not None
 
 
 def _short(value: Any) -> str:
@@ -268,6 +303,25 @@ def stop_strings(req: _SamplingFields) -> list[str]:
         return []
     stops = [req.stop] if isinstance(req.stop, str) else req.stop
     return [s for s in stops if s]
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """Every prompt of a completion request (a batch is a list of strings or of
+    token-id lists), each text or token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or not prompt or type(prompt[0]) is int:
+        return [completion_prompt(req)]
+    if len(prompt) * (req.n or 1) > MAX_CHOICES:
+        raise ApiError(400, f"At most {MAX_CHOICES} choices per request (prompts x n); got {len(prompt)} x {req.n or 1}.", param="prompt")
+    out: list[str | list[int]] = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list) and item and all(type(t) is int for t in item):
+            out.append(item)
+        else:
+            raise ApiError(400, f"prompt[{i}] must be a string or a non-empty list of token ids.", param="prompt")
+    return out
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
@@ -333,7 +387,7 @@ class Usage(Struct):
 class CompletionChoice(Struct):
     index: int
     text: str
-    logprobs: None
+    logprobs: dict[str, Any] | None  # set only with logprobs (daemons/choices.py)
     finish_reason: str | None
 
 
@@ -354,7 +408,7 @@ class AssistantMessage(Struct):
 class ChatChoice(Struct):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: dict[str, Any] | None  # set only with logprobs (daemons/choices.py)
     finish_reason: str
 
 
@@ -374,7 +428,7 @@ class Delta(Struct, omit_defaults=True):
 class ChatChunkChoice(Struct):
     index: int
     delta: Delta
-    logprobs: None
+    logprobs: dict[str, Any] | None  # set only with logprobs (daemons/choices.py)
     finish_reason: str | None
 
 

@@ -15,6 +15,7 @@ import msgspec
 import msgspec.structs
 
 from .openai_types import (
+    MAX_CHOICES,
     UNSUPPORTED,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -89,12 +90,15 @@ def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_mode
                     "description": "Not supported by dpserve: only its default (or null) is accepted; anything else is a 400.",
                 }
     schemas["CompletionRequest"]["properties"]["prompt"] = {
-        "description": "One prompt: a string, a list of token ids, or a list holding one of those (batches are refused).",
+        "description": (
+            f"A string, a list of token ids, or a batch: a list of strings or of token-id lists "
+            f"(at most {MAX_CHOICES} choices in all, prompts x n; choice index = prompt index x n + sample)."
+        ),
         "anyOf": [
             {"type": "string"},
             {"type": "array", "items": token_id, "minItems": 1},
-            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-            {"type": "array", "items": {"type": "array", "items": token_id, "minItems": 1}, "minItems": 1, "maxItems": 1},
+            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_CHOICES},
+            {"type": "array", "items": {"type": "array", "items": token_id, "minItems": 1}, "minItems": 1, "maxItems": MAX_CHOICES},
         ],
     }
     schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] = 1

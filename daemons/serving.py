@@ -20,6 +20,7 @@ import zmq
 from aiohttp import web
 from dpserve.engine.protocol import FINISH_ERROR, AddRequest, SamplingParams
 
+from .choices import ChoicesServing
 from .config import ApiServerConfig
 from .engine_client import EngineClient, RequestState
 from .metrics import ApiMetrics
@@ -46,6 +47,7 @@ from .openai_types import (
     decode_request,
     encode,
     stop_strings,
+    uses_extras,
 )
 from .router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
 from .tokenizer import IncrementalDetokenizer, StopChecker, TextTokenizer, decode_continuation
@@ -169,6 +171,7 @@ class OpenAIServing:
         self._json_headers = [{"Content-Type": "application/json", _RANK_HEADER: str(r)} for r in range(self.router.size)]
         self._sse_headers = [{**_SSE_HEADERS, _RANK_HEADER: str(r)} for r in range(self.router.size)]
         self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self._choices = ChoicesServing(self)  # n, logprobs, echo, penalties... (issue 14)
         # A prompt longer than this many bytes needs more than max_model_len tokens
         # whatever it says, so it is refused without tokenizing (None: no such bound).
         per_token = tokenizer.max_bytes_per_token
@@ -182,6 +185,8 @@ class OpenAIServing:
         req = decode_request(await self._read_body(request), CompletionRequest, self._note_unknown_field)
         check_unsupported(req)
         self._check_model(req.model)
+        if uses_extras(req):
+            return await self._choices.completions(request, req, t0)
         prompt = completion_prompt(req)
         if isinstance(prompt, str):
             ids = await self._tokenize(request, self._prompt_ids, prompt)
@@ -197,6 +202,8 @@ class OpenAIServing:
         req = decode_request(await self._read_body(request), ChatCompletionRequest, self._note_unknown_field)
         check_unsupported(req)
         self._check_model(req.model)
+        if uses_extras(req):
+            return await self._choices.chat_completions(request, req, t0)
         messages = chat_messages(req)
         ids = await self._tokenize(request, self._chat_ids, messages, req.add_generation_prompt)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(self.max_model_len - len(ids), 1)

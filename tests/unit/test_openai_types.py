@@ -14,8 +14,10 @@ from dpserve.daemons.openai_types import (
     chat_messages,
     check_unsupported,
     completion_prompt,
+    completion_prompts,
     decode_request,
     stop_strings,
+    uses_extras,
 )
 
 
@@ -26,7 +28,7 @@ def completion(**kw) -> CompletionRequest:
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("max_tokens", 0), ("max_tokens", "3"), ("temperature", -1), ("top_p", 0), ("top_p", 1.01), ("top_k", -2),
+        ("max_tokens", -1), ("max_tokens", "3"), ("temperature", -1), ("top_p", 0), ("top_p", 1.01), ("top_k", -2),
         ("n", 0), ("stream", "yes"),
         # Numbers an engine cannot hold: top_k once crashed a rank from int64 overflow.
         ("top_k", 2**64 - 1), ("top_k", 10**30), ("top_k", INT32_MAX + 1), ("max_tokens", INT32_MAX + 1),
@@ -108,14 +110,12 @@ def test_nullable_fields_accept_null_as_their_default():
 
 
 NON_DEFAULT = {
-    "n": 2, "best_of": 3, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
-    "logit_bias": {"50256": -100}, "response_format": {"type": "json_object"}, "include_stop_str_in_output": True,
-    "min_p": 0.1, "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "allowed_token_ids": [1],
-    "bad_words": ["x"], "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
-    "guided_grammar": "g", "structured_outputs": {"json": {}}, "echo": True, "suffix": "end", "logprobs": 0,
+    "best_of": 3, "response_format": {"type": "json_object"}, "use_beam_search": True, "length_penalty": 0.5,
+    "allowed_token_ids": [1], "bad_words": ["x"], "guided_json": {"type": "object"}, "guided_regex": "a+",
+    "guided_choice": ["a"], "guided_grammar": "g", "structured_outputs": {"json": {}}, "suffix": "end",
 }
 CHAT_NON_DEFAULT = {
-    "logprobs": True, "top_logprobs": 2, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"},
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "web_search_options": {},
 }
@@ -143,7 +143,7 @@ def test_unsupported_parameters_at_their_default_are_accepted():
     assert set(NON_DEFAULT) | set(CHAT_NON_DEFAULT) == set(UNSUPPORTED)  # every entry has a refusal test
     defaults = {name: accepted[0] for name, accepted in UNSUPPORTED.items() if accepted}
     check_unsupported(chat(**defaults))
-    check_unsupported(completion(**{k: v for k, v in defaults.items() if k not in ("logprobs",)}))
+    check_unsupported(completion(**defaults))
     check_unsupported(chat(tool_choice="auto", tools=[], parallel_tool_calls=True))
 
 
@@ -158,10 +158,32 @@ def test_prompt_shapes():
 
 
 def test_unsupported_parameters_are_refused_not_ignored():
-    for kw in ({"n": 2}, {"presence_penalty": 0.5}, {"echo": True}, {"logprobs": 3}):
+    for kw in ({"best_of": 2}, {"suffix": "x"}, {"response_format": {"type": "json_object"}}):
         with pytest.raises(ApiError):
             check_unsupported(completion(**kw))
-    check_unsupported(completion(presence_penalty=0))
+    check_unsupported(completion(best_of=1))
+
+
+def test_issue_14_parameters_take_the_extras_path_and_plain_requests_do_not():
+    assert not uses_extras(completion(prompt="x", max_tokens=3, temperature=0.5, stop=["a"]))
+    assert not uses_extras(completion(prompt=[[1, 2]]))
+    assert not uses_extras(chat(max_tokens=3))
+    for kw in ({"n": 2}, {"logprobs": 0}, {"echo": False}, {"max_tokens": 0}, {"prompt": ["a", "b"]},
+               {"presence_penalty": 0.5}, {"logit_bias": {"5": 1}}, {"min_p": 0.1}, {"skip_special_tokens": False}):
+        assert uses_extras(completion(**kw)), kw
+    for kw in ({"logprobs": True}, {"top_logprobs": 2}, {"n": 3}, {"repetition_penalty": 1.1}):
+        assert uses_extras(chat(**kw)), kw
+
+
+def test_batched_prompts():
+    assert completion_prompts(completion(prompt=["a", [5, 6]], n=2)) == ["a", [5, 6]]
+    assert completion_prompts(completion(prompt="a")) == ["a"]
+    for bad in (["a", 1], ["a", []], ["a", {"x": 1}]):
+        with pytest.raises(ApiError) as err:
+            completion_prompts(completion(prompt=bad))
+        assert err.value.param == "prompt"
+    with pytest.raises(ApiError):
+        completion_prompts(completion(prompt=["a"] * 129, n=2))
 
 
 def test_stop_strings():
