@@ -5,6 +5,9 @@ VENV ?= .venv
 # CUDA machines: `make demo TORCH_SPEC=torch` takes the regular CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PORT ?= 8000
+# `make demo DP=2 API=4`: data-parallel ranks and API servers (API unset: one per rank).
+DP ?= 1
+API ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test test-fast lint clean
@@ -18,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/dpserve serve --port $(PORT)
+	$(VENV)/bin/dpserve serve --port $(PORT) --data-parallel-size $(DP) $(if $(API),--api-server-count $(API))
 
 test: setup
 	$(VENV)/bin/python -m pytest -q -rs $(PYTEST_ARGS)

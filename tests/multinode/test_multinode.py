@@ -12,8 +12,9 @@ import time
 import pytest
 
 from tests.multinode.netns import CLIENT, Network, available
+from tests.support import skip_unless_required
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(available()), reason=available() or "ok")]
+pytestmark = pytest.mark.slow
 
 RPC_PORT = 29550
 API_PORT = 8000
@@ -88,6 +89,9 @@ class Deployment:
 
 @pytest.fixture
 def network():
+    reason = available()
+    if reason:
+        skip_unless_required(reason)
     net = Network()
     try:
         yield net
@@ -158,6 +162,13 @@ def test_internal_mode_link_cut_head_restart_and_outsiders(network, demo_model_d
     assert detection < 0.5 * 3 + 2.5, f"detection took {detection:.1f} s"
     after = [r for r in records if r[0] > detected_at]
     assert after and all(r[2] == "200" for r in after), [r for r in after if r[2] != "200"][:5]
+    # the cut took effect: ranks 2-3 served before it, none of the requests sent
+    # while it lasted reached them, and they served again once it was over
+    before = {r[3] for r in records if r[1] < cut_at and r[2] == "200"}
+    assert {"2", "3"} <= before, f"worker ranks did not serve before the cut: {sorted(before)}"
+    during = [r for r in records if detected_at < r[0] < restored_at]
+    assert len(during) >= 10, f"only {len(during)} requests were sent during the cut"
+    assert {r[3] for r in during} <= {"0", "1"}, f"requests reached the cut-off ranks: {sorted({r[3] for r in during})}"
     back = [r for r in records if r[0] > restored_at and r[3] in ("2", "3")]
     assert back, "worker ranks did not return to routing after the link came back"
     recovery = min(r[0] for r in back) - restored_at

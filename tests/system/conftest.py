@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import skip_unless_required
 from tests.system.testbed import Node, Testbed, diff_host_state, host_state, unsupported_reason, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,16 +99,16 @@ def _check_readable_by_others(paths: list[str]) -> None:
 def system_support() -> None:
     reason = unsupported_reason()
     if reason:
-        pytest.skip(reason)
+        skip_unless_required(reason)
 
 
 @pytest.fixture(scope="session")
 def root_support() -> None:
     """For the checks that need root and systemd-analyze but no node."""
     if os.geteuid() != 0:
-        pytest.skip("unit checks run systemd-analyze in a private mount namespace: they need root")
+        skip_unless_required("unit checks run systemd-analyze in a private mount namespace: they need root")
     if shutil.which("systemd-analyze") is None or shutil.which("unshare") is None:
-        pytest.skip("unit checks need systemd-analyze and unshare (apt-get install systemd util-linux)")
+        skip_unless_required("unit checks need systemd-analyze and unshare (apt-get install systemd util-linux)")
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import skip_unless_required
 from tests.system.conftest import NODE_MODEL_DIR, _readable_model, dpserve_bin, dropin_text, project_paths, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,14 +57,14 @@ LOOP_CLIENT = textwrap.dedent("""
 def ansible_bin(name: str) -> str:
     path = Path(sys.prefix) / "bin" / name
     if not path.exists():
-        pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
+        skip_unless_required(f"{name} is not installed (pip install -e '.[test]')")
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def fleet(testbed, demo_model_dir, tmp_path_factory):
     if not Path("/usr/sbin/sshd").exists():
-        pytest.skip("needs openssh-server on the host (nodes run its sshd): apt-get install openssh-server")
+        skip_unless_required("needs openssh-server on the host (nodes run its sshd): apt-get install openssh-server")
     tmp = tmp_path_factory.mktemp("ansible")
     key = tmp / "id_ed25519"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
