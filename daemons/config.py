@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 
 import msgspec
-from dpserve.engine.common.procutil import CHILD_CONFIG_ENV, child_config_from_env  # noqa: F401
-from dpserve.engine.config import EngineConfig, EngineProcessConfig  # noqa: F401
 
 LB_POLICIES = ("queue", "tokens", "round-robin")
 LB_MODES = ("internal", "hybrid", "external", "global")
