@@ -14,7 +14,7 @@ them, and that loop is the single writer of the child table.
                       ClusterSeen          on_ready   STARTING -> READY
     coordinator link  Fatal                on_probe   count failures -> declare_dead
     launcher restart  LauncherRestarted  3. tick: kill overdue, spawn due restarts,
-                                           check_startup (READY=1 or exit 3),
+                                           startup.check (READY=1 or exit 3),
                                            rolling.advance, sweep_strays,
                                            policy.node_exit_code (exit 4/5)
                                          4. notify: STATUS=, WATCHDOG=1
@@ -22,6 +22,7 @@ them, and that loop is the single writer of the child table.
 Spawning never blocks the loop (a prefork launcher may take seconds): spawn()
 starts a task that posts Spawned. Files: events.py (the event kinds),
 policy.py (the pure restart decision), core.py (the loop and its verbs),
+startup.py (deadlines and the READY=1 verdict),
 rolling.py (SIGHUP's one-at-a-time restart), setup.py, shutdown.py, views.py
 (the read-only NodeView that the health port and the prober get).
 """

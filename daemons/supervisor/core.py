@@ -29,6 +29,7 @@ from ..notify import Notifier
 from ..plan import StartupError
 from ..probes import Prober
 from . import events as ev
+from . import startup
 from .policy import Action, RestartPolicy, decide, node_exit_code
 from .producers import read_control, watch_coordinator_link, watch_exit
 from .rolling import RollingRestart
@@ -38,7 +39,6 @@ from .views import NodeView
 
 TICK_S = 0.1  # the loop runs its timers at least this often
 STRAY_SWEEP_S = 5.0
-EXTEND_EVERY_S = 5.0
 
 
 class Supervisor:
@@ -73,7 +73,7 @@ class Supervisor:
         self.rolling: RollingRestart | None = None
         self._last_watchdog = 0.0
         self._last_stray_sweep = 0.0
-        self._last_extend = 0.0
+        self.last_extend = 0.0  # when systemd last heard EXTEND_TIMEOUT_USEC (startup.py)
 
     def post(self, event: ev.Event) -> None:
         """The one way in for producers: signal handlers, tasks, the prober."""
@@ -112,7 +112,7 @@ class Supervisor:
             self._task(watch, "coordinator-link")
         self._task(self.prober.run(), "prober")
         try:
-            await self._begin_startup()
+            await startup.begin(self)
             await self._loop()
         finally:
             await shutdown(self)
@@ -123,21 +123,6 @@ class Supervisor:
 
     def _task(self, coro, name: str) -> None:
         self.tasks.append(asyncio.create_task(coro, name=name))
-
-    async def _begin_startup(self) -> None:
-        now = self.clock()
-        for child in self.children.values():
-            child.deadline = now + self._startup_timeout(child)
-        if self.launcher is not None:
-            await self.launcher.start(sys.stderr.buffer)
-        for child in self.children.values():
-            self.spawn(child)
-        self.notifier.extend_timeout(max(c.deadline for c in self.children.values()) - now + 5)
-        self._last_extend = now
-
-    def _startup_timeout(self, child: Child) -> float:
-        cfg = self.cfg
-        return {"engine": cfg.engine_startup_timeout_s, "api": cfg.api_server_startup_timeout_s}.get(child.kind, cfg.coordinator_startup_timeout_s)
 
     # ================================================================ the loop
 
@@ -201,7 +186,7 @@ class Supervisor:
                 child.failure = "not ready in time"
                 self.terminate(child, kill_after=self.cfg.kill_grace_s)
         if self.phase == "starting":
-            self.check_startup(now)
+            startup.check(self, now)
             return
         if self.rolling is not None and self.rolling.advance(self, now):
             self.rolling = None
@@ -260,7 +245,7 @@ class Supervisor:
         now = self.clock()
         started(child, event.proc, event.requested_at, now)
         if child.restarts:
-            child.deadline = now + self._startup_timeout(child)
+            child.deadline = now + startup.timeout(self.cfg, child)
         asyncio.create_task(watch_exit(child.name, event.proc, self.post))
         self.log.info("child started", child=child.name, pid=child.pid)
 
@@ -360,26 +345,6 @@ class Supervisor:
                     self.post(ev.LauncherRestarted())
 
             self._task(restart_launcher(), "launcher-restart")
-
-    def check_startup(self, now: float) -> None:
-        """While starting: READY=1 once every child serves and the cluster routes; a late child halts."""
-        children = self.children.values()
-        if all(c.state == ChildState.READY for c in children) and self.all_ranks_routable:
-            self.phase = "serving"
-            status = self.view.status_line()
-            self.notifier.ready(status)
-            self.log.info("node ready", status=status, seconds=round(now - min(c.started_at for c in children), 2))
-            return
-        late = [c for c in children if c.state != ChildState.READY and now > c.deadline]
-        if late:
-            self.log.error("startup timed out", children=", ".join(c.name for c in late), timeouts_s={c.name: round(c.deadline - c.started_at, 1) for c in late})
-            self.stop(EXIT_STARTUP)
-        elif now > max(c.deadline for c in children):
-            self.log.error("startup timed out waiting for the cluster", ranks_registered=self.num_alive_ranks, data_parallel_size=self.cfg.data_parallel_size)
-            self.stop(EXIT_STARTUP)
-        elif now - self._last_extend > EXTEND_EVERY_S:
-            self.notifier.extend_timeout(max(c.deadline for c in children) - now + 5)
-            self._last_extend = now
 
     def sweep_strays(self) -> None:
         known = {c.pid for c in self.children.values() if c.proc is not None}
