@@ -76,6 +76,7 @@ class SimCluster:
         decode_step_ms: float = 10.0,
         prefill_tokens_per_s: float = 50_000.0,
         max_waiting_per_rank: int = 4096,
+        vary_load: bool = False,
         run_dir: str | None = None,
     ) -> None:
         self.num_ranks = num_ranks
@@ -88,6 +89,7 @@ class SimCluster:
         self.decode_step_ms = decode_step_ms
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.max_waiting_per_rank = max_waiting_per_rank
+        self.vary_load = vary_load
         self._tmp = None if run_dir else tempfile.TemporaryDirectory(prefix="dpsim-")
         self.run_dir = run_dir or self._tmp.name
         self.model_dir = write_tokenizer(os.path.join(self.run_dir, "tokenizer"))
@@ -105,6 +107,10 @@ class SimCluster:
         self.started_at = 0.0
 
     # ---------------------------------------------------------------- processes
+
+    @property
+    def table_address(self) -> str:
+        return f"ipc://{self.run_dir}/coordinator.table"
 
     @property
     def coordinator_address(self) -> str:
@@ -144,7 +150,7 @@ class SimCluster:
             lb_mode="internal",
             key_file="",
             engines_address=self.coordinator_address,
-            table_address=f"ipc://{self.run_dir}/coordinator.table",
+            table_address=self.table_address,
             supervisor_address=self.supervisor_address,
             data_parallel_size=self.num_ranks,
             fingerprint=self.fingerprint,
@@ -195,7 +201,7 @@ class SimCluster:
             "--coordinator", self.coordinator_address, "--fingerprint", self.fingerprint, "--ranks", f"{first}-{last}",
             "--report-interval-s", str(self.report_interval_s), "--decode-step-ms", str(self.decode_step_ms),
             "--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--parent-pid", str(os.getpid()),
-        ]
+        ] + (["--vary-load"] if self.vary_load else [])
         self._spawn(name, "dpserve.engine.sim", None, args)
         self.sim_procs.append(name)
         return name

@@ -34,7 +34,7 @@ import msgspec
 import zmq
 
 from .common.auth import CurveKeys, make_client
-from .common.procutil import die_with_parent
+from .common.procutil import die_with_parent, raise_fd_limit
 from .protocol import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -75,6 +75,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     prefill_tokens_per_s: float = 50_000.0
     decode_step_ms: float = 10.0
     max_num_seqs: int = 64
+    vary_load: bool = False  # benchmarks: every periodic report carries a change (a busy cluster)
     token_ids: list[int] = msgspec.field(default_factory=lambda: list(range(68, 94)))  # what answers are made of
 
 
@@ -126,6 +127,7 @@ class SimRank:
         self.last_report = 0.0
         self.last_load: tuple = ()
         self.load_dirty = False
+        self.num_reports = 0
 
     # ---------------------------------------------------------------- membership
 
@@ -264,6 +266,9 @@ class SimRank:
         self.last_report = now
         remaining = sum(s.max_tokens - s.num_generated for s in self.running)
         usage = len(self.running) / self.cfg.max_num_seqs
+        self.num_reports += 1
+        if self.cfg.vary_load:
+            usage = (self.num_reports % 100) / 100
         self.to_coordinator(
             LoadReport(self.rank, self.incarnation, load[0], load[1], waiting_tokens, remaining, usage,
                        self.cfg.decode_step_ms if self.running else 0.0, self.num_finished, self.num_aborted, usage)
@@ -296,6 +301,8 @@ class SimEngine:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.ctx = zmq.Context()
+        # a rank holds 2 sockets per API server (channel and its monitor) plus one
+        self.ctx.set(zmq.MAX_SOCKETS, 65536)
         self.keys = CurveKeys.from_file(cfg.key_file, None) if cfg.key_file else None
         self.in_codec = Codec(EngineInput)
         self.out_codec = Codec(EngineToApi)
@@ -399,10 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
     ap.add_argument("--decode-step-ms", type=float, default=10.0)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--vary-load", action="store_true", help="every periodic report carries a change (benchmarks)")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies (test harnesses)")
     args = ap.parse_args(argv)
     if args.parent_pid:
         die_with_parent(args.parent_pid)
+    raise_fd_limit()  # ~3 descriptors per rank and API server
     cfg = SimConfig(
         ranks=parse_ranks(args.ranks),
         coordinator_address=args.coordinator,
@@ -413,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_step_ms=args.decode_step_ms,
         max_num_seqs=args.max_num_seqs,
+        vary_load=args.vary_load,
     )
     eng = SimEngine(cfg)
 

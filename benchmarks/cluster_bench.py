@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""Cluster size: the real coordinator and API servers on simulated ranks (issue 19).
+
+    python benchmarks/cluster_bench.py [--ranks 256] [--api-servers 32] [--ranks-per-process 32]
+                                       [--coordinator-ranks 1024] [--quick] [--json]
+
+Part 1, a cluster: RANKS simulated ranks (dpserve.engine.sim, many ranks per
+process, no model) x API-SERVERS real API servers on one port, the real
+coordinator. Measured: seconds from start until every API server sees every
+rank alive (registered) and routable; CPU of the coordinator and of the API
+servers at rest and under a closed-loop load (benchmarks/load.py); API-server
+CPU per request; and the time until every API server has stopped routing to
+a lost rank, for a SIGKILLed rank (only silence tells: the coordinator's
+stale limit) and a SIGTERMed one (it announces its death).
+
+Part 2, the coordinator alone at COORDINATOR-RANKS ranks reporting every
+100 ms to 32 table subscribers: CPU, messages and bytes published per second,
+with reports that repeat the load (a quiet cluster) and with every report a
+change (a busy one).
+
+Figures are printed, never asserted. Everything runs on loopback / ipc and
+every process is stopped at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.load import LoadConfig, run_load  # noqa: E402
+from benchmarks.simcluster import SimCluster, probe_json  # noqa: E402
+
+
+def cpu_window(cluster: SimCluster, seconds: float, during=None) -> dict:
+    """CPU share of one core per component over a window (during() runs in it, if given)."""
+    names = ("coordinator", "api-", "sim-")
+    before = {n: cluster.cpu(n) for n in names}
+    per_api_before = [cluster.cpu(f"api-{i}") for i in range(cluster.num_api_servers)]
+    t0 = time.monotonic()
+    result = during() if during is not None else time.sleep(seconds)
+    wall = time.monotonic() - t0
+    after = {n: cluster.cpu(n) for n in names}
+    per_api = [cluster.cpu(f"api-{i}") - b for i, b in enumerate(per_api_before)]
+    return {
+        "wall_s": wall,
+        "coordinator_pct": 100 * (after["coordinator"] - before["coordinator"]) / wall,
+        "api_total_pct": 100 * (after["api-"] - before["api-"]) / wall,
+        "api_max_pct": 100 * max(per_api, default=0.0) / wall,
+        "api_cpu_s": after["api-"] - before["api-"],
+        "sims_pct": 100 * (after["sim-"] - before["sim-"]) / wall,
+        "result": result,
+    }
+
+
+def wait_all(cluster: SimCluster, expected: int, timeout: float) -> tuple[float, float]:
+    """(seconds until every API server sees every rank alive, ... routable), from start."""
+    deadline = time.monotonic() + timeout
+    t_alive = None
+    while time.monotonic() < deadline:
+        cluster.check_alive()
+        alive, routable = [], []
+        for i in range(cluster.num_api_servers):
+            try:
+                body = probe_json(cluster.probe_path(i))
+                alive.append(len(body["alive_ranks"]))
+                routable.append(len(body["routable_ranks"]))
+            except Exception:
+                alive.append(-1)
+                routable.append(-1)
+        now = time.monotonic() - cluster.started_at
+        if t_alive is None and all(a == expected for a in alive):
+            t_alive = now
+        if all(r == expected for r in routable):
+            return t_alive or now, now
+        time.sleep(0.05)
+    raise TimeoutError(f"not all routable after {timeout} s: {routable}")
+
+
+def time_to_drop(cluster: SimCluster, name: str, sig: int, expected: int, timeout: float) -> float:
+    t0 = time.monotonic()
+    cluster.kill(name, sig)
+    deadline = t0 + timeout
+    while time.monotonic() < deadline:
+        if all(c == expected for c in cluster.routable_counts()):
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    raise TimeoutError(f"{name}: routable counts {cluster.routable_counts()}")
+
+
+def part_cluster(args) -> dict:
+    cluster = SimCluster(
+        args.ranks, args.api_servers, args.ranks_per_process, num_alone=2,
+        report_interval_s=args.report_interval_s, stale_after_s=args.stale_after_s,
+    )
+    out: dict = {"ranks": args.ranks, "api_servers": args.api_servers, "ranks_per_process": args.ranks_per_process,
+                 "sim_processes": 0, "report_interval_s": args.report_interval_s, "stale_after_s": args.stale_after_s}
+    with cluster:
+        out["sim_processes"] = len(cluster.sim_procs)
+        out["registered_s"], out["routable_s"] = wait_all(cluster, args.ranks, timeout=300)
+        time.sleep(2.0)  # settle
+        out["rest"] = cpu_window(cluster, args.window)
+        cfg = LoadConfig(url=f"http://127.0.0.1:{cluster.port}", model="sim", concurrency=args.concurrency,
+                         duration=args.window, warmup=1.0, max_tokens=16)
+        load = cpu_window(cluster, args.window, lambda: asyncio.run(run_load(cfg)))
+        res = load.pop("result")
+        load.update(ok=res.ok, errors=sum(res.errors.values()), req_per_s=res.req_per_s,
+                    ranks_used=len(res.per_rank), p50_ms=res.latency_ms.get("p50"), p99_ms=res.latency_ms.get("p99"))
+        # API-server CPU per request over the whole window (warm-up included in both)
+        load["api_cpu_us_per_request"] = 1e6 * load["api_cpu_s"] / max(1, res.requests + res.warmup_requests)
+        out["load"] = load
+        out["rest"].pop("result")
+        lone_kill, lone_term = cluster.sim_procs[-2], cluster.sim_procs[-1]
+        out["lost_sigkill_s"] = time_to_drop(cluster, lone_kill, signal.SIGKILL, args.ranks - 1, 60)
+        out["lost_sigterm_s"] = time_to_drop(cluster, lone_term, signal.SIGTERM, args.ranks - 2, 60)
+    return out
+
+
+class Subscribers:
+    """N SUB sockets on the load table, drained by one thread: messages and bytes seen."""
+
+    def __init__(self, address: str, n: int) -> None:
+        self.ctx = zmq.Context()
+        self.socks = []
+        for _ in range(n):
+            s = self.ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.connect(address)
+            self.socks.append(s)
+        self.messages = 0
+        self.bytes = 0
+        self.largest = 0
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for s in self.socks:
+            poller.register(s, zmq.POLLIN)
+        while not self.stop:
+            for s, _ in poller.poll(100):
+                while True:
+                    try:
+                        data = s.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.messages += 1
+                    self.bytes += len(data)
+                    self.largest = max(self.largest, len(data))
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join(5)
+        self.ctx.destroy(linger=0)
+
+
+def part_coordinator(args, vary: bool) -> dict:
+    n = args.coordinator_ranks
+    cluster = SimCluster(n, 0, args.coordinator_ranks_per_process, report_interval_s=0.1, stale_after_s=3.0, vary_load=vary)
+    with cluster:
+        subs = Subscribers(cluster.table_address, 32)
+        try:
+            start = time.monotonic()
+            # registered: every rank in the table the subscribers see (count distinct alive ranks)
+            seen: dict[int, bool] = {}
+            probe = zmq.Context.instance().socket(zmq.SUB)
+            probe.setsockopt(zmq.SUBSCRIBE, b"")
+            probe.connect(cluster.table_address)
+            from dpserve.engine.protocol import Codec, LoadTable
+
+            codec = Codec(LoadTable)
+            deadline = start + 120
+            while sum(seen.values()) < n and time.monotonic() < deadline:
+                cluster.check_alive()
+                if probe.poll(200):
+                    for e in codec.decode(probe.recv()).ranks:
+                        seen[e.rank] = e.is_alive
+            registered_s = time.monotonic() - cluster.started_at
+            probe.close(0)
+            time.sleep(2.0)
+            m0, b0 = subs.messages, subs.bytes
+            w = cpu_window(cluster, args.window)
+            w.pop("result")
+            return {
+                "ranks": n, "subscribers": 32, "every_report_a_change": vary, "all_alive_s": registered_s,
+                "coordinator_pct": w["coordinator_pct"], "sims_pct": w["sims_pct"],
+                "published_msgs_per_s": (subs.messages - m0) / w["wall_s"],
+                "published_kib_per_s": (subs.bytes - b0) / w["wall_s"] / 1024,
+                "largest_message_bytes": subs.largest,
+                "reports_per_s": n / 0.1,
+            }
+        finally:
+            subs.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=256)
+    ap.add_argument("--api-servers", type=int, default=32)
+    ap.add_argument("--ranks-per-process", type=int, default=32)
+    ap.add_argument("--report-interval-s", type=float, default=0.1)
+    ap.add_argument("--stale-after-s", type=float, default=1.5, help="the coordinator's silence limit (interval x threshold)")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--window", type=float, default=10.0)
+    ap.add_argument("--coordinator-ranks", type=int, default=1024)
+    ap.add_argument("--coordinator-ranks-per-process", type=int, default=256)
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: cluster, coordinator")
+    ap.add_argument("--quick", action="store_true", help="64 ranks x 4 API servers, 256-rank coordinator, 3 s windows")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.ranks, args.api_servers, args.coordinator_ranks, args.window = 64, 4, 256, 3.0
+    skip = set(filter(None, args.skip.split(",")))
+    results: dict = {}
+    if "cluster" not in skip:
+        results["cluster"] = part_cluster(args)
+        print(json.dumps(results["cluster"], indent=1), file=sys.stderr, flush=True)
+    if "coordinator" not in skip:
+        results["coordinator"] = [part_coordinator(args, vary) for vary in (False, True)]
+        print(json.dumps(results["coordinator"], indent=1), file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return 0
+    if "cluster" in results:
+        c = results["cluster"]
+        r, ld = c["rest"], c["load"]
+        print(f"## {c['ranks']} simulated ranks ({c['sim_processes']} processes) x {c['api_servers']} API servers, "
+              f"reports every {c['report_interval_s']} s, stale limit {c['stale_after_s']} s\n")
+        print("| measure | value |\n|---|---|")
+        print(f"| start -> every rank alive in every API server's table | {c['registered_s']:.1f} s |")
+        print(f"| start -> every rank routable in every API server | {c['routable_s']:.1f} s |")
+        print(f"| at rest: coordinator / all API servers / busiest API server | {r['coordinator_pct']:.1f}% / {r['api_total_pct']:.1f}% / {r['api_max_pct']:.1f}% of a core |")
+        print(f"| load: {ld['req_per_s']:.0f} req/s ({ld['ok']} ok, {ld['errors']} errors, {ld['ranks_used']} ranks used), p50 {ld['p50_ms']:.0f} ms, p99 {ld['p99_ms']:.0f} ms | |")
+        print(f"| under load: coordinator / all API servers / busiest API server | {ld['coordinator_pct']:.1f}% / {ld['api_total_pct']:.1f}% / {ld['api_max_pct']:.1f}% of a core |")
+        print(f"| API-server CPU per request (everything, not only routing) | {ld['api_cpu_us_per_request']:.0f} us |")
+        print(f"| lost rank (SIGKILL, silent) out of every API server's routing | {c['lost_sigkill_s']:.2f} s |")
+        print(f"| lost rank (SIGTERM, announced) out of every API server's routing | {c['lost_sigterm_s']:.2f} s |")
+    for row in results.get("coordinator", []):
+        kind = "every report a change" if row["every_report_a_change"] else "reports repeat the load"
+        print(f"\n## coordinator: {row['ranks']} ranks reporting every 100 ms ({kind}), 32 table subscribers\n")
+        print("| measure | value |\n|---|---|")
+        print(f"| reports in | {row['reports_per_s']:,.0f}/s |")
+        print(f"| coordinator CPU | {row['coordinator_pct']:.1f}% of a core |")
+        print(f"| tables out (all subscribers) | {row['published_msgs_per_s']:,.0f} msg/s, {row['published_kib_per_s']:,.0f} KiB/s |")
+        print(f"| largest table message | {row['largest_message_bytes']:,} B |")
+        print(f"| start -> all ranks alive in the table | {row['all_alive_s']:.1f} s |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
