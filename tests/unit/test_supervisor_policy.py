@@ -333,3 +333,35 @@ def test_sighup_replaces_api_servers_one_at_a_time_and_tells_systemd(sup):
                     await p.wait()
 
     asyncio.run(scenario())
+
+
+def test_metrics_keep_the_names_labels_and_values_dashboards_use(sup):
+    """The collector replaced hand-written text; a scrape must read the same series."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    e = add(sup, "engine-dp0", "engine", pid=100)
+    e.restarts, e.probe_failures_total, e.num_running, e.num_waiting, e.kv_usage = 2, 5, 3, 1, 0.123456
+    e.started_at = sup.clock.now  # uptime reads the real clock: only its presence is checked
+    a = add(sup, "api-0", "api", pid=200, state=ChildState.STARTING)
+    a.rank, a.consecutive_failures = 0, 3  # at the threshold: not up
+    text = generate_latest(sup.health.registry).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    child = lambda name, kind: (("child", name), ("kind", kind))  # noqa: E731
+    expected = {
+        ("dpserve_child_up", child("engine-dp0", "engine")): 1,
+        ("dpserve_child_up", child("api-0", "api")): 0,
+        ("dpserve_child_restarts_total", child("engine-dp0", "engine")): 2,
+        ("dpserve_child_restarts_total", child("api-0", "api")): 0,
+        ("dpserve_child_probe_failures_total", child("engine-dp0", "engine")): 5,
+        ("dpserve_child_probe_failures_total", child("api-0", "api")): 0,
+        ("dpserve_rank_running", (("rank", "0"),)): 3,
+        ("dpserve_rank_waiting", (("rank", "0"),)): 1,
+        ("vllm:kv_cache_usage_perc", (("rank", "0"),)): 0.1235,
+        ("dpserve_node_ready", ()): 0,  # no API server is ready
+    }
+    uptime = {k for k in samples if k[0] == "dpserve_child_uptime_seconds"}
+    assert uptime == {("dpserve_child_uptime_seconds", child("engine-dp0", "engine")), ("dpserve_child_uptime_seconds", child("api-0", "api"))}
+    assert {k: v for k, v in samples.items() if k[0] != "dpserve_child_uptime_seconds"} == expected
+    for line in ("# TYPE dpserve_child_restarts_total counter", "# TYPE dpserve_child_probe_failures_total counter", "# TYPE vllm:kv_cache_usage_perc gauge"):
+        assert line in text
