@@ -365,3 +365,22 @@ def test_metrics_keep_the_names_labels_and_values_dashboards_use(sup):
     assert {k: v for k, v in samples.items() if k[0] != "dpserve_child_uptime_seconds"} == expected
     for line in ("# TYPE dpserve_child_restarts_total counter", "# TYPE dpserve_child_probe_failures_total counter", "# TYPE vllm:kv_cache_usage_perc gauge"):
         assert line in text
+
+
+def test_engine_probes_allow_a_heartbeat_the_probe_timeout_late(sup):
+    """--dp-supervisor-probe-timeout-s applies to engines: a heartbeat (every 1 s here) may be
+    up to the timeout late before the probe fails, whatever the probe interval (5 s here);
+    the verdict goes to the loop as an event."""
+    import time
+
+    sup.view.probe_timeout_s = 20.0
+    assert (sup.view.heartbeat_interval_s, sup.view.probe_interval_s) == (1.0, 5.0)
+    fresh, stale = add(sup, "engine-dp0", pid=100), add(sup, "engine-dp1", pid=101)
+    fresh.last_heartbeat = time.monotonic() - 10.0  # past the interval, within interval + timeout
+    stale.last_heartbeat = time.monotonic() - 30.0
+    posted = []
+    sup.prober.post = posted.append
+    asyncio.run(sup.prober._probe(fresh))
+    asyncio.run(sup.prober._probe(stale))
+    assert [(r.name, r.pid, r.ok) for r in posted] == [("engine-dp0", 100, True), ("engine-dp1", 101, False)]
+    assert posted[1].detail.startswith("last heartbeat 30.")
