@@ -215,7 +215,7 @@ BAD_REQUESTS = {
     "token id out of vocab": (json.dumps({"model": "demo", "prompt": [1, 2, 10**7], "max_tokens": 1}).encode(), 400),
     "unknown model": (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404),
     "missing model": (json.dumps({"prompt": "x"}).encode(), 400),
-    "n above 1": (json.dumps({"model": "demo", "prompt": "x", "n": 3}).encode(), 400),
+    "n above the limit": (json.dumps({"model": "demo", "prompt": "x", "n": 129}).encode(), 400),
     "body over the limit": (json.dumps({"model": "demo", "prompt": "x" * (MAX_BODY + 10)}).encode(), 413),
 }
 
