@@ -38,6 +38,8 @@ import zmq
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dpserve.engine.protocol import Codec, LoadTable  # noqa: E402
+
 from benchmarks.load import LoadConfig, run_load  # noqa: E402
 from benchmarks.simcluster import SimCluster, probe_json  # noqa: E402
 
@@ -63,12 +65,16 @@ def cpu_window(cluster: SimCluster, seconds: float, during=None) -> dict:
     }
 
 
-def wait_all(cluster: SimCluster, expected: int, timeout: float) -> tuple[float, float]:
-    """(seconds until every API server sees every rank alive, ... routable), from start."""
+def wait_all(cluster: SimCluster, expected: int, timeout: float) -> tuple[float, float, float]:
+    """Seconds from start until every API server has reported ready (its imports
+    and startup), sees every rank alive, and routes to every rank."""
     deadline = time.monotonic() + timeout
-    t_alive = None
+    t_alive = t_ready = None
+    names = {f"api-{i}" for i in range(cluster.num_api_servers)}
     while time.monotonic() < deadline:
         cluster.check_alive()
+        if t_ready is None and names <= cluster.collect_ready():
+            t_ready = time.monotonic() - cluster.started_at
         alive, routable = [], []
         for i in range(cluster.num_api_servers):
             try:
@@ -82,7 +88,7 @@ def wait_all(cluster: SimCluster, expected: int, timeout: float) -> tuple[float,
         if t_alive is None and all(a == expected for a in alive):
             t_alive = now
         if all(r == expected for r in routable):
-            return t_alive or now, now
+            return t_ready or now, t_alive or now, now
         time.sleep(0.05)
     raise TimeoutError(f"not all routable after {timeout} s: {routable}")
 
@@ -107,13 +113,19 @@ def part_cluster(args) -> dict:
                  "sim_processes": 0, "report_interval_s": args.report_interval_s, "stale_after_s": args.stale_after_s}
     with cluster:
         out["sim_processes"] = len(cluster.sim_procs)
-        out["registered_s"], out["routable_s"] = wait_all(cluster, args.ranks, timeout=300)
+        out["api_ready_s"], out["registered_s"], out["routable_s"] = wait_all(cluster, args.ranks, timeout=300)
         time.sleep(2.0)  # settle
         out["rest"] = cpu_window(cluster, args.window)
         cfg = LoadConfig(url=f"http://127.0.0.1:{cluster.port}", model="sim", concurrency=args.concurrency,
                          duration=args.window, warmup=1.0, max_tokens=16)
-        load = cpu_window(cluster, args.window, lambda: asyncio.run(run_load(cfg)))
+        table = Subscribers(cluster.table_address, 1, count_entries=True)
+        try:
+            load = cpu_window(cluster, args.window, lambda: asyncio.run(run_load(cfg)))
+        finally:
+            table.close()
         res = load.pop("result")
+        load.update(tables_per_s=table.messages / load["wall_s"], entries_per_s=table.entries / load["wall_s"],
+                    table_kib_per_s=table.bytes / load["wall_s"] / 1024)
         load.update(ok=res.ok, errors=sum(res.errors.values()), req_per_s=res.req_per_s,
                     ranks_used=len(res.per_rank), p50_ms=res.latency_ms.get("p50"), p99_ms=res.latency_ms.get("p99"))
         # API-server CPU per request over the whole window (warm-up included in both)
@@ -129,7 +141,10 @@ def part_cluster(args) -> dict:
 class Subscribers:
     """N SUB sockets on the load table, drained by one thread: messages and bytes seen."""
 
-    def __init__(self, address: str, n: int) -> None:
+    def __init__(self, address: str, n: int, count_entries: bool = False) -> None:
+        self.count_entries = count_entries
+        self.entries = 0
+        self.codec = Codec(LoadTable)
         self.ctx = zmq.Context()
         self.socks = []
         for _ in range(n):
@@ -159,6 +174,8 @@ class Subscribers:
                     self.messages += 1
                     self.bytes += len(data)
                     self.largest = max(self.largest, len(data))
+                    if self.count_entries:
+                        self.entries += len(self.codec.decode(data).ranks)
 
     def close(self) -> None:
         self.stop = True
@@ -178,8 +195,6 @@ def part_coordinator(args, vary: bool) -> dict:
             probe = zmq.Context.instance().socket(zmq.SUB)
             probe.setsockopt(zmq.SUBSCRIBE, b"")
             probe.connect(cluster.table_address)
-            from dpserve.engine.protocol import Codec, LoadTable
-
             codec = Codec(LoadTable)
             deadline = start + 120
             while sum(seen.values()) < n and time.monotonic() < deadline:
@@ -239,12 +254,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"## {c['ranks']} simulated ranks ({c['sim_processes']} processes) x {c['api_servers']} API servers, "
               f"reports every {c['report_interval_s']} s, stale limit {c['stale_after_s']} s\n")
         print("| measure | value |\n|---|---|")
+        print(f"| start -> every API server ready (exec + imports: {c['api_servers']} x ~0.5-1 CPU-s) | {c['api_ready_s']:.1f} s |")
         print(f"| start -> every rank alive in every API server's table | {c['registered_s']:.1f} s |")
         print(f"| start -> every rank routable in every API server | {c['routable_s']:.1f} s |")
         print(f"| at rest: coordinator / all API servers / busiest API server | {r['coordinator_pct']:.1f}% / {r['api_total_pct']:.1f}% / {r['api_max_pct']:.1f}% of a core |")
         print(f"| load: {ld['req_per_s']:.0f} req/s ({ld['ok']} ok, {ld['errors']} errors, {ld['ranks_used']} ranks used), p50 {ld['p50_ms']:.0f} ms, p99 {ld['p99_ms']:.0f} ms | |")
         print(f"| under load: coordinator / all API servers / busiest API server | {ld['coordinator_pct']:.1f}% / {ld['api_total_pct']:.1f}% / {ld['api_max_pct']:.1f}% of a core |")
         print(f"| API-server CPU per request (everything, not only routing) | {ld['api_cpu_us_per_request']:.0f} us |")
+        print(f"| under load: tables to each API server | {ld['tables_per_s']:,.0f} msg/s, {ld['entries_per_s']:,.0f} rank entries/s, {ld['table_kib_per_s']:,.0f} KiB/s |")
+        print(f"| under load: simulated ranks' processes | {ld['sims_pct']:.1f}% of a core |")
         print(f"| lost rank (SIGKILL, silent) out of every API server's routing | {c['lost_sigkill_s']:.2f} s |")
         print(f"| lost rank (SIGTERM, announced) out of every API server's routing | {c['lost_sigterm_s']:.2f} s |")
     for row in results.get("coordinator", []):

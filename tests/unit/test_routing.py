@@ -237,3 +237,12 @@ def test_router_applies_deltas_and_resyncs():
     assert [router.pick() for _ in range(3)] == [2, 2, 2]
     lost = [router.update_table(wire(m)) for m in (t.down(2, "gone") and t.tables(full=False))]
     assert lost == [[(2, "gone")]] and router.pick() == 1
+
+
+def test_publish_interval_grows_with_the_cluster_within_bounds():
+    from dpserve.daemons.coordinator import publish_interval
+
+    assert publish_interval(8) == 0.002  # small deployments: as before
+    assert publish_interval(256) == pytest.approx(0.00512)
+    assert publish_interval(1024) == pytest.approx(0.02048)
+    assert publish_interval(100_000) == 0.1
