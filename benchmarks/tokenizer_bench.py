@@ -69,7 +69,7 @@ def main() -> None:
           f"{per_call_us(lambda: tok.encode(SHORT_PROMPT), 20000):.2f} us/call")
 
     def detokenize(chunk: int) -> None:
-        detok = IncrementalDetokenizer(tok, prompt_ids_tail=stream[:5])
+        detok = IncrementalDetokenizer(tok, stream[:5])
         for i in range(0, len(stream), chunk):
             detok.step(stream[i:i + chunk])
         detok.flush()
