@@ -3,8 +3,9 @@ name so that an upgrade which drops one fails here with a clear message (pyproje
 pins upper bounds; raise them only with this file green).
 
 aiohttp: ApiAppRunner overrides AppRunner._make_server (BaseRunner's undocumented hook)
-and swaps the class of each protocol handler (RequestHandler, same __slots__), and the
-ConnectionGuard sets two of its private slots. transformers: the engine registers its
+and swaps the class of each protocol handler (RequestHandler, same __slots__), the
+ConnectionGuard sets two of its private slots, and SSE responses turn off
+StreamResponse._send_headers_immediately. transformers: the engine registers its
 paged attention through AttentionInterface and falls back to transformers' SDPA
 function outside an engine step. The round trips below run the real code on loopback.
 """
@@ -21,6 +22,21 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 AIOHTTP_HINT = "aiohttp changed an internal that dpserve uses (daemons/api_server.py, daemons/http_limits.py)"
+
+
+def test_aiohttp_defers_headers_through_the_class_switch_we_set():
+    """serving.py's (and choices.py's) _EventStream sets StreamResponse._send_headers_immediately
+    = False so an SSE response's headers leave with its first event (one write, not two).
+    aiohttp has no public switch; if it drops this one, ours silently does nothing."""
+    import inspect
+
+    assert getattr(web.StreamResponse, "_send_headers_immediately", None) is True, (
+        f"{AIOHTTP_HINT}: StreamResponse._send_headers_immediately is gone")
+    assert "self._send_headers_immediately" in inspect.getsource(web.StreamResponse), (
+        f"{AIOHTTP_HINT}: StreamResponse no longer reads _send_headers_immediately")
+    from dpserve.daemons.serving import _EventStream
+
+    assert _EventStream._send_headers_immediately is False
 
 
 def test_aiohttp_internals_exist():
