@@ -451,3 +451,18 @@ def test_text_equals_transformers_continuation_for_both_families(family_dir):
                     break
             assert checker.is_stopped and "".join(out) == expected[:expected.find(stop)]
     assert (lone_decode_differs > 20) == (name == "metaspace")
+
+
+def test_demo_model_cli_writes_the_metaspace_variant(tmp_path):
+    out = tmp_path / "m"
+    run = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "demo-model", str(out), "--tokenizer", "metaspace"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    spec = json.loads((out / "tokenizer.json").read_text())
+    assert spec["pre_tokenizer"]["type"] == "Metaspace" and spec["model"]["byte_fallback"] is True
+    tok = TextTokenizer.from_dir(out)
+    assert len(tok.byte_fallback_ids) == 256 and tok.vocab_size == 2048
+    refused = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "demo-model", str(tmp_path / "s"),
+                              "--size", "small", "--tokenizer", "metaspace"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "tiny size only" in refused.stderr, refused.stderr
+    assert not (tmp_path / "s").exists()
