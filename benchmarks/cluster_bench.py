@@ -107,9 +107,9 @@ def time_to_drop(cluster: SimCluster, name: str, sig: int, expected: int, timeou
 def part_cluster(args) -> dict:
     cluster = SimCluster(
         args.ranks, args.api_servers, args.ranks_per_process, num_alone=2,
-        report_interval_s=args.report_interval_s, stale_after_s=args.stale_after_s,
+        report_interval_s=args.report_interval_s, stale_after_s=args.stale_after_s, prefork=args.launch == "prefork",
     )
-    out: dict = {"ranks": args.ranks, "api_servers": args.api_servers, "ranks_per_process": args.ranks_per_process,
+    out: dict = {"launch": args.launch, "ranks": args.ranks, "api_servers": args.api_servers, "ranks_per_process": args.ranks_per_process,
                  "sim_processes": 0, "report_interval_s": args.report_interval_s, "stale_after_s": args.stale_after_s}
     with cluster:
         out["sim_processes"] = len(cluster.sim_procs)
@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks-per-process", type=int, default=32)
     ap.add_argument("--report-interval-s", type=float, default=0.1)
     ap.add_argument("--stale-after-s", type=float, default=1.5, help="the coordinator's silence limit (interval x threshold)")
+    ap.add_argument("--launch", choices=["prefork", "exec"], default="prefork",
+                    help="API servers forked from dpserve's launcher (serve's default) or each exec'd")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--window", type=float, default=10.0)
     ap.add_argument("--coordinator-ranks", type=int, default=1024)
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"## {c['ranks']} simulated ranks ({c['sim_processes']} processes) x {c['api_servers']} API servers, "
               f"reports every {c['report_interval_s']} s, stale limit {c['stale_after_s']} s\n")
         print("| measure | value |\n|---|---|")
-        print(f"| start -> every API server ready (exec + imports: {c['api_servers']} x ~0.5-1 CPU-s) | {c['api_ready_s']:.1f} s |")
+        print(f"| start -> every API server ready ({c['launch']}) | {c['api_ready_s']:.1f} s |")
         print(f"| start -> every rank alive in every API server's table | {c['registered_s']:.1f} s |")
         print(f"| start -> every rank routable in every API server | {c['routable_s']:.1f} s |")
         print(f"| at rest: coordinator / all API servers / busiest API server | {r['coordinator_pct']:.1f}% / {r['api_total_pct']:.1f}% / {r['api_max_pct']:.1f}% of a core |")

@@ -26,7 +26,8 @@ from pathlib import Path
 import msgspec
 import zmq
 from dpserve.daemons.config import ApiServerConfig, CoordinatorConfig
-from dpserve.engine.common.procutil import CHILD_CONFIG_ENV
+from dpserve.daemons.launcher import LauncherConfig, LaunchReply, LaunchRequest
+from dpserve.engine.common.procutil import CHILD_CONFIG_ENV, become_subreaper
 from dpserve.engine.demo_model import write_tokenizer
 from dpserve.engine.protocol import ChildReady, Codec, ToSupervisor, config_fingerprint
 
@@ -62,6 +63,41 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+class _Adopted:
+    """A forked API server adopted by this process (a child subreaper), with the
+    part of Popen's interface the cluster uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
 class SimCluster:
     def __init__(
         self,
@@ -77,6 +113,7 @@ class SimCluster:
         prefill_tokens_per_s: float = 50_000.0,
         max_waiting_per_rank: int = 4096,
         vary_load: bool = False,
+        prefork: bool = False,
         run_dir: str | None = None,
     ) -> None:
         self.num_ranks = num_ranks
@@ -90,6 +127,10 @@ class SimCluster:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.max_waiting_per_rank = max_waiting_per_rank
         self.vary_load = vary_load
+        # prefork: API servers forked from dpserve's launcher after one import, as
+        # `dpserve serve` does by default (this process becomes a child subreaper)
+        self.prefork = prefork
+        self._launcher_sock: socket.socket | None = None
         self._tmp = None if run_dir else tempfile.TemporaryDirectory(prefix="dpsim-")
         self.run_dir = run_dir or self._tmp.name
         self.model_dir = write_tokenizer(os.path.join(self.run_dir, "tokenizer"))
@@ -187,13 +228,42 @@ class SimCluster:
                 wait_for_engine_s=1.0,
                 request_first_token_timeout_s=30.0,
             )
-            self._spawn(f"api-{i}", "dpserve.daemons.api_server", api, pass_fds=(self.listen.fileno(),))
+            if self.prefork:
+                self._fork_api(f"api-{i}", api)
+            else:
+                self._spawn(f"api-{i}", "dpserve.daemons.api_server", api, pass_fds=(self.listen.fileno(),))
         shared = self.num_ranks - self.num_alone
         for first in range(0, shared, self.ranks_per_process):
             self.start_sim(first, min(shared, first + self.ranks_per_process) - 1)
         for rank in range(shared, self.num_ranks):
             self.start_sim(rank, rank)
         return self
+
+    def _start_launcher(self) -> None:
+        become_subreaper()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cfg = LauncherConfig(control_fd=theirs.fileno(), parent_pid=os.getpid(),
+                             preload=["dpserve.daemons.api_server", "uvloop"], log_level="warning")
+        self._spawn("launcher", "dpserve.daemons.launcher", cfg, pass_fds=(theirs.fileno(),))
+        theirs.close()
+        ours.settimeout(60)
+        if ours.recv(64) != b"ready":
+            raise RuntimeError("the launcher did not start")
+        self._launcher_sock = ours
+
+    def _fork_api(self, name: str, cfg: ApiServerConfig) -> None:
+        if self._launcher_sock is None:
+            self._start_launcher()
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        env[CHILD_CONFIG_ENV] = msgspec.json.encode(cfg).decode()
+        req = LaunchRequest(name=name, module="dpserve.daemons.api_server", env=env,
+                            target_fds=[1, 2, cfg.listen_fd], parent_pid=os.getpid())
+        with open(os.path.join(self.run_dir, f"{name}.log"), "wb") as log:
+            socket.send_fds(self._launcher_sock, [msgspec.json.encode(req)], [log.fileno(), log.fileno(), cfg.listen_fd])
+        reply = msgspec.json.decode(self._launcher_sock.recv(1 << 16), type=LaunchReply)
+        if not reply.pid:
+            raise RuntimeError(f"launcher could not start {name}: {reply.error}")
+        self.procs[name] = _Adopted(reply.pid)
 
     def start_sim(self, first: int, last: int) -> str:
         name = f"sim-{first}-{last}"
@@ -218,6 +288,8 @@ class SimCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+        if self._launcher_sock is not None:
+            self._launcher_sock.close()
         if self.listen is not None:
             self.listen.close()
         self.ctx.destroy(linger=0)

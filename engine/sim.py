@@ -15,8 +15,10 @@ What is simulated: the model. Each rank keeps a FIFO waiting queue and up to
 to prefill_tokens_per_s x step of waiting prompts (a prompt's first token
 comes with the step that finishes it) and gives every running sequence one
 token; a sequence ends at max_tokens ("length") or on one of its
-stop_token_ids ("stop"). Ranks in one process share one poll loop; a ranks'
-sockets are its own, as in a real rank process.
+stop_token_ids ("stop"). Ranks in one process share one poll loop and one
+step clock (all busy ranks step together), and send their periodic reports
+together, so that a process of 32 idle ranks x 32 API servers wakes ~10 times
+a second; a rank's sockets are its own, as in a real rank process.
 """
 
 from __future__ import annotations
@@ -61,8 +63,7 @@ from .protocol import (
 
 LOAD_REPORT_MIN_INTERVAL_S = 0.002  # as the real engine
 REGISTER_RETRY_S = 2.0
-GREET_CHECK_S = 0.25  # how often reconnections are looked for (a re-greeting's delay at most)
-HEARTBEAT_SCAN_S = 0.02
+GREET_CHECK_S = 1.0  # how often reconnections are looked for (a re-greeting's delay at most)
 
 
 class SimConfig(msgspec.Struct, kw_only=True):
@@ -121,7 +122,6 @@ class SimRank:
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.by_id: dict[str, _Seq] = {}
-        self.next_step = 0.0
         self.num_finished = 0
         self.num_aborted = 0
         self.last_report = 0.0
@@ -153,6 +153,8 @@ class SimRank:
             self.eng.watch(sock, self, len(self.api))
             self.api.append(sock)
             self.api_addresses.append(address)
+            # queued until the connection is up: no wait for the monitor's next check
+            self.send_api(len(self.api) - 1, EngineHello(self.rank, self.incarnation))
 
     def greet_reconnections(self) -> None:
         """EngineHello on every completed (re)connection, as the real engine does."""
@@ -186,9 +188,8 @@ class SimRank:
             seq = _Seq(msg, index)
             self.by_id[seq.request_id] = seq
             self.waiting.append(seq)
-            if self.next_step < now:
-                self.next_step = now  # an idle rank starts a step at once
-            self.load_dirty = True
+            self.eng.busy.add(self)
+            self.mark_dirty()
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:
                 seq = self.by_id.pop(rid, None)
@@ -199,7 +200,7 @@ class SimRank:
                     self.running.remove(seq)
                 else:
                     self.waiting.remove(seq)
-            self.load_dirty = True
+            self.mark_dirty()
         elif isinstance(msg, Ping):
             self.send_api(index, Pong(self.rank, msg.nonce))
 
@@ -211,7 +212,6 @@ class SimRank:
         """One simulated scheduler step: prefill within the budget, one token per running sequence."""
         cfg = self.cfg
         step_s = cfg.decode_step_ms / 1000
-        self.next_step = now + step_s
         outs: dict[int, list[RequestOutput]] = {}
         tokens = cfg.token_ids
         # 1. Decode: every sequence that already had its first token gets one more.
@@ -233,7 +233,7 @@ class SimRank:
         # 3. One message per API server with this step's outputs.
         for index, batch in outs.items():
             self.send_api(index, EngineOutputs(self.rank, batch, len(self.running), len(self.waiting)))
-        self.load_dirty = True
+        self.mark_dirty()
 
     def _emit(self, seq: _Seq, token: int, outs: dict[int, list[RequestOutput]], keep: list[_Seq]) -> None:
         seq.num_generated += 1
@@ -251,15 +251,22 @@ class SimRank:
 
     # ---------------------------------------------------------------- load and sockets
 
+    def mark_dirty(self) -> None:
+        self.load_dirty = True
+        self.eng.dirty.add(self)
+
     def report_load(self, now: float, force: bool = False) -> None:
+        """Report if forced, or if the load changed and the last report is 2 ms old;
+        a change held back stays in the engine's dirty set."""
         if not self.registered:
             return
         waiting_tokens = int(sum(s.prefill_left for s in self.waiting))
         load = (len(self.running), len(self.waiting), waiting_tokens, self.num_finished, self.num_aborted)
         changed = load != self.last_load
-        due = now - self.last_report >= self.cfg.report_interval_s
         self.load_dirty = changed
-        if not (force or due or (changed and now - self.last_report >= LOAD_REPORT_MIN_INTERVAL_S)):
+        if not (force or (changed and now - self.last_report >= LOAD_REPORT_MIN_INTERVAL_S)):
+            if changed:
+                self.eng.dirty.add(self)
             return
         self.load_dirty = False
         self.last_load = load
@@ -309,6 +316,8 @@ class SimEngine:
         self.coord_codec = Codec(CoordinatorInput | CoordinatorToEngine)
         self.poller = zmq.Poller()
         self.owners: dict[zmq.Socket, tuple[SimRank, int]] = {}
+        self.busy: set[SimRank] = set()  # ranks with requests: they step on the next tick
+        self.dirty: set[SimRank] = set()  # ranks whose load changed since their last report
         self.should_stop = False
         self.refused = False
         self.ranks = [SimRank(self, r) for r in cfg.ranks]
@@ -322,37 +331,46 @@ class SimEngine:
 
     def run(self) -> int:
         ranks = self.ranks
+        step_s = self.cfg.decode_step_ms / 1000
         now = time.monotonic()
         for r in ranks:
             r.register(now)
-        last_greet = last_scan = 0.0
+        next_tick = next_report = next_greet = now
         while not self.should_stop and not self.refused:
-            # 1. Wait for input, never past the next due step or housekeeping.
-            busy = [r for r in ranks if r.has_work]
-            wake = min((r.next_step for r in busy), default=now + HEARTBEAT_SCAN_S)
-            wake = min(wake, now + HEARTBEAT_SCAN_S)
-            timeout_ms = max(0, int((wake - time.monotonic()) * 1000))
+            # 1. Wait for input, never past the next tick, report round or flush of a change.
+            wake = min(next_report, next_greet)
+            if self.busy:
+                wake = min(wake, next_tick)
+            if self.dirty:
+                wake = min(wake, now + LOAD_REPORT_MIN_INTERVAL_S)
+            timeout_ms = max(0, int((wake - time.monotonic()) * 1000 + 0.999))
             for sock, _ in self.poller.poll(timeout_ms):
                 self._drain(sock)
             now = time.monotonic()
-            # 2. Step every rank whose step is due.
-            for r in ranks:
-                if r.has_work and r.next_step <= now:
+            # 2. Tick: every busy rank steps (an idle process starts its clock at once).
+            if self.busy and now >= next_tick:
+                for r in list(self.busy):
                     r.step(now)
-            # 3. Load reports (on change, rate-limited, and as heartbeats); registration retries.
-            if now - last_scan >= HEARTBEAT_SCAN_S:
-                last_scan = now
+                    if not r.has_work:
+                        self.busy.discard(r)
+                next_tick = max(next_tick + step_s, now)
+            elif not self.busy:
+                next_tick = now
+            # 3. Load reports: changes (rate-limited per rank), and every rank each interval.
+            if now >= next_report:
+                next_report = now + self.cfg.report_interval_s
+                self.dirty.clear()
                 for r in ranks:
                     if not r.registered and now - r.last_register >= REGISTER_RETRY_S:
                         r.register(now)
+                    r.report_load(now, force=True)
+            elif self.dirty:
+                dirty, self.dirty = self.dirty, set()
+                for r in dirty:
                     r.report_load(now)
-            else:
-                for r in ranks:
-                    if r.load_dirty:
-                        r.report_load(now)
-            # 4. Greet API servers we (re)connected to.
-            if now - last_greet >= GREET_CHECK_S:
-                last_greet = now
+            # 4. Greet API servers we reconnected to.
+            if now >= next_greet:
+                next_greet = now + GREET_CHECK_S
                 for r in ranks:
                     r.greet_reconnections()
         return 2 if self.refused else 0
