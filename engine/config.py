@@ -31,7 +31,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # local Hugging Face model directory
     rank: int = 0
     dtype: str = "auto"  # auto: bf16 where the device computes it fast (checkpoint's dtype if 16-bit), else float32
-    device: str = "auto"  # auto: cuda:<rank*tp> when CUDA is present, else cpu
+    device: str = "auto"  # auto: cuda:<rank mod visible GPUs> when CUDA is present, else cpu (loader.resolve_device)
     max_num_seqs: int = 256
     max_model_len: int = 0  # 0: from the model's config
     max_num_batched_tokens: int = 0  # tokens per step at most; 0: by device (see above)
