@@ -52,8 +52,9 @@ class NotifySocket:
 
 
 def test_notify_ready_watchdog_and_drain_on_sigterm(demo_model_dir, tmp_path):
-    """READY=1 only once every child serves; WATCHDOG=1 periodically; SIGTERM mid-stream
-    lets the stream finish, sends STOPPING=1, exits 0 and leaves no process."""
+    """READY=1 only once every child serves; WATCHDOG=1 periodically; SIGHUP is a
+    reload systemd can follow; SIGTERM mid-stream lets the stream finish, sends
+    STOPPING=1, exits 0 and leaves no process."""
     notify = NotifySocket(str(tmp_path / "notify.sock"))
     env = {"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "1000000"}
     srv = DpServer(demo_model_dir, "--data-parallel-size", "1", "--api-server-count", "2", env=env)
@@ -70,6 +71,17 @@ def test_notify_ready_watchdog_and_drain_on_sigterm(demo_model_dir, tmp_path):
         assert notify.lines("EXTEND_TIMEOUT_USEC=")
         assert all(t <= ready_at for t, m in notify.messages if m.startswith("EXTEND_TIMEOUT_USEC="))
         wait_until(lambda: len(notify.lines("WATCHDOG=1")) >= 3, 5, 0.1, "three watchdog pings")
+
+        # SIGHUP (systemctl reload): RELOADING=1 with MONOTONIC_USEC as it begins,
+        # READY=1 again only once every API server has been replaced.
+        apis = {c["name"]: c["pid"] for c in srv.status()["children"] if c["kind"] == "api"}
+        srv.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: notify.lines("READY=1")[1:], 120, 0.1, "READY=1 after the reload")
+        after_reload = [m for _, m in notify.messages if m.startswith(("RELOADING=", "MONOTONIC_USEC=", "READY="))]
+        assert after_reload[:4] == ["READY=1", "RELOADING=1", after_reload[2], "READY=1"], after_reload
+        assert after_reload[2].startswith("MONOTONIC_USEC=") and int(after_reload[2].split("=")[1]) > 0
+        now = {c["name"]: c for c in srv.status()["children"] if c["kind"] == "api"}
+        assert all(now[n]["pid"] != pid and now[n]["state"] == "ready" for n, pid in apis.items()), (apis, now)
         srv.refresh_child_pids()
 
         result: dict = {}
