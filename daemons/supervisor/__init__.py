@@ -7,7 +7,7 @@ them, and that loop is the single writer of the child table.
     -------------------------            ----------------------------------
     signal handlers   SignalReceived     1. wait for an event (or the tick)
     exit watchers     Exited             2. apply it and all queued ones:
-    spawn tasks       Spawned              on_signal  stop, or begin_rolling_restart
+    spawn tasks       Spawned              on_signal  stop, or rolling.begin
                       SpawnFailed          on_spawned record pid, watch its exit
     control socket    Ready, Heartbeat     on_exit    reap: decode, out of routing,
     prober            ProbeResult                     policy.decide -> restart/stay/give up

@@ -29,7 +29,7 @@ from ..notify import Notifier
 from ..plan import StartupError
 from ..probes import Prober
 from . import events as ev
-from . import startup
+from . import rolling, startup
 from .policy import Action, RestartPolicy, decide, node_exit_code
 from .producers import read_control, watch_coordinator_link, watch_exit
 from .rolling import RollingRestart
@@ -211,7 +211,7 @@ class Supervisor:
         elif self.rolling is not None:
             self.log.info("rolling restart already in progress")
         else:
-            self.begin_rolling_restart()
+            self.rolling = rolling.begin(self)
 
     def stop(self, code: int) -> None:
         self.exit_code = code
@@ -328,23 +328,6 @@ class Supervisor:
         _kill(child.pid, signal.SIGTERM)
         if cont:
             _kill(child.pid, signal.SIGCONT)
-
-    def begin_rolling_restart(self) -> None:
-        self.notifier.reloading()
-        names = [c.name for c in self.children.values() if c.kind == "api"]
-        self.log.info("rolling restart of API servers", count=len(names))
-        self.rolling = RollingRestart(names, wait_for_launcher=self.launcher is not None)
-        if self.launcher is not None:
-            # A fresh launcher first, so code upgraded on disk reaches the new API servers.
-            async def restart_launcher() -> None:
-                try:
-                    await self.launcher.restart(sys.stderr.buffer)
-                except Exception as exc:  # API servers then start with exec
-                    self.log.warning("cannot restart the prefork launcher", error=f"{type(exc).__name__}: {exc}")
-                finally:
-                    self.post(ev.LauncherRestarted())
-
-            self._task(restart_launcher(), "launcher-restart")
 
     def sweep_strays(self) -> None:
         known = {c.pid for c in self.children.values() if c.proc is not None}

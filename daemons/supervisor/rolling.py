@@ -8,12 +8,35 @@ is READY or the step's deadline passes -> next -> done.
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from typing import TYPE_CHECKING
 
 from ..children import ChildState
+from .events import LauncherRestarted
 
 if TYPE_CHECKING:
     from .core import Supervisor
+
+
+def begin(sup: Supervisor) -> RollingRestart:
+    """A loop verb on SIGHUP: tell systemd a reload began, and start with a fresh launcher."""
+    sup.notifier.reloading()
+    names = [c.name for c in sup.children.values() if c.kind == "api"]
+    sup.log.info("rolling restart of API servers", count=len(names))
+    if sup.launcher is not None:
+        # A fresh launcher first, so code upgraded on disk reaches the new API servers.
+        sup.tasks.append(asyncio.create_task(_restart_launcher(sup), name="launcher-restart"))
+    return RollingRestart(names, wait_for_launcher=sup.launcher is not None)
+
+
+async def _restart_launcher(sup: Supervisor) -> None:
+    try:
+        await sup.launcher.restart(sys.stderr.buffer)
+    except Exception as exc:  # API servers then start with exec
+        sup.log.warning("cannot restart the prefork launcher", error=f"{type(exc).__name__}: {exc}")
+    finally:
+        sup.post(LauncherRestarted())
 
 
 class RollingRestart:
