@@ -18,12 +18,8 @@ import sys
 import tempfile
 import time
 
-from dpserve.daemons.tokenizer import (
-    IncrementalDetokenizer,
-    TextTokenizer,
-    _WindowDetokenizer,
-    decode_continuation,
-)
+from dpserve.daemons.detokenizer import IncrementalDetokenizer, _WindowDetokenizer, decode_continuation
+from dpserve.daemons.tokenizer import TextTokenizer
 from dpserve.engine.demo_model import TOKENIZERS, write_tokenizer
 
 PROMPT = "Write a short answer about the river and the mountain, then say hello to the world."

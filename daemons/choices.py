@@ -31,6 +31,7 @@ from dpserve.engine.protocol import (
     TokenLogprobs,
 )
 
+from .detokenizer import IncrementalDetokenizer, StopChecker
 from .engine_client import RequestState
 from .openai_types import (
     ApiError,
@@ -43,7 +44,6 @@ from .openai_types import (
     encode,
     stop_strings,
 )
-from .tokenizer import IncrementalDetokenizer, StopChecker
 
 _DONE = b"data: [DONE]\n\n"
 _INT64 = 2**64

@@ -22,6 +22,7 @@ from dpserve.engine.protocol import FINISH_ERROR, AddRequest, SamplingParams
 
 from .choices import ChoicesServing
 from .config import ApiServerConfig
+from .detokenizer import IncrementalDetokenizer, StopChecker, decode_continuation
 from .engine_client import EngineClient, RequestState
 from .metrics import ApiMetrics
 from .openai_types import (
@@ -50,7 +51,7 @@ from .openai_types import (
     uses_extras,
 )
 from .router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
-from .tokenizer import IncrementalDetokenizer, StopChecker, TextTokenizer, decode_continuation
+from .tokenizer import TextTokenizer
 
 _json_str = msgspec.json.encode
 _DONE = b"data: [DONE]\n\n"

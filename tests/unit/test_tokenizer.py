@@ -10,13 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from dpserve.daemons.tokenizer import (
-    IncrementalDetokenizer,
-    StopChecker,
-    TextTokenizer,
-    _WindowDetokenizer,
-    decode_continuation,
-)
+from dpserve.daemons.detokenizer import IncrementalDetokenizer, StopChecker, _WindowDetokenizer, decode_continuation
+from dpserve.daemons.tokenizer import TextTokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
@@ -388,7 +383,7 @@ def test_model_dir_end_to_end(any_model_dir):
 
 
 def test_import_pulls_in_neither_torch_nor_transformers():
-    code = ("import sys, dpserve.daemons.tokenizer; "
+    code = ("import sys, dpserve.daemons.tokenizer, dpserve.daemons.detokenizer; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
