@@ -127,10 +127,18 @@ class Router:
         if routable != self._is_routable[rank]:
             self._is_routable[rank] = routable
             self.num_routable += 1 if routable else -1
-        if routable and load.num_waiting + self.sent[rank] < self.max_waiting_per_rank:
-            key = self.score(rank) if self.policy != "round-robin" else 0
-        else:
+        if not routable or load.num_waiting + self.sent[rank] >= self.max_waiting_per_rank:
             key = None
+        elif self.policy == "tokens":  # score(), inlined: this runs for every event
+            key = load.num_waiting_prefill_tokens + load.num_remaining_decode_tokens + self.sent_tokens[rank]
+            if key < self.inflight_tokens[rank]:
+                key = self.inflight_tokens[rank]
+        elif self.policy == "queue":
+            key = QUEUE_WAITING_WEIGHT * load.num_waiting + load.num_running + self.sent[rank]
+            if key < self.inflight[rank]:
+                key = self.inflight[rank]
+        else:
+            key = 0
         old = self._key[rank]
         if key == old:
             return
@@ -176,23 +184,25 @@ class Router:
             return []  # stale or duplicate (seq 1: the coordinator restarted)
         self.table_seq = table.seq
         lost = []
-        size, loads = self.size, self.loads
-        for entry in table.ranks:
+        size, loads, hello, sent, sent_tokens, pos = self.size, self.loads, self.hello, self.sent, self.sent_tokens, self._pos
+        refresh = self._refresh
+        for entry in table.ranks:  # the hot loop of a table: routable() and friends inlined
             rank = entry.rank
             if not 0 <= rank < size:
                 continue
             old = loads[rank]
-            if old == entry and not self.sent[rank]:
+            if old == entry and not sent[rank]:
                 continue  # a resync repeating what we hold: nothing to re-file
-            was = self.routable(rank)
             loads[rank] = entry
-            self.sent[rank] = 0
-            self.sent_tokens[rank] = 0
-            if was and old.incarnation != entry.incarnation:
-                lost.append((rank, "rank restarted"))
-            elif was and not self.routable(rank):
-                lost.append((rank, entry.down_reason or "rank went down"))
-            self._refresh(rank)
+            sent[rank] = 0
+            sent_tokens[rank] = 0
+            if old is not None and old.is_alive and hello[rank] == old.incarnation:  # it was routable
+                if old.incarnation != entry.incarnation:
+                    lost.append((rank, "rank restarted"))
+                elif not (entry.is_alive and hello[rank] == entry.incarnation):
+                    lost.append((rank, entry.down_reason or "rank went down"))
+            if pos[rank] >= 0:
+                refresh(rank)
         return lost
 
     def engine_hello(self, rank: int, incarnation: str) -> bool:
