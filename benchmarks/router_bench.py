@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Router cost against cluster size: one routing decision and one load-table apply.
 
-    python benchmarks/router_bench.py [--ranks 8,64,256,1024] [--json]
+    python benchmarks/router_bench.py [--ranks 8,64,256,1024] [--router FILE] [--json]
+
+`--router FILE` measures another version of daemons/router.py (for example
+`git show c6e2c37:daemons/router.py > /tmp/old_router.py`, the linear scan
+before issue 19) in the same run conditions.
 
 Uses the project's own `Router` in this process, all ranks routable, the
 way one API server uses it: per request one `pick()` + `on_send()` (and
@@ -159,15 +163,33 @@ def skewed_load(n: int, num_requests: int, policy: str = "tokens", seed: int = 1
     return {"ranks": n, "requests": num_requests, "differ": differ, "p50_ms": pct(0.5), "p99_ms": pct(0.99)}
 
 
+def load_router(path: str) -> type:
+    """Router from another copy of router.py (its relative imports made absolute)."""
+    import importlib.util
+    import tempfile
+
+    text = Path(path).read_text().replace("from .", "from dpserve.daemons.")
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location("router_under_test", f.name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Router
+
+
 def main(argv: list[str] | None = None) -> int:
+    global Router
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="8,64,256,1024")
     ap.add_argument("--policies", default="tokens,queue,round-robin")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--delta-ranks", type=int, default=8, help="ranks named in one delta table")
     ap.add_argument("--skew-requests", type=int, default=20_000, help="requests in the skewed-load check (0: skip)")
+    ap.add_argument("--router", help="a router.py to measure instead of the installed one")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.router:
+        Router = load_router(args.router)
     skew = [skewed_load(int(n), args.skew_requests) for n in args.ranks.split(",")] if args.skew_requests else []
     rows = [
         measure(int(n), policy, args.repeats, args.delta_ranks)
