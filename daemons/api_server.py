@@ -242,7 +242,7 @@ class ApiServer:
         # As vLLM's /health: 200 only while a request sent now can be served.
         if self.serving.draining:
             return _json(b'{"status":"draining"}', 503)
-        if not self.router.routable_ranks:
+        if not self.router.num_routable:  # O(1): a load balancer asks often
             return _json(b'{"status":"no engine rank is ready"}', 503)
         return _json(b'{"status":"ok"}')
 
