@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.simcluster import SimCluster  # noqa: E402
+from benchmarks.simcluster import SimCluster, _UnixHTTP  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -71,6 +71,35 @@ def test_streaming_and_pins_reach_the_pinned_rank(cluster):
         assert raw.headers["X-data-parallel-rank"] == "17"
         chunks = list(raw.parse())
         assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def rank_metric(cluster: SimCluster, api: int, name: str, rank: int) -> float | None:
+    conn = _UnixHTTP(cluster.probe_path(api))
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    prefix = f'{name}{{rank="{rank}"}} '
+    return next((float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), None)
+
+
+def test_a_client_that_leaves_aborts_its_request_on_the_rank(cluster):
+    before = rank_metric(cluster, 0, "dpserve_rank_requests_aborted_total", 5) or 0.0
+    with openai.OpenAI(base_url=cluster.url, api_key="x", max_retries=0, timeout=60) as client:
+        stream = client.completions.create(model="sim", prompt="x", max_tokens=500, stream=True,
+                                           extra_headers={"X-data-parallel-rank": "5"})
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+        stream.close()  # 500 tokens at 10 ms a step: the rank is still decoding it
+    deadline = time.monotonic() + 10
+    # the rank counts the abort in its load report; every API server sees it in the table
+    while not all(rank_metric(cluster, i, "dpserve_rank_requests_aborted_total", 5) == before + 1 for i in (0, 1)):
+        assert time.monotonic() < deadline, [rank_metric(cluster, i, "dpserve_rank_requests_aborted_total", 5) for i in (0, 1)]
+        time.sleep(0.05)
+    assert all(rank_metric(cluster, i, "dpserve_api_in_flight", 5) == 0 for i in (0, 1))
+    assert all(rank_metric(cluster, i, "dpserve_rank_running", 5) == 0 for i in (0, 1))
 
 
 def test_a_lost_rank_leaves_every_api_servers_routing_within_the_stale_limit(cluster):
