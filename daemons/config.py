@@ -73,6 +73,11 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     data_parallel_start_rank: int = 0
     data_parallel_address: str = "127.0.0.1"  # the head's address
     data_parallel_rpc_port: int = 29550
+    # First port of this node's API servers' engine channels (API server i: base+i); 0: rpc-port+2.
+    # Two nodes on one address need different bases.
+    data_parallel_api_rpc_port_base: int = 0
+    # The head is ready while at least this many ranks are routable (0: one); startup still waits for all.
+    min_ready_ranks: int = 0
     node_address: str = ""  # this node's address for its API servers (workers; default: route to head)
     headless: bool = False
     lb_mode: str = "internal"
@@ -104,6 +109,11 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         if self.lb_mode in ("hybrid", "external"):
             return list(self.local_ranks)
         return list(range(self.data_parallel_size))
+
+    @property
+    def api_rpc_port_base(self) -> int:
+        """API server i's engine channel listens on this + i (multi-node)."""
+        return self.data_parallel_api_rpc_port_base or self.data_parallel_rpc_port + 2
 
     @property
     def api_server_startup_timeout_s(self) -> float:
@@ -151,6 +161,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError("in internal load balancing only the head runs API servers: start workers with --headless")
         if self.lb_mode == "external" and self.api_server_count != local:
             raise ValueError("external load balancing runs one API server per local rank: --api-server-count must equal --data-parallel-size-local")
+        if not 0 <= self.min_ready_ranks <= size:
+            raise ValueError(f"--min-ready-ranks {self.min_ready_ranks} must be in [0, --data-parallel-size {size}]")
+        if self.runs_api_servers and self.api_rpc_port_base + self.api_server_count - 1 > 65535:
+            raise ValueError("--data-parallel-api-rpc-port-base + --api-server-count exceeds port 65535")
         if self.is_multi_node and not self.key_file:
             raise ValueError(
                 "multi-node traffic must be authenticated: give --data-parallel-key-file (the same secret on every node)"
@@ -177,8 +191,8 @@ class Addresses(msgspec.Struct, kw_only=True):
         """ipc:// on a single node; tcp:// on the advertised addresses when multi-node.
 
         Ports on a multi-node deployment: rpc-port (coordinator: registration,
-        load reports), rpc-port+1 (load table), rpc-port+2+i (API server i's
-        engine channel, on the node that runs it).
+        load reports), rpc-port+1 (load table), api-rpc-port-base+i (API server
+        i's engine channel, on the node that runs it; rpc-port+2+i by default).
         """
         n = cfg.api_server_count if cfg.runs_api_servers else 0
         probes = [f"{run_dir}/api-{i}.http" for i in range(n)]
@@ -191,11 +205,12 @@ class Addresses(msgspec.Struct, kw_only=True):
                 api_probes=probes,
             )
         head, rpc = cfg.data_parallel_address, cfg.data_parallel_rpc_port
+        base = cfg.api_rpc_port_base
         return cls(
             supervisor=f"ipc://{run_dir}/supervisor.ctl",
             coordinator_engines=f"tcp://{head}:{rpc}",
             coordinator_table=f"tcp://{head}:{rpc + 1}",
-            api_engines=[f"tcp://{node_address}:{rpc + 2 + i}" for i in range(n)],
+            api_engines=[f"tcp://{node_address}:{base + i}" for i in range(n)],
             api_probes=probes,
         )
 

@@ -22,6 +22,7 @@ import zmq
 from dpserve.engine.common.auth import HANDSHAKE_EVENTS, CurveKeys, describe_handshake_failure, make_server, start_authenticator
 from dpserve.engine.common.logs import setup_logging
 from dpserve.engine.common.procutil import (
+    EXIT_CONFIG,
     EXIT_OK,
     SupervisorLink,
     child_config_from_env,
@@ -104,7 +105,7 @@ class RankTable:
             and now - self.last_seen.get(msg.rank, 0.0) < self.stale_after_s
         ):
             return f"rank {msg.rank} is already served by a live engine (incarnation {held.incarnation})"
-        self.ranks[msg.rank] = RankLoad(msg.rank, msg.incarnation, is_alive=False, down_reason="registering")
+        self.ranks[msg.rank] = RankLoad(msg.rank, msg.incarnation, is_alive=False, down_reason="registering", node_rank=msg.node_rank, host=msg.host)
         self.last_seen[msg.rank] = now
         self._touch(msg.rank)
         return ""
@@ -407,7 +408,14 @@ def main() -> None:
     die_with_parent(cfg.parent_pid)
     set_process_name("dpserve-coord")
     log = setup_logging(cfg.name, cfg.log_level)
-    coord = Coordinator(cfg, log)
+    try:
+        coord = Coordinator(cfg, log)
+    except zmq.ZMQError as exc:
+        # Another head holds the port: a configuration error (exit 2), which
+        # systemd must not restart in a loop; the supervisor checks first and
+        # names the flag, this covers a port taken in between.
+        log.error("cannot bind the coordinator's ports", engines=cfg.engines_address, table=cfg.table_address, error=str(exc), hint="another head on this --data-parallel-rpc-port?")
+        os._exit(EXIT_CONFIG)
     signal.signal(signal.SIGTERM, coord._on_signal)
     signal.signal(signal.SIGINT, coord._on_signal)
     try:

@@ -58,6 +58,40 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _port_in_use(host: str, port: int) -> str:
+    """Why (host, port) cannot be listened on, or ''. SO_REUSEADDR as ZeroMQ sets
+    it, so a port held only by closed connections (TIME_WAIT) counts as free."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return ""
+
+
+def check_rpc_ports(cfg: ServeConfig, node_address: str) -> None:
+    """Multi-node: the TCP ports this node's children will bind, checked before any
+    starts, so a second head on a used rpc port or two nodes' API servers on one
+    address is exit 2 naming the flag, not a child's traceback and exit 3."""
+    if not cfg.is_multi_node:
+        return
+    wanted: list[tuple[str, int, str]] = []
+    if cfg.runs_coordinator:
+        rpc = cfg.data_parallel_rpc_port
+        wanted += [(cfg.data_parallel_address, rpc, "--data-parallel-rpc-port"), (cfg.data_parallel_address, rpc + 1, "--data-parallel-rpc-port (+1)")]
+    if cfg.runs_api_servers:
+        base = cfg.api_rpc_port_base
+        flag = "--data-parallel-api-rpc-port-base" + ("" if cfg.data_parallel_api_rpc_port_base else " (default: rpc-port+2)")
+        if cfg.runs_coordinator and base <= cfg.data_parallel_rpc_port + 1 < base + cfg.api_server_count + 1:
+            raise StartupError(EXIT_CONFIG, f"{flag} {base} overlaps the coordinator's ports {cfg.data_parallel_rpc_port}-{cfg.data_parallel_rpc_port + 1}")
+        wanted += [(node_address, base + i, flag) for i in range(cfg.api_server_count)]
+    for host, port, flag in wanted:
+        why = _port_in_use(host, port)
+        if why:
+            raise StartupError(EXIT_CONFIG, f"cannot listen on {host}:{port}: {why} (another dpserve node on this address? choose another {flag})")
+
+
 def plan_children(
     cfg: ServeConfig,
     addr: Addresses,

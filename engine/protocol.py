@@ -241,6 +241,8 @@ class RankLoad(msgspec.Struct, array_like=True):
     down_reason: str = ""
     kv_usage: float = 0.0
     num_preemptions: int = 0
+    node_rank: int = -1  # the rank's node (its first rank), from its registration; -1: unknown
+    host: str = ""  # the engine's hostname, from its registration
 
 
 class LoadTable(msgspec.Struct, tag="table", array_like=True):

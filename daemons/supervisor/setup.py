@@ -17,7 +17,7 @@ from dpserve.engine.protocol import Codec, CoordinatorInput
 
 from ..config import Addresses
 from ..launcher import Launcher
-from ..plan import bind_listen_socket, node_address_towards, plan_children
+from ..plan import bind_listen_socket, check_rpc_ports, node_address_towards, plan_children
 
 if TYPE_CHECKING:
     from .core import Supervisor
@@ -35,13 +35,14 @@ def prepare(sup: Supervisor) -> None:
         # external LB: one port per local rank (port + i); otherwise one shared port
         sup.listen_socks = [bind_listen_socket(cfg.host, cfg.port + i if cfg.port else 0) for i in range(count)]
         sup.port = sup.listen_socks[0].getsockname()[1]
+    sup.node_address = cfg.node_address or node_address_towards(cfg.data_parallel_address)
+    check_rpc_ports(cfg, sup.node_address)
     if cfg.run_dir:
         os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
         sup.run_dir = cfg.run_dir
     else:
         sup.run_dir = tempfile.mkdtemp(prefix="dpserve-")
         sup.own_run_dir = True
-    sup.node_address = cfg.node_address or node_address_towards(cfg.data_parallel_address)
     sup.addr = Addresses.for_node(cfg, sup.run_dir, sup.node_address)
     sup.ctl = sup.zctx.socket(zmq.PULL)
     sup.ctl.setsockopt(zmq.LINGER, 0)
