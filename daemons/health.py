@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .supervisor.cluster import RANK_STATES
 from .supervisor.views import NodeView
 
 _encode = msgspec.json.Encoder().encode
@@ -50,13 +51,48 @@ class NodeCollector:
         yield from (up, restarts, failures, uptime)
         running = GaugeMetricFamily("dpserve_rank_running", "Running sequences per local rank.", labels=["rank"])
         waiting = GaugeMetricFamily("dpserve_rank_waiting", "Waiting requests per local rank.", labels=["rank"])
-        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage per local rank (1 = every block in use).", labels=["rank"])
+        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage per rank of the cluster (1 = every block in use).", labels=["rank"])
+        kv_by_rank = {r.rank: r.kv_usage for r in view.cluster.ranks if r.state != "absent"}
         for c in view.children("engine"):
             running.add_metric([str(c.rank)], c.num_running)
             waiting.add_metric([str(c.rank)], c.num_waiting)
-            kv.add_metric([str(c.rank)], round(c.kv_usage, 4))
+            kv_by_rank[c.rank] = c.kv_usage  # a local rank's own heartbeat is the freshest
+        for rank in sorted(kv_by_rank):
+            kv.add_metric([str(rank)], round(kv_by_rank[rank], 4))
         yield from (running, waiting, kv)
         yield GaugeMetricFamily("dpserve_node_ready", "1 when the node serves.", value=int(view.node_ready()[0]))
+        yield from cluster_metrics(view)
+
+
+def cluster_metrics(view: NodeView):
+    """Every rank of the deployment, from the coordinator's table: one scrape of
+    any node (the head, typically) sees the whole cluster. vLLM's names where
+    vLLM has one (vllm:num_requests_running/waiting, label `rank` as above)."""
+    cluster = view.cluster
+    wall = time.time()
+    yield GaugeMetricFamily("dpserve_cluster_data_parallel_size", "Ranks the deployment is configured with.", value=view.data_parallel_size)
+    yield GaugeMetricFamily("dpserve_cluster_ranks_routable", "Ranks in the coordinator's routing table (0 while the head is lost).", value=cluster.routable())
+    yield GaugeMetricFamily("dpserve_cluster_min_ready_ranks", "Routable ranks this node's /readyz needs (0: it runs no API server).", value=view.readiness()["min_ready_ranks"])
+    yield GaugeMetricFamily("dpserve_cluster_head_connected", "1 while this node receives the coordinator's load table.", value=int(cluster.head_connected))
+    by_state = GaugeMetricFamily("dpserve_cluster_ranks", "Ranks in each state (absent, registered, ready, lost).", labels=["state"])
+    for state in RANK_STATES:
+        by_state.add_metric([state], cluster.count(state))
+    yield by_state
+    labels = ["rank", "node"]
+    state = GaugeMetricFamily("dpserve_cluster_rank_state", "1 for the rank's current state, 0 for the others.", labels=[*labels, "state"])
+    state_s = GaugeMetricFamily("dpserve_cluster_rank_state_seconds", "Seconds the rank has been in its current state.", labels=labels)
+    running = GaugeMetricFamily("vllm:num_requests_running", "Requests running on each rank of the cluster.", labels=labels)
+    waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting on each rank of the cluster.", labels=labels)
+    finished = CounterMetricFamily("dpserve_cluster_rank_requests_finished", "Requests finished by each rank (its current incarnation).", labels=labels)
+    for r in cluster.ranks:
+        lv = [str(r.rank), str(r.node_rank) if r.node_rank >= 0 else ""]
+        for s in RANK_STATES:
+            state.add_metric([*lv, s], int(r.state == s))
+        state_s.add_metric(lv, round(max(0.0, wall - r.since), 1))
+        running.add_metric(lv, r.num_running)
+        waiting.add_metric(lv, r.num_waiting)
+        finished.add_metric(lv, r.num_requests_finished)
+    yield from (state, state_s, running, waiting, finished)
 
 
 class HealthServer:
@@ -92,9 +128,8 @@ class HealthServer:
         return _json({"status": "ok", "phase": self.view.phase})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        ready, reason = self.view.node_ready()
-        body = {"status": "ready" if ready else "not ready", "phase": self.view.phase, "reason": reason}
-        return _json(body, 200 if ready else 503)
+        body = self.view.readiness()
+        return _json(body, 200 if body["status"] == "ready" else 503)
 
     async def status(self, request: web.Request) -> web.Response:
         return _json(self.view.status_dict())

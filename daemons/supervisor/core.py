@@ -30,8 +30,9 @@ from ..plan import StartupError
 from ..probes import Prober
 from . import events as ev
 from . import rolling, startup
+from .cluster import ClusterState
 from .policy import Action, RestartPolicy, decide, node_exit_code
-from .producers import read_control, watch_coordinator_link, watch_exit
+from .producers import read_control, read_table, watch_coordinator_link, watch_exit
 from .rolling import RollingRestart
 from .setup import prepare, write_ports_file
 from .shutdown import shutdown
@@ -65,6 +66,8 @@ class Supervisor:
         self.coord_codec = Codec(CoordinatorInput)
         self.all_ranks_routable = False
         self.num_alive_ranks = 0  # as the API servers see the cluster (coordinator's table)
+        self.cluster = ClusterState(cfg.data_parallel_size, cfg.probe_interval_s * cfg.probe_failure_threshold, time.time())
+        self.table_sub = None
         self.view = NodeView(self)
         self.health = HealthServer(self.view)
         self.prober = Prober(self.view, self.post)
@@ -107,6 +110,7 @@ class Supervisor:
             run_dir=self.run_dir,
         )
         self._task(read_control(self.ctl, self.post), "ctl")
+        self._task(read_table(self.table_sub, self.post), "table")
         if self.keys is not None and not self.cfg.runs_coordinator:
             watch = watch_coordinator_link(self.coord_link, self.addr.coordinator_engines, self.cfg.key_file, self.log, self.is_starting, self.post)
             self._task(watch, "coordinator-link")
@@ -153,6 +157,8 @@ class Supervisor:
             self.stop(event.code)
         elif isinstance(event, ev.ClusterSeen):
             self.all_ranks_routable, self.num_alive_ranks = event.all_ranks_routable, event.num_alive_ranks
+        elif isinstance(event, ev.TableSeen):
+            self.cluster.apply(event.entries, event.at, event.wall)
         elif isinstance(event, ev.LauncherRestarted):
             if self.rolling is not None:
                 self.rolling.waiting_for_launcher = False
@@ -173,6 +179,8 @@ class Supervisor:
                 self.on_probe(child, event)
 
     def tick(self, now: float) -> None:
+        if self.cluster.check_head(now, time.time()) and self.phase == "serving":
+            self.log.error("lost the head: no load table from the coordinator", seconds=self.cluster.head_silence_s, address=self.addr.coordinator_table)
         for child in self.children.values():
             if child.state == ChildState.STOPPING and now > child.deadline and not child.kill_requested:
                 child.kill_requested = True

@@ -76,6 +76,15 @@ class ClusterSeen:
 
 
 @dataclass(frozen=True, slots=True)
+class TableSeen:
+    """Entries of the coordinator's load table (cluster.py applies them)."""
+
+    entries: list
+    at: float  # monotonic
+    wall: float
+
+
+@dataclass(frozen=True, slots=True)
 class LauncherRestarted:
     pass
 
@@ -88,4 +97,4 @@ class Fatal:
     reason: str
 
 
-Event = SignalReceived | Spawned | SpawnFailed | Exited | Ready | Heartbeat | ProbeResult | ClusterSeen | LauncherRestarted | Fatal
+Event = SignalReceived | Spawned | SpawnFailed | Exited | Ready | Heartbeat | ProbeResult | ClusterSeen | TableSeen | LauncherRestarted | Fatal

@@ -14,11 +14,11 @@ from collections.abc import Callable
 import zmq
 from dpserve.engine.common.auth import HANDSHAKE_EVENTS, describe_handshake_failure
 from dpserve.engine.common.procutil import EXIT_CONFIG
-from dpserve.engine.protocol import ChildReady, Codec, ToSupervisor
+from dpserve.engine.protocol import ChildReady, Codec, LoadTable, ToSupervisor
 from dpserve.engine.protocol import Heartbeat as HeartbeatMsg
 from zmq.utils.monitor import parse_monitor_message
 
-from .events import Event, Exited, Fatal, Heartbeat, Ready
+from .events import Event, Exited, Fatal, Heartbeat, Ready, TableSeen
 
 Post = Callable[[Event], None]
 
@@ -42,6 +42,18 @@ async def read_control(sock: zmq.asyncio.Socket, post: Post) -> None:
             post(Heartbeat(msg.name, msg.pid, msg.num_running, msg.num_waiting, msg.kv_usage, time.monotonic()))
         elif isinstance(msg, ChildReady):
             post(Ready(msg.name, msg.pid))
+
+
+async def read_table(sock: zmq.asyncio.Socket, post: Post) -> None:
+    """The coordinator's load table, as the API servers get it: the cluster view's source."""
+    codec = Codec(LoadTable)
+    while True:
+        data = await sock.recv()
+        try:
+            table = codec.decode(data)
+        except Exception:
+            continue
+        post(TableSeen(table.ranks, time.monotonic(), time.time()))
 
 
 async def watch_coordinator_link(link: zmq.asyncio.Socket, address: str, key_file: str, log, is_starting: Callable[[], bool], post: Post) -> None:

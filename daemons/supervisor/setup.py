@@ -53,6 +53,14 @@ def prepare(sup: Supervisor) -> None:
     make_client(sup.coord_link, sup.keys)
     sup.coord_link.connect(sup.addr.coordinator_engines)
     sup.coord_codec = Codec(CoordinatorInput)
+    # The cluster view's source: the load table every API server reads (cluster.py).
+    sup.table_sub = sup.zctx.socket(zmq.SUB)
+    sup.table_sub.setsockopt(zmq.LINGER, 0)
+    sup.table_sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sup.table_sub.setsockopt(zmq.RECONNECT_IVL, 100)
+    sup.table_sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    make_client(sup.table_sub, sup.keys)
+    sup.table_sub.connect(sup.addr.coordinator_table)
     for child in plan_children(cfg, sup.addr, sup.listen_socks, sup.max_model_len, sup.heartbeat_interval_s):
         sup.children[child.name] = child
     if any(c.kind == "api" for c in sup.children.values()) and cfg.api_server_launch == "prefork":

@@ -46,14 +46,63 @@ class NodeView:
                 bad.append({"name": c.name, "state": c.state.value, "consecutive_failures": c.consecutive_failures, "last_exit": c.last_exit or None})
         return bad
 
+    # ------------------------------------------------------------ the cluster
+
+    @property
+    def cluster(self):
+        return self._sup.cluster
+
+    @property
+    def min_ready_ranks(self) -> int:
+        """Routable ranks this node's API servers need to be ready (--min-ready-ranks, 0: one)."""
+        return min(self._sup.cfg.min_ready_ranks or 1, len(self._sup.cfg.eligible_ranks()))
+
+    def routed_by(self, rank: int, node_rank: int) -> str:
+        """Which API servers route to `rank` (the coordinator's rule, coordinator._addresses_for)."""
+        mode = self._sup.cfg.lb_mode
+        if mode == "internal":
+            return "head" if self._sup.cfg.is_multi_node else "all"
+        if mode == "global":
+            return "all nodes"
+        if node_rank < 0:
+            return "-"
+        if mode == "external":
+            return f"node {node_rank} api-{rank - node_rank}"
+        return f"node {node_rank}"
+
     def node_ready(self) -> tuple[bool, str]:
+        """The one readiness verdict: /readyz, /status, the STATUS= line and `dpserve status` read it."""
+        cfg = self._sup.cfg
         if self.phase != "serving":
             return False, self.phase
-        if self._sup.cfg.runs_api_servers and not any(c.state == ChildState.READY for c in self.children("api")):
+        if cfg.runs_api_servers and not any(c.state == ChildState.READY for c in self.children("api")):
             return False, "no API server is ready"
         if not any(c.state == ChildState.READY for c in self.children("engine")):
-            return False, "no rank is ready"
+            return False, "no local rank is ready"
+        cluster = self.cluster
+        if not cluster.head_connected:
+            return False, f"lost the head: no load table from the coordinator for {cluster.head_silence_s:.0f} s"
+        if cfg.runs_api_servers:
+            eligible = cfg.eligible_ranks()
+            routable, need = cluster.routable(eligible), self.min_ready_ranks
+            if routable < need:
+                return False, f"{routable}/{len(eligible)} ranks routable, below --min-ready-ranks {need}"
         return True, ""
+
+    def readiness(self) -> dict:
+        ready, reason = self.node_ready()
+        cluster = self.cluster
+        return {
+            "status": "ready" if ready else "not ready",
+            "phase": self.phase,
+            "reason": reason,
+            "ranks_routable": cluster.routable(),
+            "ranks_registered": cluster.count("registered") + cluster.count("ready"),
+            "ranks_lost": cluster.count("lost"),
+            "data_parallel_size": self.data_parallel_size,
+            "min_ready_ranks": self.min_ready_ranks if self._sup.cfg.runs_api_servers else 0,
+            "head_connected": cluster.head_connected,
+        }
 
     def status_line(self) -> str:
         sup = self._sup
@@ -63,31 +112,96 @@ class NodeView:
         ready_a = sum(c.state == ChildState.READY for c in apis)
         text = f"{ready_e}/{len(engines)} ranks ready, {ready_a}/{len(apis)} API servers ready"
         if sup.cfg.is_multi_node:
+            cluster = self.cluster
             text = f"{ready_e}/{len(engines)} local ranks ready"
             if apis:
-                text += f", {ready_a}/{len(apis)} API servers ready, {sup.num_alive_ranks}/{self.data_parallel_size} ranks registered"
+                text += f", {ready_a}/{len(apis)} API servers ready"
+            registered = cluster.count("registered") + cluster.count("ready")
+            text += f", {registered}/{self.data_parallel_size} ranks registered, {cluster.routable()} routable"
+            lost = cluster.count("lost")
+            if lost:
+                text += f", {lost} lost"
+            if not cluster.head_connected and self.phase != "starting":
+                text += ", HEAD LOST"
         if self.phase == "starting":
             loading = [str(c.rank) for c in engines if c.state == ChildState.STARTING]
             if loading:
                 text += f", loading rank {','.join(loading)}"
         elif self.phase == "serving":
+            ready, reason = self.node_ready()
             text = (f"serving on port {sup.port}: " if apis else "serving: ") + text
+            if not ready:
+                text += f"; NOT READY: {reason}"
         return text
+
+    def rank_rows(self, wall: float) -> list[dict]:
+        """Every rank of the deployment (README "Status" documents the fields)."""
+        local = set(self._sup.cfg.local_ranks)
+        rows = []
+        for r in self.cluster.ranks:
+            rows.append({
+                "rank": r.rank,
+                "node": r.node_rank if r.node_rank >= 0 else None,
+                "host": r.host or None,
+                "local": r.rank in local,
+                "state": r.state,
+                "since": round(r.since, 3),
+                "for_s": round(max(0.0, wall - r.since), 1),
+                "reason": r.down_reason if r.state == "lost" else "",
+                "running": r.num_running,
+                "waiting": r.num_waiting,
+                "waiting_prefill_tokens": r.num_waiting_prefill_tokens,
+                "remaining_decode_tokens": r.num_remaining_decode_tokens,
+                "kv_cache_usage_perc": round(r.kv_usage, 4),
+                "requests_finished": r.num_requests_finished,
+                "requests_aborted": r.num_requests_aborted,
+                "preemptions": r.num_preemptions,
+                "routed_by": self.routed_by(r.rank, r.node_rank),
+            })
+        return rows
+
+    def _child_dict(self, child: Child, now: float) -> dict:
+        d = child.as_dict(now)
+        if child.kind == "api":
+            # `rank` is the DP rank everywhere: an API server has none, it routes to some.
+            cfg = self._sup.cfg
+            d["rank"] = None
+            d["index"] = child.rank
+            d["routes_to"] = [cfg.data_parallel_start_rank + child.rank] if cfg.lb_mode == "external" else cfg.eligible_ranks()
+        return d
 
     def status_dict(self) -> dict:
         sup = self._sup
-        now = time.monotonic()
-        ready, reason = self.node_ready()
+        cfg = sup.cfg
+        now, wall = time.monotonic(), time.time()
+        cluster = self.cluster
+        readiness = self.readiness()
         return {
             "phase": self.phase,
-            "ready": ready,
-            "reason": reason,
+            "ready": readiness["status"] == "ready",
+            "reason": readiness["reason"],
             "pid": os.getpid(),
-            "port": sup.port,
+            "role": cfg.role,
+            "node_rank": cfg.data_parallel_start_rank,
+            "node_address": getattr(sup, "node_address", "") or None,
+            "local_ranks": list(cfg.local_ranks),
+            "port": sup.port if cfg.runs_api_servers else None,
             "supervisor_port": sup.health.port,
-            "model": sup.cfg.served_model_name,
+            "model": cfg.served_model_name,
             "data_parallel_size": self.data_parallel_size,
-            "api_server_count": sup.cfg.api_server_count,
-            "children": [c.as_dict(now) for c in self.children()],
+            "lb_mode": cfg.lb_mode,
+            "api_server_count": cfg.api_server_count if cfg.runs_api_servers else 0,
+            "cluster": {
+                "head_connected": cluster.head_connected,
+                "head_since": round(cluster.head_since, 3),
+                "last_table_age_s": round(now - cluster.last_table_at, 1) if cluster.last_table_at else None,
+                "ranks_routable": readiness["ranks_routable"],
+                "ranks_registered": readiness["ranks_registered"],
+                "ranks_lost": readiness["ranks_lost"],
+                "ranks_absent": cluster.count("absent"),
+                "min_ready_ranks": readiness["min_ready_ranks"],
+                "ranks": self.rank_rows(wall),
+            },
+            "children": [self._child_dict(c, now) for c in self.children()],
             "launcher": sup.launcher.as_dict() if sup.launcher is not None else None,
         }

@@ -1,0 +1,100 @@
+"""The whole cluster as this node sees it: every rank of the deployment, from
+the coordinator's load table.
+
+Every node's supervisor subscribes to the table the API servers read
+(producers.read_table posts TableSeen), so the head and each worker see the
+same ranks the routers see. The loop is the only writer (apply, check_head);
+the NodeView reads it for /status, /readyz, /metrics, the STATUS= line and
+`dpserve status`, which therefore never disagree.
+
+A rank's state (field names are a documented contract, see README "Status"):
+    absent      the coordinator has never held it (its node has not started)
+    registered  registered, loading or connecting to the API servers
+    ready       in the coordinator's routing table: API servers route to it
+    lost        was registered, now out of routing (stopped reporting, its
+                process exited, its node is gone); since = when it was lost
+`since` is this node's wall clock when it first saw the state (a node that
+starts later sees the state from its start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dpserve.engine.protocol import RankLoad
+
+RANK_STATES = ("absent", "registered", "ready", "lost")
+# The coordinator publishes every rank at least once a second; a node that
+# hears nothing for this long (or the probe budget, if longer) has lost the head.
+HEAD_SILENCE_MIN_S = 3.0
+
+
+@dataclass(slots=True)
+class RankView:
+    rank: int
+    state: str = "absent"
+    since: float = 0.0  # wall clock, when this node first saw the state
+    node_rank: int = -1
+    host: str = ""
+    incarnation: str = ""
+    down_reason: str = ""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_prefill_tokens: int = 0
+    num_remaining_decode_tokens: int = 0
+    kv_usage: float = 0.0
+    num_requests_finished: int = 0
+    num_requests_aborted: int = 0
+    num_preemptions: int = 0
+
+
+def state_of(entry: RankLoad) -> str:
+    if entry.is_alive:
+        return "ready"
+    return "registered" if entry.down_reason == "registering" else "lost"
+
+
+class ClusterState:
+    """Written by the supervisor's loop only."""
+
+    def __init__(self, data_parallel_size: int, head_silence_s: float, wall: float) -> None:
+        self.size = data_parallel_size
+        self.head_silence_s = max(HEAD_SILENCE_MIN_S, head_silence_s)
+        self.ranks = [RankView(r, since=wall) for r in range(data_parallel_size)]
+        self.last_table_at = 0.0  # monotonic; 0: never
+        self.head_connected = False
+        self.head_since = wall  # when head_connected last changed
+
+    def apply(self, entries: list[RankLoad], mono: float, wall: float) -> None:
+        """One LoadTable's entries: each replaces what this node held for the rank."""
+        self.last_table_at = mono
+        if not self.head_connected:
+            self.head_connected, self.head_since = True, wall
+        for e in entries:
+            if not 0 <= e.rank < self.size:
+                continue
+            r = self.ranks[e.rank]
+            state = state_of(e)
+            if state != r.state:
+                r.state, r.since = state, wall
+            r.node_rank, r.host, r.incarnation, r.down_reason = e.node_rank, e.host, e.incarnation, e.down_reason
+            r.num_running, r.num_waiting = e.num_running, e.num_waiting
+            r.num_waiting_prefill_tokens, r.num_remaining_decode_tokens = e.num_waiting_prefill_tokens, e.num_remaining_decode_tokens
+            r.kv_usage, r.num_preemptions = e.kv_usage, e.num_preemptions
+            r.num_requests_finished, r.num_requests_aborted = e.num_requests_finished, e.num_requests_aborted
+
+    def check_head(self, mono: float, wall: float) -> bool:
+        """A loop verb on every tick: True when the head just went silent."""
+        if self.head_connected and mono - self.last_table_at > self.head_silence_s:
+            self.head_connected, self.head_since = False, wall
+            return True
+        return False
+
+    def count(self, state: str) -> int:
+        return sum(r.state == state for r in self.ranks)
+
+    def routable(self, ranks: list[int] | None = None) -> int:
+        """Ranks in the routing table (of `ranks`, when given); none while the head is silent."""
+        if not self.head_connected:
+            return 0
+        return sum(self.ranks[r].state == "ready" for r in (range(self.size) if ranks is None else ranks))
