@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -288,32 +289,41 @@ def sim_engine(ctx) -> None:
 @main.command()
 @click.argument("url", required=False, default="http://127.0.0.1:9256")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw /status JSON.")
-def status(url: str, as_json: bool) -> None:
-    """Show a node's children and ranks from its supervisor's /status."""
+@click.option("--watch", "-w", is_flag=True, help="Refresh in place until Ctrl-C (for a rollout).")
+@click.option("--interval", default=2.0, type=click.FloatRange(0.2), show_default=True, help="Seconds between refreshes with --watch.")
+def status(url: str, as_json: bool, watch: bool, interval: float) -> None:
+    """Show every rank of the cluster and this node's children, from a supervisor's /status."""
+    from .status_table import render
+
     target = url.rstrip("/")
     if not target.endswith("/status"):
         target += "/status"
-    try:
+
+    def fetch() -> dict:
         with urllib.request.urlopen(target, timeout=5) as resp:
-            data = json.load(resp)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        click.echo(f"cannot read {target}: {exc}", err=True)
-        sys.exit(1)
-    if as_json:
-        click.echo(json.dumps(data, indent=2))
+            return json.load(resp)
+
+    if not watch:
+        try:
+            data = fetch()
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            click.echo(f"cannot read {target}: {exc}", err=True)
+            sys.exit(1)
+        click.echo(json.dumps(data, indent=2) if as_json else render(data))
         return
-    click.echo(f"node: {data['phase']}, {'ready' if data['ready'] else 'NOT READY: ' + data['reason']}; "
-               f"model {data['model']}, port {data['port']}, pid {data['pid']}")
-    click.echo(f"{'CHILD':<14} {'STATE':<9} {'PID':>8} {'RESTARTS':>8} {'RUNNING':>8} {'WAITING':>8} {'KV USED':>8} {'UPTIME':>9}  LAST EXIT")
-    for c in data["children"]:
-        engine = c["kind"] == "engine"
-        running = str(c["running"]) if engine else "-"
-        waiting = str(c["waiting"]) if engine else "-"
-        kv = f"{100 * c.get('kv_cache_usage_perc', 0.0):.1f}%" if engine else "-"
-        click.echo(
-            f"{c['name']:<14} {c['state']:<9} {c['pid'] or '-':>8} {c['restarts']:>8} {running:>8} {waiting:>8} {kv:>8} "
-            f"{c['uptime_s']:>8.1f}s  {c['last_exit'] or ''}"
-        )
+    try:
+        while True:
+            try:
+                screen = render(fetch())
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                screen = f"cannot read {target}: {exc}"  # keep watching: the node may be restarting
+            text = f"{time.strftime('%H:%M:%S')}  {target}  (every {interval:g} s, Ctrl-C to stop)\n{screen}"
+            # Cursor home, each line cleared to its end, then the rest of the
+            # screen: redrawn in place without the flicker of a full clear.
+            click.echo("\x1b[H" + "\x1b[K\n".join(text.split("\n")) + "\x1b[K\n\x1b[J", nl=False)
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        click.echo()
 
 
 from .install import install_units  # noqa: E402
