@@ -394,7 +394,12 @@ class ChoicesServing:
                 finish = piece.finish or finish
             return "".join(parts), positions, finish
 
-        results = await asyncio.gather(*(collect(c) for c in choices))
+        tasks = [asyncio.ensure_future(collect(c)) for c in choices]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # one choice failed (or the client left): the others stop waiting too
+                task.cancel()
         s = self.s
         created = int(time.time())
         rid = choices[0].state.request_id

@@ -350,3 +350,11 @@ def test_bad_values_get_a_400_naming_the_parameter(server, path, extra, param):
 def test_openai_client_sees_a_bad_request_error(client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="demo", prompt="x", max_tokens=2, n=0)
+
+
+def test_a_batch_with_one_bad_prompt_is_refused_whole_and_the_server_serves_on(server, client):
+    long_prompt = list(range(10, 10 + 300))  # past the 256-token context
+    status, body, _ = post(server, "/v1/completions", {"model": "demo", "prompt": [[5, 6], long_prompt], "max_tokens": 2})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    got = client.completions.create(model="demo", prompt=["a", "b"], n=2, max_tokens=2)
+    assert len(got.choices) == 4
