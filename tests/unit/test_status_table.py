@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 import structlog
@@ -176,6 +178,20 @@ def test_metrics_and_dpserve_status_over_the_real_health_port(head):
         assert line in metrics, line
     assert cli_rc == 0, output
     assert "NOT READY: 2/4 ranks routable, below --min-ready-ranks 3" in output and "LOST" in output
+
+
+def test_the_monitoring_examples_use_only_metrics_the_health_port_exports(head):
+    from prometheus_client import generate_latest
+
+    table(head, [entry(0, True, **LOAD), entry(1, True), entry(2, False, "gone"), entry(3, False, "registering")])
+    exported = set(re.findall(r"^(?:# TYPE )?([a-zA-Z_:][a-zA-Z0-9_:]*)", generate_latest(head.health.registry).decode(), re.M))
+    examples = Path(__file__).resolve().parents[2] / "units" / "monitoring"
+    dashboard = json.loads((examples / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exprs += re.findall(r"expr: (.+)", (examples / "prometheus-alerts.yml").read_text())
+    used = {name for e in exprs for name in re.findall(r"\b(dpserve_[a-z_]+|vllm:[a-z_]+)", e)}
+    assert "dpserve_cluster_rank_state" in used and len(used) >= 8
+    assert used <= exported, sorted(used - exported)
 
 
 @pytest.mark.parametrize(("seconds", "text"), [(None, "-"), (-3, "0s"), (59.9, "59s"), (65, "1m05s"), (7322, "2h02m"), (200000, "2d07h")])
