@@ -40,6 +40,7 @@ from dpserve.engine.protocol import (
     EngineRegister,
     LoadReport,
     LoadTable,
+    NodeHello,
     PleaseRegister,
     RankDown,
     RankLoad,
@@ -88,6 +89,7 @@ class RankTable:
         self.seq = 0
         self.dirty = True
         self.changed: set[int] = set()  # ranks whose entry changed since the last delta
+        self.node_addresses: dict[int, str] = {}  # node_rank -> address, from NodeHello (for /status)
 
     def register(self, msg: EngineRegister, now: float) -> str:
         """'' when accepted, else the reason for refusal."""
@@ -105,7 +107,10 @@ class RankTable:
             and now - self.last_seen.get(msg.rank, 0.0) < self.stale_after_s
         ):
             return f"rank {msg.rank} is already served by a live engine (incarnation {held.incarnation})"
-        self.ranks[msg.rank] = RankLoad(msg.rank, msg.incarnation, is_alive=False, down_reason="registering", node_rank=msg.node_rank, host=msg.host)
+        self.ranks[msg.rank] = RankLoad(
+            msg.rank, msg.incarnation, is_alive=False, down_reason="registering",
+            node_rank=msg.node_rank, host=msg.host, address=self.node_addresses.get(msg.node_rank, ""),
+        )
         self.last_seen[msg.rank] = now
         self._touch(msg.rank)
         return ""
@@ -155,6 +160,16 @@ class RankTable:
         entry.num_preemptions = msg.num_preemptions
         self._touch(msg.rank)
         return True
+
+    def node_address(self, node_rank: int, address: str) -> None:
+        """A node's supervisor said where it is: its ranks' entries name it."""
+        if self.node_addresses.get(node_rank) == address:
+            return
+        self.node_addresses[node_rank] = address
+        for rank, entry in self.ranks.items():
+            if entry.node_rank == node_rank:
+                entry.address = address
+                self._touch(rank)
 
     def down(self, rank: int, reason: str) -> bool:
         entry = self.ranks.get(rank)
@@ -373,6 +388,8 @@ class Coordinator:
                 self.log.info("api server registered", node_rank=msg.node_rank, index=msg.index, address=msg.address)
                 self._push_api_servers()
                 self.last_full_publish = 0.0  # it needs every rank now, not in a second
+        elif isinstance(msg, NodeHello):
+            self.table.node_address(msg.node_rank, msg.address)
         elif isinstance(msg, RankDown):
             if self.table.down(msg.rank, msg.reason):
                 self.log.warning("rank taken out of routing", rank=msg.rank, reason=msg.reason)

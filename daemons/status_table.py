@@ -54,7 +54,7 @@ def header(data: dict) -> list[str]:
     return lines
 
 
-RANK_COLUMNS = f"{'RANK':>4} {'NODE':>4} {'HOST':<16} {'STATE':<10} {'FOR':>7} {'RUN':>4} {'WAIT':>5} {'TOKENS':>7} {'KV':>6} {'SERVED':>7}  ROUTED BY / WHY"
+RANK_COLUMNS = f"{'RANK':>4} {'NODE':>4} {'ADDRESS':<16} {'STATE':<10} {'FOR':>7} {'RUN':>4} {'WAIT':>5} {'TOKENS':>7} {'KV':>6} {'SERVED':>7}  ROUTED BY / WHY"
 
 
 def rank_rows(ranks: list[dict]) -> list[str]:
@@ -67,7 +67,7 @@ def rank_rows(ranks: list[dict]) -> list[str]:
         note = r["routed_by"] if r["state"] != "lost" else (r.get("reason") or "out of routing")
         kv = f"{100 * r['kv_cache_usage_perc']:.1f}%" if active else "-"
         lines.append(
-            f"{r['rank']:>3}{mark} {_dash(r['node']):>4} {_dash(r['host'])[:16]:<16} {state:<10} {age(r['for_s']):>7} "
+            f"{r['rank']:>3}{mark} {_dash(r['node']):>4} {_dash(r.get('address') or r['host'])[:16]:<16} {state:<10} {age(r['for_s']):>7} "
             f"{r['running'] if active else '-':>4} {r['waiting'] if active else '-':>5} {tokens if active else '-':>7} "
             f"{kv:>6} {r['requests_finished']:>7}  {note}"
         )
@@ -95,7 +95,8 @@ def child_rows(children: list[dict]) -> list[str]:
 
 
 def render(data: dict) -> str:
-    """The whole screen: verdict, the cluster's ranks (* = on this node), this node's children."""
+    """The whole screen: verdict, the cluster's ranks (* = on this node; ADDRESS: the
+    node's address, or the engine's hostname on a single node), this node's children."""
     lines = header(data)
     cluster = data.get("cluster")
     if cluster is not None:

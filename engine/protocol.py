@@ -223,7 +223,15 @@ class RankDown(msgspec.Struct, tag="rank_down", array_like=True):
     reason: str
 
 
-CoordinatorInput = EngineRegister | LoadReport | EngineReady | RankDown | ApiServerRegister
+class NodeHello(msgspec.Struct, tag="node_hello", array_like=True):
+    """Supervisor -> coordinator, repeated every few seconds: the address the
+    other nodes reach this node on (shown per rank in every node's /status)."""
+
+    node_rank: int
+    address: str
+
+
+CoordinatorInput = EngineRegister | LoadReport | EngineReady | RankDown | ApiServerRegister | NodeHello
 CoordinatorToEngine = RegisterReply | ApiServerList | PleaseRegister
 
 
@@ -243,6 +251,7 @@ class RankLoad(msgspec.Struct, array_like=True):
     num_preemptions: int = 0
     node_rank: int = -1  # the rank's node (its first rank), from its registration; -1: unknown
     host: str = ""  # the engine's hostname, from its registration
+    address: str = ""  # its node's address, from the node's supervisor (NodeHello)
 
 
 class LoadTable(msgspec.Struct, tag="table", array_like=True):

@@ -36,6 +36,7 @@ class RankView:
     since: float = 0.0  # wall clock, when this node first saw the state
     node_rank: int = -1
     host: str = ""
+    address: str = ""
     incarnation: str = ""
     down_reason: str = ""
     num_running: int = 0
@@ -77,7 +78,7 @@ class ClusterState:
             state = state_of(e)
             if state != r.state:
                 r.state, r.since = state, wall
-            r.node_rank, r.host, r.incarnation, r.down_reason = e.node_rank, e.host, e.incarnation, e.down_reason
+            r.node_rank, r.host, r.address, r.incarnation, r.down_reason = e.node_rank, e.host, e.address, e.incarnation, e.down_reason
             r.num_running, r.num_waiting = e.num_running, e.num_waiting
             r.num_waiting_prefill_tokens, r.num_remaining_decode_tokens = e.num_waiting_prefill_tokens, e.num_remaining_decode_tokens
             r.kv_usage, r.num_preemptions = e.kv_usage, e.num_preemptions

@@ -19,7 +19,7 @@ import time
 import zmq
 import zmq.asyncio
 from dpserve.engine.common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_STARTUP, describe_exit
-from dpserve.engine.protocol import Codec, CoordinatorInput, RankDown
+from dpserve.engine.protocol import Codec, CoordinatorInput, NodeHello, RankDown
 
 from ..children import Child, ChildState, launch, started
 from ..config import ServeConfig
@@ -40,6 +40,7 @@ from .views import NodeView
 
 TICK_S = 0.1  # the loop runs its timers at least this often
 STRAY_SWEEP_S = 5.0
+NODE_HELLO_S = 5.0  # how often a node tells the coordinator its address (a restarted head hears it again)
 
 
 class Supervisor:
@@ -76,6 +77,7 @@ class Supervisor:
         self.rolling: RollingRestart | None = None
         self._last_watchdog = 0.0
         self._last_stray_sweep = 0.0
+        self._last_hello = -NODE_HELLO_S
         self.last_extend = 0.0  # when systemd last heard EXTEND_TIMEOUT_USEC (startup.py)
 
     def post(self, event: ev.Event) -> None:
@@ -179,6 +181,9 @@ class Supervisor:
                 self.on_probe(child, event)
 
     def tick(self, now: float) -> None:
+        if self.cfg.is_multi_node and now - self._last_hello >= NODE_HELLO_S:
+            self._last_hello = now
+            self.say_where()
         if self.cluster.check_head(now, time.time()) and self.phase == "serving":
             self.log.error("lost the head: no load table from the coordinator", seconds=self.cluster.head_silence_s, address=self.addr.coordinator_table)
         for child in self.children.values():
@@ -320,6 +325,13 @@ class Supervisor:
         child.failure = f"declared dead: {reason}"
         self.take_out_of_routing(child, reason)
         self.terminate(child, kill_after=self.cfg.kill_grace_s, cont=True)
+
+    def say_where(self) -> None:
+        """NodeHello: every node's /status names the address of this node's ranks."""
+        try:
+            self.coord_link.send(self.coord_codec.encode(NodeHello(self.cfg.data_parallel_start_rank, self.node_address)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     def take_out_of_routing(self, child: Child, reason: str) -> None:
         if child.kind == "engine":

@@ -143,6 +143,7 @@ class NodeView:
                 "rank": r.rank,
                 "node": r.node_rank if r.node_rank >= 0 else None,
                 "host": r.host or None,
+                "address": r.address or None,
                 "local": r.rank in local,
                 "state": r.state,
                 "since": round(r.since, 3),

@@ -44,7 +44,8 @@ def make_sup(tmp_path, **kw) -> Supervisor:
 
 def entry(rank: int, alive: bool, reason: str = "", **load) -> RankLoad:
     node = 0 if rank < 2 else 2
-    return RankLoad(rank, f"inc{rank}", alive, down_reason=reason, node_rank=node, host="head-host" if node == 0 else "worker-host", **load)
+    address = "10.0.0.1" if node == 0 else "10.0.0.2"
+    return RankLoad(rank, f"inc{rank}", alive, down_reason=reason, node_rank=node, host="head-host" if node == 0 else "worker-host", address=address, **load)
 
 
 def table(sup: Supervisor, entries: list[RankLoad], at: float = 100.0) -> None:
@@ -87,8 +88,9 @@ def test_every_rank_of_the_cluster_with_a_worker_lost(head):
     # the table: one row per rank; local ranks starred; lost ones say why, load shown only while held
     rows = {line.split()[0].rstrip("*"): line for line in screen.splitlines() if line[:4].strip().rstrip("*").isdigit()}
     assert set(rows) == {"0", "1", "2", "3"}
-    assert rows["0"].split()[0] == "0*" and "head-host" in rows["0"] and "ready" in rows["0"] and "25.0%" in rows["0"] and " 100 " in rows["0"]
-    assert "LOST" in rows["2"] and "no load report for 2 s" in rows["2"] and "worker-host" in rows["2"]
+    assert rows["0"].split()[0] == "0*" and "10.0.0.1" in rows["0"] and "ready" in rows["0"] and "25.0%" in rows["0"] and " 100 " in rows["0"]
+    assert "LOST" in rows["2"] and "no load report for 2 s" in rows["2"] and "10.0.0.2" in rows["2"]
+    assert ranks[2]["host"] == "worker-host" and ranks[2]["address"] == "10.0.0.2"
     assert "cluster: 2/4 ranks routable, 2 registered, 2 LOST, min ready 3; head connected" in screen
 
     # the worker comes back: every view agrees it is ready again
@@ -192,6 +194,22 @@ def test_the_monitoring_examples_use_only_metrics_the_health_port_exports(head):
     used = {name for e in exprs for name in re.findall(r"\b(dpserve_[a-z_]+|vllm:[a-z_]+)", e)}
     assert "dpserve_cluster_rank_state" in used and len(used) >= 8
     assert used <= exported, sorted(used - exported)
+
+
+def test_the_coordinator_names_each_ranks_node_and_address():
+    from dpserve.daemons.coordinator import RankTable
+    from dpserve.engine.protocol import EngineRegister
+
+    t = RankTable(4, "fp", 3.0)
+    assert t.register(EngineRegister(2, "a", "fp", 1, "worker-host", node_rank=2), 0.0) == ""
+    t.tables(full=False)
+    t.node_address(2, "10.0.0.2")  # the node's supervisor says where it is: its held ranks change
+    (sent,) = t.tables(full=False)
+    assert [(e.rank, e.node_rank, e.host, e.address) for e in sent.ranks] == [(2, 2, "worker-host", "10.0.0.2")]
+    t.node_address(2, "10.0.0.2")
+    assert t.tables(full=False) == []  # the same again: nothing to publish
+    assert t.register(EngineRegister(3, "b", "fp", 1, "worker-host", node_rank=2), 0.0) == ""
+    assert t.ranks[3].address == "10.0.0.2"  # a rank registering later gets it at once
 
 
 @pytest.mark.parametrize(("seconds", "text"), [(None, "-"), (-3, "0s"), (59.9, "59s"), (65, "1m05s"), (7322, "2h02m"), (200000, "2d07h")])
