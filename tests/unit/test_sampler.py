@@ -201,3 +201,26 @@ def test_engine_refuses_out_of_range_processor_values_per_request(loaded_demo_mo
         name = next(iter(extra))
         assert name in out.error, (name, out.error)
     assert not engine.has_unfinished()
+
+
+def test_preempted_requests_keep_one_logprob_per_token_and_their_prompt_scores(loaded_demo_model):
+    """Recompute after preemption runs prompt and outputs again: no position is scored twice."""
+    from dpserve.engine.loader import kv_shape
+
+    block = 8
+    per_token = kv_shape(loaded_demo_model).bytes_per_token
+    engine = make_engine(loaded_demo_model, block_size=block, kv_cache_memory_bytes=24 * block * per_token)
+    ids = {f"p{i}": prompt(300 + i, 20 + 3 * i) for i in range(5)}
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    outs = run(engine, *(AddRequest(rid, p, params, 0.0) for rid, p in ids.items()))
+    assert engine.num_preemptions > 0
+    # The same requests alone, on a cache that fits them: the same scores.
+    roomy = make_engine(loaded_demo_model)
+    for rid, p in ids.items():
+        alone = run(roomy, AddRequest(rid, p, params, 0.0))[rid]
+        assert [len(o.logprobs) for o in outs[rid]] == [1] * 40
+        assert [o.prompt_logprobs is not None for o in outs[rid]] == [True] + [False] * 39
+        assert len(outs[rid][0].prompt_logprobs) == len(p) - 1
+        for mine, ref in zip(outs[rid][0].prompt_logprobs + [lp for o in outs[rid] for lp in o.logprobs],
+                             alone[0].prompt_logprobs + [lp for o in alone for lp in o.logprobs]):
+            assert mine.token_id == ref.token_id and math.isclose(mine.logprob, ref.logprob, abs_tol=1e-4)
