@@ -1,4 +1,4 @@
-"""Requests that use issue 14's parameters: n, batched prompts, logprobs, echo,
+"""Requests that use issue 14's parameters: n, batched prompts, logprobs, echo, structured output,
 prompt_logprobs, penalties / min_p / logit_bias, include_stop_str_in_output and
 skip_special_tokens.
 
@@ -33,6 +33,7 @@ from dpserve.engine.protocol import (
 
 from .detokenizer import IncrementalDetokenizer, StopChecker
 from .engine_client import RequestState
+from .guided import guided_grammar
 from .openai_types import (
     ApiError,
     ChatCompletionRequest,
@@ -183,10 +184,11 @@ class ChoicesServing:
             engine_prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
         choices = []
         n = req.n or 1
+        grammar = guided_grammar(req)
         for i, ids in enumerate(ids_list):
             echo_text = self._decode(ids, opts.skip_special) if opts.echo else None
             for j in range(n):
-                choices.append(self._choice(req, i * n + j, ids, max_tokens, j, req.logprobs, engine_prompt_logprobs, echo_text))
+                choices.append(self._choice(req, i * n + j, ids, max_tokens, j, req.logprobs, engine_prompt_logprobs, echo_text, grammar))
         return await self._run(request, req, choices, opts, sum(len(ids) for ids in ids_list), t0)
 
     async def chat_completions(self, request: web.Request, req: ChatCompletionRequest, t0: float) -> web.StreamResponse:
@@ -206,7 +208,8 @@ class ChoicesServing:
             prompt_logprobs=req.prompt_logprobs,
             echo=False,
         )
-        choices = [self._choice(req, j, ids, max_tokens, j, num_top, req.prompt_logprobs, None) for j in range(req.n or 1)]
+        grammar = guided_grammar(req)
+        choices = [self._choice(req, j, ids, max_tokens, j, num_top, req.prompt_logprobs, None, grammar) for j in range(req.n or 1)]
         return await self._run(request, req, choices, opts, len(ids), t0)
 
     # ------------------------------------------------------------ building
@@ -215,7 +218,7 @@ class ChoicesServing:
         return self.s.tokenizer._tok.decode(ids, skip_special_tokens=skip_special)
 
     def _choice(self, req, index: int, ids: list[int], max_tokens: int, j: int, logprobs: int | None,
-                prompt_logprobs: int | None, echo_text: str | None) -> _Choice:
+                prompt_logprobs: int | None, echo_text: str | None, grammar: str | None) -> _Choice:
         s = self.s
         score_only = max_tokens == 0
         engine_max = 1 if score_only else max_tokens  # vLLM's way: one token, dropped
@@ -230,6 +233,7 @@ class ChoicesServing:
             logit_bias=_logit_bias(req.logit_bias, s.vocab_size),
             logprobs=None if score_only else logprobs,
             prompt_logprobs=prompt_logprobs,
+            guided_grammar=grammar,
         )
         rid = f"{s._id_prefix}-{next(s._ids):x}"
         return _Choice(index, ids, ChoiceState(rid, len(ids), engine_max), params, echo_text, score_only)

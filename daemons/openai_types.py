@@ -229,14 +229,10 @@ def decode_request(body: bytes, kind: type[Struct], on_unknown: Callable[[str], 
 # Tools are checked before tool_choice, so "auto" there means "no tools".
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,),
-    "response_format": ({"type": "text"},),
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
     "suffix": ("",),
@@ -257,8 +253,8 @@ _UNSUPPORTED_WHY = {
     "functions": " yet: tool calling is not implemented",
     "function_call": " yet: tool calling is not implemented",
     **dict.fromkeys(
-        ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
-        " yet: structured (guided) output is not implemented",
+        ("guided_grammar", "structured_outputs"),
+        " yet (structured output takes response_format, guided_json, guided_regex or guided_choice)",
     ),
 }
 
@@ -278,6 +274,7 @@ def check_unsupported(req: _SamplingFields) -> None:
 _EXTRA_FIELDS = (
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "include_stop_str_in_output",
     "min_p", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "logprobs",
+    "response_format", "guided_json", "guided_regex", "guided_choice",
 )
 
 

@@ -34,6 +34,7 @@ MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 1024  # entries
+MAX_GRAMMAR_BYTES = 1 << 20
 
 
 class EngineCore:
@@ -100,6 +101,7 @@ class EngineCore:
         self._last_step_ms = 0.0
         self.on_progress: Callable[[], None] | None = None  # called from inside long steps (liveness)
         self.num_step_errors = 0
+        self._grammar_tokenizer = None  # llguidance's view of the vocabulary, built on first use
 
     # ------------------------------------------------------------ requests in
 
@@ -114,6 +116,8 @@ class EngineCore:
             error = self._validate(req)
             if error is None:
                 seq = Sequence(req.request_id, req.prompt_token_ids, req.params, req.arrival_time, self.device)
+                if req.params.guided_grammar is not None:
+                    seq.matcher = self._matcher(req.params.guided_grammar)
         except Exception as e:  # a malformed request fails alone, never the engine loop
             error = f"invalid request: {e!r}"
         if error is not None:
@@ -174,11 +178,27 @@ class EngineCore:
                 return f"logit_bias token id {token} is out of range for the vocabulary of size {self.vocab_size}"
             if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
                 return f"logit_bias values must be between -100 and 100, got {bias}"
+        if p.guided_grammar is not None and len(p.guided_grammar) > MAX_GRAMMAR_BYTES:
+            return f"guided_grammar takes at most {MAX_GRAMMAR_BYTES} bytes"
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(p, name)
             if value is not None and not (0 <= value <= MAX_LOGPROBS):
                 return f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"
         return None
+
+    def _matcher(self, grammar: str):
+        """The grammar's matcher (llguidance, imported on first use: plain engines never load it)."""
+        import llguidance
+        import llguidance.hf
+        from transformers import AutoTokenizer
+
+        if self._grammar_tokenizer is None:
+            hf = AutoTokenizer.from_pretrained(self.config.model)
+            self._grammar_tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=sorted(self.eos_token_ids))
+        matcher = llguidance.LLMatcher(self._grammar_tokenizer, grammar)
+        if matcher.is_error():
+            raise ValueError(f"guided_grammar: {matcher.get_error()}")
+        return matcher
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Forget these requests now, freeing their slots and KV blocks; unknown ids are ignored."""
@@ -294,6 +314,11 @@ class EngineCore:
                 continue
             seq.token_ids.append(token)
             finish_reason, stop_token_id = self._check_finish(seq, token)
+            if seq.matcher is not None and finish_reason is None:
+                # The grammar is complete (nothing may follow) or broken: the answer ends here.
+                seq.matcher.consume_token(token)
+                if seq.matcher.is_stopped() or seq.matcher.is_error():
+                    finish_reason = FINISH_STOP
             out = RequestOutput(seq.request_id, [token], finish_reason, stop_token_id)
             if logprobs is not None and logprobs[i] is not None:
                 out.logprobs = [logprobs[i]]

@@ -80,3 +80,16 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
         else:
             out.append(TokenLogprobs(token, chosen_list[i], ranks[i], [], []))
     return out
+
+
+def apply_grammar(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """In place: forbid every token the row's grammar (Sequence.matcher) does not allow next."""
+    import llguidance.torch as llg
+
+    bitmask = llg.allocate_token_bitmask(len(rows), logits.shape[1])
+    for k, row in enumerate(rows):
+        llg.fill_next_token_bitmask(seqs[row].matcher, bitmask, k)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    masked = logits[index]
+    llg.apply_token_bitmask_inplace(masked, bitmask.to(logits.device))
+    logits[index] = masked

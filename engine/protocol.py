@@ -51,6 +51,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
+    guided_grammar: str | None = None  # an llguidance grammar (JSON), built by the API server
 
     @property
     def is_greedy(self) -> bool:
@@ -61,7 +62,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
         """Anything that changes the logits before temperature (penalties, bias) or truncates like min_p."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.min_p or self.logit_bias
+            or self.min_p or self.logit_bias or self.guided_grammar
         )
 
 

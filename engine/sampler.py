@@ -2,7 +2,7 @@
 
 Owns temperature / top-k / top-p / min_p / seeded sampling, min_tokens
 suppression, and the order in which logits processors apply (vLLM's:
-min_tokens -> logit_bias -> penalties -> temperature -> min_p -> top-k/top-p).
+min_tokens -> grammar -> logit_bias -> penalties -> temperature -> min_p -> top-k/top-p).
 It must never look at anything but the logits and each row's Sequence, and
 never loop over rows except the few that carry their own seed or processors.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .logits_processors import apply_bias_and_penalties, apply_min_p, token_logprobs
+from .logits_processors import apply_bias_and_penalties, apply_grammar, apply_min_p, token_logprobs
 from .protocol import TokenLogprobs
 from .sequence import Sequence
 
@@ -48,6 +48,9 @@ class Sampler:
         if processed:
             if not copied:
                 logits = logits.clone()
+            guided = [i for i in processed if seqs[i].matcher is not None]
+            if guided:
+                apply_grammar(logits, seqs, guided)
             apply_bias_and_penalties(logits, seqs, processed)
         params = [s.params for s in seqs]
         if all(p.is_greedy for p in params):

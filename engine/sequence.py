@@ -49,6 +49,7 @@ class Sequence:
         "num_preemptions",
         "has_processors",
         "prompt_logprobs",
+        "matcher",
     )
 
     def __init__(
@@ -72,6 +73,8 @@ class Sequence:
         self.has_processors = params.has_processors
         # Logprobs of prompt tokens 1.. as their chunks run; only with params.prompt_logprobs.
         self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
+        # The grammar's state (an llguidance LLMatcher) with params.guided_grammar; set by the engine core.
+        self.matcher = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device)

@@ -326,13 +326,18 @@ def test_pinned_n_choices_all_run_on_the_pinned_rank(server):
         ("/v1/completions", {"prompt": ["ok", 5]}, "prompt"),
         ("/v1/completions", {"prompt": ["ok", []]}, "prompt"),
         ("/v1/completions", {"prompt": ["p"] * 100, "n": 3}, "prompt"),
-        ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("/v1/completions", {"guided_regex": "a+"}, "guided_regex"),
+        ("/v1/completions", {"response_format": {"type": "xml"}}, "response_format"),
+        ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ("/v1/completions", {"guided_regex": "a("}, "guided_regex"),
+        ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
+        ("/v1/completions", {"guided_choice": []}, "guided_choice"),
+        ("/v1/completions", {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+        ("/v1/completions", {"guided_grammar": "start: a"}, "guided_grammar"),
         ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ("/v1/chat/completions", {"structured_outputs": {"json": {}}}, "structured_outputs"),
     ],
 )
 def test_bad_values_get_a_400_naming_the_parameter(server, path, extra, param):
@@ -343,7 +348,7 @@ def test_bad_values_get_a_400_naming_the_parameter(server, path, extra, param):
     assert body["error"]["param"] == param, body
     if param in ("tools", "tool_choice"):
         assert "tool calling is not implemented" in body["error"]["message"]
-    if param in ("response_format", "guided_regex"):
+    if param in ("guided_grammar", "structured_outputs"):
         assert "not supported" in body["error"]["message"]
 
 
@@ -358,3 +363,58 @@ def test_a_batch_with_one_bad_prompt_is_refused_whole_and_the_server_serves_on(s
     assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
     got = client.completions.create(model="demo", prompt=["a", "b"], n=2, max_tokens=2)
     assert len(got.choices) == 4
+
+
+# ------------------------------------------------------------------ structured output
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", "none"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_output_validates_every_time(client, temperature):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    msgs = [{"role": "user", "content": "Describe a person."}]
+    got = client.chat.completions.create(model="demo", messages=msgs, max_tokens=120, n=4, temperature=temperature,
+                                         seed=11, response_format=fmt)
+    for choice in got.choices:
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+        assert choice.finish_reason == "stop"
+    sampled = client.completions.create(model="demo", prompt=PROMPT, max_tokens=120, n=3, temperature=temperature, seed=5,
+                                        extra_body={"guided_json": PERSON})
+    for choice in sampled.choices:
+        jsonschema.validate(json.loads(choice.text), PERSON)
+
+
+def test_json_object_regex_and_choice(client, server):
+    got = client.completions.create(model="demo", prompt=PROMPT, max_tokens=120, temperature=1.0, seed=2, n=3,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    for choice in got.choices:
+        # Any object at all: a random model may write keys until max_tokens (then only a prefix of one).
+        assert choice.text.startswith("{")
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.text), dict)
+        else:
+            assert choice.finish_reason == "length" and got.usage.completion_tokens >= 120
+    got = client.completions.create(model="demo", prompt=PROMPT, max_tokens=40, temperature=1.0, seed=3, n=3,
+                                    extra_body={"guided_regex": "[a-z]{3,8}-[0-9]{2}"})
+    import re
+
+    assert all(re.fullmatch("[a-z]{3,8}-[0-9]{2}", c.text) for c in got.choices), [c.text for c in got.choices]
+    choices = ["yes", "no", "maybe so"]
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 4, "n": 4, "guided_choice": choices}
+    _, whole, _ = post(server, "/v1/completions", body)
+    assert all(c["text"] in choices for c in whole["choices"]), whole
+    _, events, _ = post(server, "/v1/completions", {**body, "stream": True})
+    assert joined_stream(events) == {c["index"]: c["text"] for c in whole["choices"]}

@@ -224,3 +224,24 @@ def test_preempted_requests_keep_one_logprob_per_token_and_their_prompt_scores(l
         for mine, ref in zip(outs[rid][0].prompt_logprobs + [lp for o in outs[rid] for lp in o.logprobs],
                              alone[0].prompt_logprobs + [lp for o in alone for lp in o.logprobs]):
             assert mine.token_id == ref.token_id and math.isclose(mine.logprob, ref.logprob, abs_tol=1e-4)
+
+
+def test_a_guided_grammar_constrains_every_token_and_a_bad_one_fails_alone(loaded_demo_model):
+    import re
+
+    import llguidance
+    from tokenizers import Tokenizer
+
+    engine = make_engine(loaded_demo_model)
+    grammar = llguidance.LLMatcher.grammar_from_regex("[a-z]{2,6}-[0-9]{1,3}")
+    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, guided_grammar=grammar) for s in range(4)]
+    outs = run(engine, *(AddRequest(f"g{i}", prompt(i, 9), p, 0.0) for i, p in enumerate(params)),
+               AddRequest("plain", prompt(9, 9), SamplingParams(max_tokens=5, temperature=0.0), 0.0))
+    tok = Tokenizer.from_file(f"{loaded_demo_model.model_dir}/tokenizer.json")
+    eos = loaded_demo_model.eos_token_ids
+    for i in range(4):
+        ids = [t for o in outs[f"g{i}"] for t in o.new_token_ids if t not in eos]
+        assert outs[f"g{i}"][-1].finish_reason == "stop"
+        assert re.fullmatch("[a-z]{2,6}-[0-9]{1,3}", tok.decode(ids)), tok.decode(ids)
+    bad = engine.add_request(AddRequest("bad", [5, 6], SamplingParams(max_tokens=3, guided_grammar="{not a grammar"), 0.0))
+    assert bad is not None and bad.finish_reason == FINISH_ERROR
