@@ -39,6 +39,19 @@ def guided_grammar(req) -> str | None:
         names = ", ".join(name for name, _ in asked)
         raise ApiError(400, f"Only one structured-output parameter per request; got {names}.", param=asked[1][0])
     name, value = asked[0]
+    try:
+        grammar = _build(name, value)
+        error = _llguidance().validate_grammar(grammar)
+    except ApiError:
+        raise
+    except Exception as exc:  # whatever the library makes of a hostile schema is the request's fault
+        error = str(exc) or type(exc).__name__
+    if error:
+        raise ApiError(400, f"{name} cannot be followed: {error.strip()[:400]}", param=name)
+    return grammar
+
+
+def _build(name: str, value: Any) -> str:
     matcher = _llguidance()
     if name == "response_format":
         grammar = matcher.grammar_from_json_schema(_response_format_schema(value), defaults=_JSON_OPTIONS)
@@ -58,9 +71,6 @@ def guided_grammar(req) -> str | None:
         if not value or not all(isinstance(c, str) and c for c in value):
             raise ApiError(400, "guided_choice must be a non-empty list of non-empty strings.", param=name)
         grammar = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
-    error = matcher.validate_grammar(grammar)
-    if error:
-        raise ApiError(400, f"{name} cannot be followed: {error.strip()[:400]}", param=name)
     return grammar
 
 
