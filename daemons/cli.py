@@ -311,6 +311,8 @@ def status(url: str, as_json: bool, watch: bool, interval: float) -> None:
             sys.exit(1)
         click.echo(json.dumps(data, indent=2) if as_json else render(data))
         return
+    # Ctrl-C stops the watch even where SIGINT came ignored (a shell's background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             try:
@@ -321,6 +323,7 @@ def status(url: str, as_json: bool, watch: bool, interval: float) -> None:
             # Cursor home, each line cleared to its end, then the rest of the
             # screen: redrawn in place without the flicker of a full clear.
             click.echo("\x1b[H" + "\x1b[K\n".join(text.split("\n")) + "\x1b[K\n\x1b[J", nl=False)
+            sys.stdout.flush()  # each screen whole, even through a pipe (tee, a log)
             time.sleep(interval)
     except KeyboardInterrupt:
         click.echo()

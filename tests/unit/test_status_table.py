@@ -182,6 +182,41 @@ def test_metrics_and_dpserve_status_over_the_real_health_port(head):
     assert "NOT READY: 2/4 ranks routable, below --min-ready-ranks 3" in output and "LOST" in output
 
 
+def test_status_watch_redraws_in_place_until_interrupted(head):
+    import signal
+    import sys
+
+    table(head, [entry(r, True) for r in range(4)])
+
+    async def watch() -> tuple[int, str]:
+        port = await head.health.start("127.0.0.1", 0)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dpserve.daemons.cli", "status", "--watch", "--interval", "0.2", f"http://127.0.0.1:{port}",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        try:
+            out = b""
+            while out.count(b"Ctrl-C to stop") < 3:  # three screens drawn
+                chunk = await asyncio.wait_for(proc.stdout.read(65536), 30)
+                assert chunk, out.decode(errors="replace")
+                out += chunk
+            proc.send_signal(signal.SIGINT)
+            rest, _ = await asyncio.wait_for(proc.communicate(), 30)
+            return proc.returncode, (out + rest).decode()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await head.health.stop()
+
+    rc, out = asyncio.run(watch())
+    assert rc == 0
+    # through a pipe click drops the cursor controls: one whole screen after another
+    assert "\x1b[" not in out
+    screens = out.split("Ctrl-C to stop)")[1:]
+    assert len(screens) >= 3 and all("4/4 ranks routable" in sc for sc in screens[:3]), out[-2000:]
+
+
 def test_the_monitoring_examples_use_only_metrics_the_health_port_exports(head):
     from prometheus_client import generate_latest
 
