@@ -125,6 +125,7 @@ def test_head_shows_a_stopped_worker_lost_then_back(mode, network, demo_model_di
     seen, _ = wait_for(head, lost, 10)
     assert took <= LOST_BUDGET_S + SLACK_S, f"lost seen {took:.1f} s after the worker exited (budget {LOST_BUDGET_S} s)"
     assert seen["status"]["cluster"]["ranks_lost"] == 2 and seen["readyz"]["ranks_lost"] == 2
+    assert [r["address"] for r in seen["status"]["cluster"]["ranks"]] == [head.address] * 2 + [worker.address] * 2
     assert seen["readyz"]["ranks_routable"] == 2
     assert 'dpserve_cluster_ranks{state="lost"} 2.0' in seen["metrics"]
     assert 'dpserve_cluster_rank_state{node="2",rank="3",state="lost"} 1.0' in seen["metrics"]
