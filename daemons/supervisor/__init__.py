@@ -13,7 +13,9 @@ them, and that loop is the single writer of the child table.
     prober            ProbeResult                     policy.decide -> restart/stay/give up
                       ClusterSeen          on_ready   STARTING -> READY
     coordinator link  Fatal                on_probe   count failures -> declare_dead
-    launcher restart  LauncherRestarted  3. tick: kill overdue, spawn due restarts,
+    load table (SUB)  TableSeen            TableSeen  cluster.apply (every rank's state)
+    launcher restart  LauncherRestarted  3. tick: NodeHello, cluster.check_head,
+                                           kill overdue, spawn due restarts,
                                            startup.check (READY=1 or exit 3),
                                            rolling.advance, sweep_strays,
                                            policy.node_exit_code (exit 4/5)
@@ -23,8 +25,10 @@ Spawning never blocks the loop (a prefork launcher may take seconds): spawn()
 starts a task that posts Spawned. Files: events.py (the event kinds),
 policy.py (the pure restart decision), core.py (the loop and its verbs),
 startup.py (deadlines and the READY=1 verdict),
-rolling.py (SIGHUP's one-at-a-time restart), setup.py, shutdown.py, views.py
-(the read-only NodeView that the health port and the prober get).
+rolling.py (SIGHUP's one-at-a-time restart), setup.py, shutdown.py,
+cluster.py (every rank of the deployment, from the coordinator's load table),
+views.py (the read-only NodeView that the health port, the prober, the
+STATUS= line and `dpserve status` read: one readiness verdict for all).
 """
 
 from __future__ import annotations
