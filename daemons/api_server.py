@@ -349,14 +349,18 @@ class ApiServer:
             await self.port_site.stop()
         # Connections accepted just before the stop may not have sent their request
         # yet; closing them now would break a client mid-write (seen in the reload
-        # test as a broken pipe). Give them a moment to become requests we finish.
+        # test as a broken pipe). aiohttp's own graceful shutdown (runner.cleanup)
+        # closes exactly those as idle, so they get a short grace to become
+        # requests; after that the drain waits on the in-flight count's event.
         await asyncio.sleep(min(_ACCEPTED_GRACE_S, self.cfg.shutdown_timeout_s))
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s
         n = len(self.client.requests)
         if n:
             self.log.info("draining", in_flight=n, timeout_s=self.cfg.shutdown_timeout_s)
-        while self.serving.num_active and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        try:
+            await asyncio.wait_for(self.serving.idle.wait(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            pass
         if self.serving.num_active:
             self.log.warning("drain timed out; failing the rest", in_flight=self.serving.num_active)
             self.client.fail_all("server shutting down")

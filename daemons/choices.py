@@ -245,7 +245,7 @@ class ChoicesServing:
         endpoint = "chat" if opts.chat else "completions"
         pinned = _pinned(s, request)
         started: list[_Choice] = []
-        s.num_active += 1
+        s.request_began()
         try:
             for choice in choices:
                 add = AddRequest(choice.state.request_id, choice.prompt_ids, choice.params, time.time())
@@ -264,7 +264,7 @@ class ChoicesServing:
             kind, code = _failure_kind(exc.status)
             raise ApiError(exc.status, str(exc), type=kind, code=code) from None
         finally:
-            s.num_active -= 1
+            s.request_ended()
             for choice in started:
                 if not choice.state.is_finished:
                     s.client.abort(choice.state)

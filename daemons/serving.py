@@ -162,7 +162,9 @@ class OpenAIServing:
         self.max_model_len = cfg.max_model_len
         self.vocab_size = tokenizer.vocab_size
         self.draining = False
-        self.num_active = 0
+        self.num_active = 0  # requests between routing and their response (the drain waits on them)
+        self.idle = asyncio.Event()  # set while num_active == 0
+        self.idle.set()
         self._auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
         self._unknown_fields: set[str] = set()
         self._id_prefix = f"{cfg.index:x}{os.urandom(4).hex()}"
@@ -350,7 +352,7 @@ class OpenAIServing:
         add = AddRequest(request_id, ids, params, time.time())
         rank = await self._send(state, add, pinned)
         self.metrics.routed_to(rank)
-        self.num_active += 1
+        self.request_began()
         try:
             if req.stream:
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -368,9 +370,18 @@ class OpenAIServing:
             kind, code = _failure_kind(exc.status)
             raise ApiError(exc.status, str(exc), type=kind, code=code) from None
         finally:
-            self.num_active -= 1
+            self.request_ended()
             if not state.is_finished:
                 self.client.abort(state)  # client went away, or a stop string ended it early
+
+    def request_began(self) -> None:
+        self.num_active += 1
+        self.idle.clear()
+
+    def request_ended(self) -> None:
+        self.num_active -= 1
+        if not self.num_active:
+            self.idle.set()
 
     async def _send(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
         """Send to the best rank, waiting (bounded) while none can take it.
