@@ -62,6 +62,10 @@ class ClusterState:
         self.size = data_parallel_size
         self.head_silence_s = max(HEAD_SILENCE_MIN_S, head_silence_s)
         self.ranks = [RankView(r, since=wall) for r in range(data_parallel_size)]
+        # Kept with every change: the STATUS= line and /readyz read them after
+        # each wake of the loop, which must not cost a pass over 1,024 ranks.
+        self.counts = {state: 0 for state in RANK_STATES}
+        self.counts["absent"] = data_parallel_size
         self.last_table_at = 0.0  # monotonic; 0: never
         self.head_connected = False
         self.head_since = wall  # when head_connected last changed
@@ -77,6 +81,8 @@ class ClusterState:
             r = self.ranks[e.rank]
             state = state_of(e)
             if state != r.state:
+                self.counts[r.state] -= 1
+                self.counts[state] += 1
                 r.state, r.since = state, wall
             r.node_rank, r.host, r.address, r.incarnation, r.down_reason = e.node_rank, e.host, e.address, e.incarnation, e.down_reason
             r.num_running, r.num_waiting = e.num_running, e.num_waiting
@@ -92,10 +98,12 @@ class ClusterState:
         return False
 
     def count(self, state: str) -> int:
-        return sum(r.state == state for r in self.ranks)
+        return self.counts[state]
 
     def routable(self, ranks: list[int] | None = None) -> int:
         """Ranks in the routing table (of `ranks`, when given); none while the head is silent."""
         if not self.head_connected:
             return 0
-        return sum(self.ranks[r].state == "ready" for r in (range(self.size) if ranks is None else ranks))
+        if ranks is None or len(ranks) == self.size:
+            return self.counts["ready"]
+        return sum(self.ranks[r].state == "ready" for r in ranks)
