@@ -109,7 +109,7 @@ class RankTable:
             return f"rank {msg.rank} is already served by a live engine (incarnation {held.incarnation})"
         self.ranks[msg.rank] = RankLoad(
             msg.rank, msg.incarnation, is_alive=False, down_reason="registering",
-            node_rank=msg.node_rank, host=msg.host, address=self.node_addresses.get(msg.node_rank, ""),
+            node_rank=msg.node_rank, host=msg.host, address=self.node_addresses.get(msg.node_rank, ""), since=time.time(),
         )
         self.last_seen[msg.rank] = now
         self._touch(msg.rank)
@@ -125,6 +125,7 @@ class RankTable:
             return False
         entry.is_alive = True
         entry.down_reason = ""
+        entry.since = time.time()
         self.last_seen[msg.rank] = now
         self._touch(msg.rank)
         return True
@@ -177,6 +178,7 @@ class RankTable:
             return False
         entry.is_alive = False
         entry.down_reason = reason
+        entry.since = time.time()
         entry.num_running = entry.num_waiting = 0
         self._touch(rank)
         return True

@@ -253,6 +253,7 @@ class RankLoad(msgspec.Struct, array_like=True):
     node_rank: int = -1  # the rank's node (its first rank), from its registration; -1: unknown
     host: str = ""  # the engine's hostname, from its registration
     address: str = ""  # its node's address, from the node's supervisor (NodeHello)
+    since: float = 0.0  # coordinator's wall clock when is_alive/down_reason last changed state
 
 
 class LoadTable(msgspec.Struct, tag="table", array_like=True):

@@ -13,8 +13,8 @@ A rank's state (field names are a documented contract, see README "Status"):
     ready       in the coordinator's routing table: API servers route to it
     lost        was registered, now out of routing (stopped reporting, its
                 process exited, its node is gone); since = when it was lost
-`since` is this node's wall clock when it first saw the state (a node that
-starts later sees the state from its start).
+`since` is when the coordinator saw the state change (its wall clock, the
+same on every node); for `absent`, when this node started.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ HEAD_SILENCE_MIN_S = 3.0
 class RankView:
     rank: int
     state: str = "absent"
-    since: float = 0.0  # wall clock, when this node first saw the state
+    since: float = 0.0  # wall clock: the coordinator's state change (absent: this node's start)
     node_rank: int = -1
     host: str = ""
     address: str = ""
@@ -84,6 +84,8 @@ class ClusterState:
                 self.counts[r.state] -= 1
                 self.counts[state] += 1
                 r.state, r.since = state, wall
+            if e.since:
+                r.since = e.since  # the coordinator's: every node shows the same time
             r.node_rank, r.host, r.address, r.incarnation, r.down_reason = e.node_rank, e.host, e.address, e.incarnation, e.down_reason
             r.num_running, r.num_waiting = e.num_running, e.num_waiting
             r.num_waiting_prefill_tokens, r.num_remaining_decode_tokens = e.num_waiting_prefill_tokens, e.num_remaining_decode_tokens

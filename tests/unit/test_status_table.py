@@ -21,6 +21,7 @@ from dpserve.daemons.config import ServeConfig
 from dpserve.daemons.status_table import age, render
 from dpserve.daemons.supervisor import Supervisor
 from dpserve.daemons.supervisor import events as ev
+from dpserve.daemons.supervisor.cluster import ClusterState
 from dpserve.engine.protocol import RankLoad
 
 
@@ -248,6 +249,15 @@ def test_the_coordinator_names_each_ranks_node_and_address():
     assert t.tables(full=False) == []  # the same again: nothing to publish
     assert t.register(EngineRegister(3, "b", "fp", 1, "worker-host", node_rank=2), 0.0) == ""
     assert t.ranks[3].address == "10.0.0.2"  # a rank registering later gets it at once
+    # since: the coordinator's clock at each change of state, which every node then shows
+    registered_at = t.ranks[2].since
+    assert registered_at > 0
+    t.down(2, "gone")
+    assert t.ranks[2].since >= registered_at
+    sup_entry = RankLoad(2, "a", False, down_reason="gone", node_rank=2, since=1_600_000_000.0)
+    state = ClusterState(4, 1.5, 1_700_000_000.0)
+    state.apply([sup_entry], 1.0, 1_700_000_100.0)
+    assert state.ranks[2].since == 1_600_000_000.0 and state.ranks[3].since == 1_700_000_000.0
 
 
 @pytest.mark.parametrize(("seconds", "text"), [(None, "-"), (-3, "0s"), (59.9, "59s"), (65, "1m05s"), (7322, "2h02m"), (200000, "2d07h")])
