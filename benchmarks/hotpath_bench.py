@@ -70,7 +70,10 @@ def main(argv=None) -> int:
     # new required fields of the real config do not break this benchmark).
     cfg = SimpleNamespace(name="api-0", index=0, model_dir=model, served_model_name="demo", api_key=None,
                           data_parallel_size=1, max_model_len=2048, lb_policy="queue",
-                          max_waiting_per_rank=4096, max_request_body_bytes=1 << 22)
+                          max_waiting_per_rank=4096, max_request_body_bytes=1 << 22,
+                          # ApiServerConfig's defaults (a namespace, so --code can point at older trees)
+                          wait_for_engine_s=60.0, request_first_token_timeout_s=600.0,
+                          http_idle_timeout_s=30.0, http_body_timeout_s=60.0, http_max_connections=2048)
     tokenizer = TextTokenizer.from_dir(model)
     router = Router(1, "queue", 1 << 62)  # no admission limit: nothing here ever finishes on an engine
     router.update_table(LoadTable(1, 1, [RankLoad(0, "x", True)]))
@@ -85,12 +88,12 @@ def main(argv=None) -> int:
 
         def send(self, state: RequestState, add, rank: int) -> None:
             state.rank = rank
-            router.on_send(rank, state.cost)
+            router.on_send(rank, state.remaining)
             ids = add.prompt_token_ids
             n = self.tokens
             for i in range(n):
                 state._push(RequestOutput(state.request_id, [ids[i % len(ids)]], "length" if i == n - 1 else None))
-            router.on_finish(rank, state.cost)
+            router.on_finish(rank, state.remaining)
 
         def abort(self, state) -> None:
             pass
