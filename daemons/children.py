@@ -55,6 +55,7 @@ class Child:
         "deadline",
         "gave_up",
         "spawning",
+        "early",
         "num_running",
         "num_waiting",
         "kv_usage",
@@ -101,6 +102,7 @@ class Child:
         self.deadline = 0.0  # startup deadline, or kill deadline while STOPPING
         self.gave_up = ""  # why the supervisor gave up on it (policy.CANNOT_BOOT, CRASH_LOOP), or ""
         self.spawning = False  # a spawn task for it is in flight
+        self.early: list = []  # Ready/Heartbeat news that came before the spawn task's Spawned
         self.num_running = 0
         self.num_waiting = 0
         self.kv_usage = 0.0

@@ -168,8 +168,14 @@ class Supervisor:
             self.on_spawned(event)
         else:
             child = self.children.get(event.name)
-            if child is None or child.pid != event.pid:
-                return  # a previous incarnation's news
+            if child is None:
+                return
+            if child.pid != event.pid:
+                if child.spawning and isinstance(event, ev.Ready | ev.Heartbeat) and len(child.early) < 16:
+                    # A forked child can say "ready" on the control socket before its
+                    # spawn task's Spawned is applied: keep it until the pid is known.
+                    child.early.append(event)
+                return  # otherwise a previous incarnation's news
             if isinstance(event, ev.Exited):
                 self.on_exit(child, event.returncode)
             elif isinstance(event, ev.Ready):
@@ -251,6 +257,7 @@ class Supervisor:
         child = self.children[event.name]
         child.spawning = False
         if isinstance(event, ev.SpawnFailed):
+            child.early = []
             self.log.error("cannot start child", child=child.name, error=event.error)
             child.failure = "could not start"
             self.on_exit(child, EXIT_ERROR, how=f"could not start: {event.error}")
@@ -261,6 +268,9 @@ class Supervisor:
             child.deadline = now + startup.timeout(self.cfg, child)
         asyncio.create_task(watch_exit(child.name, event.proc, self.post))
         self.log.info("child started", child=child.name, pid=child.pid)
+        early, child.early = child.early, []
+        for news in early:
+            self.apply(news)  # this process's own; anything else is dropped there
 
     def on_ready(self, child: Child) -> None:
         if child.state != ChildState.STARTING:

@@ -299,6 +299,29 @@ def test_sigterm_stops_with_exit_0_and_sighup_waits_until_serving(sup):
     assert sup.phase == "stopping" and sup.exit_code == EXIT_OK
 
 
+def test_ready_before_the_spawn_task_reports_is_kept_for_that_process(sup):
+    """A forked API server can say "ready" before its spawn task's Spawned is
+    applied (seen in CI: the node then timed out its startup)."""
+
+    async def scenario():
+        new, other = [await asyncio.create_subprocess_exec("sleep", "30") for _ in range(2)]
+        try:
+            sup.phase = "starting"
+            c = add(sup, "api-0", "api", pid=0, state=ChildState.BACKOFF)
+            c.spawning = True
+            sup.apply(ev.Ready("api-0", new.pid))  # before Spawned
+            sup.apply(ev.Ready("api-0", other.pid))  # some other process's: never applied
+            assert c.state == ChildState.BACKOFF
+            sup.apply(ev.Spawned("api-0", new, sup.clock.now))
+            assert c.pid == new.pid and c.state == ChildState.READY and c.early == []
+        finally:
+            for p in (new, other):
+                p.kill()
+                await p.wait()
+
+    asyncio.run(scenario())
+
+
 def test_sighup_replaces_api_servers_one_at_a_time_and_tells_systemd(sup):
     async def scenario():
         procs = [await asyncio.create_subprocess_exec("sleep", "30") for _ in range(4)]
