@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dpserve.engine.protocol import GRAMMAR_LIMITS
+
 from .openai_types import ApiError
 
 # JSON as the model writes it: no free whitespace, which a weak model would
@@ -41,7 +43,9 @@ def guided_grammar(req) -> str | None:
     name, value = asked[0]
     try:
         grammar = _build(name, value)
-        error = _llguidance().validate_grammar(grammar)
+        import llguidance
+
+        error = _llguidance().validate_grammar(grammar, limits=llguidance.LLParserLimits(**GRAMMAR_LIMITS))
     except ApiError:
         raise
     except Exception as exc:  # whatever the library makes of a hostile schema is the request's fault

@@ -22,6 +22,7 @@ from .protocol import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
+    GRAMMAR_LIMITS,
     AddRequest,
     RequestOutput,
     TokenLogprobs,
@@ -195,7 +196,7 @@ class EngineCore:
         if self._grammar_tokenizer is None:
             hf = AutoTokenizer.from_pretrained(self.config.model)
             self._grammar_tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=sorted(self.eos_token_ids))
-        matcher = llguidance.LLMatcher(self._grammar_tokenizer, grammar)
+        matcher = llguidance.LLMatcher(self._grammar_tokenizer, grammar, limits=llguidance.LLParserLimits(**GRAMMAR_LIMITS))
         if matcher.is_error():
             raise ValueError(f"guided_grammar: {matcher.get_error()}")
         return matcher

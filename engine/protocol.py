@@ -66,6 +66,19 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
         )
 
 
+# llguidance's resource limits, the same where the API server validates a grammar
+# and where the engine follows it: its defaults let one hostile grammar (a regex
+# like a{100000}) cost tens of ms per token of the engine's loop; past these the
+# row's grammar errors and its answer ends there, the rank's other rows unharmed.
+GRAMMAR_LIMITS = {
+    "initial_lexer_fuel": 200_000,
+    "step_lexer_fuel": 50_000,
+    "step_max_items": 20_000,
+    "max_lexer_states": 50_000,
+    "max_grammar_size": 100_000,
+}
+
+
 # ---------------------------------------------------------------- API server -> engine
 
 

@@ -245,3 +245,20 @@ def test_a_guided_grammar_constrains_every_token_and_a_bad_one_fails_alone(loade
         assert re.fullmatch("[a-z]{2,6}-[0-9]{1,3}", tok.decode(ids)), tok.decode(ids)
     bad = engine.add_request(AddRequest("bad", [5, 6], SamplingParams(max_tokens=3, guided_grammar="{not a grammar"), 0.0))
     assert bad is not None and bad.finish_reason == FINISH_ERROR
+
+
+def test_a_grammar_past_the_resource_limits_ends_its_own_answer_and_spares_the_others(loaded_demo_model):
+    """A regex like a{100000} passes validation but, under llguidance's default
+    limits, cost the engine's loop tens of ms per token (CI saw a rank stall
+    past its heartbeat under schemathesis). Under GRAMMAR_LIMITS its lexer runs
+    out of fuel: that row's answer ends at once, the others go on as alone."""
+    import llguidance
+
+    engine = make_engine(loaded_demo_model)
+    grammar = llguidance.LLMatcher.grammar_from_regex("a{100000}")
+    outs = run(engine, AddRequest("huge", prompt(1, 9), SamplingParams(max_tokens=60, temperature=0.0, guided_grammar=grammar), 0.0),
+               AddRequest("plain", prompt(9, 9), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), 0.0))
+    huge = [t for o in outs["huge"] for t in o.new_token_ids]
+    assert outs["huge"][-1].finish_reason == "stop" and len(huge) <= 2, huge
+    alone = run(make_engine(loaded_demo_model), AddRequest("plain", prompt(9, 9), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), 0.0))
+    assert [t for o in outs["plain"] for t in o.new_token_ids] == [t for o in alone["plain"] for t in o.new_token_ids]
