@@ -8,6 +8,8 @@ dpserve.daemons: the engine process loop around it moves the bytes.
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -102,7 +104,14 @@ class EngineCore:
         self._last_step_ms = 0.0
         self.on_progress: Callable[[], None] | None = None  # called from inside long steps (liveness)
         self.num_step_errors = 0
-        self._grammar_tokenizer = None  # llguidance's view of the vocabulary, built on first use
+        # llguidance's view of the vocabulary, built in the background from the
+        # start: built on a structured-output request's arrival it held the
+        # engine's loop for seconds (AutoTokenizer + the token trie), long
+        # enough on a loaded machine to miss heartbeats and lose the rank.
+        self._grammar_tokenizer = None
+        self._grammar_tokenizer_error = ""
+        self._grammar_tokenizer_ready = threading.Event()
+        threading.Thread(target=self._build_grammar_tokenizer, name="grammar-tokenizer", daemon=True).start()
 
     # ------------------------------------------------------------ requests in
 
@@ -187,15 +196,29 @@ class EngineCore:
                 return f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"
         return None
 
-    def _matcher(self, grammar: str):
-        """The grammar's matcher (llguidance, imported on first use: plain engines never load it)."""
-        import llguidance
-        import llguidance.hf
-        from transformers import AutoTokenizer
+    def _build_grammar_tokenizer(self) -> None:
+        """llguidance's tokenizer from the model's tokenizer.json (the `tokenizers`
+        form the API servers use too); runs on a thread of its own at start."""
+        try:
+            import llguidance
+            from tokenizers import Tokenizer
 
+            tok = Tokenizer.from_file(os.path.join(self.config.model, "tokenizer.json"))
+            tok.no_padding()
+            tok.no_truncation()
+            self._grammar_tokenizer = llguidance.LLTokenizer(tok.to_str(), n_vocab=self.vocab_size, eos_token=sorted(self.eos_token_ids))
+        except Exception as e:  # no tokenizer.json, or llguidance missing: guided requests fail alone
+            self._grammar_tokenizer_error = f"{type(e).__name__}: {e}"
+        finally:
+            self._grammar_tokenizer_ready.set()
+
+    def _matcher(self, grammar: str):
+        """The grammar's matcher (llguidance; its tokenizer is built at start, off the loop)."""
+        import llguidance
+
+        self._grammar_tokenizer_ready.wait()  # at most the build's remaining second or so, once
         if self._grammar_tokenizer is None:
-            hf = AutoTokenizer.from_pretrained(self.config.model)
-            self._grammar_tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=sorted(self.eos_token_ids))
+            raise ValueError(f"structured output is not available for this model: {self._grammar_tokenizer_error}")
         matcher = llguidance.LLMatcher(self._grammar_tokenizer, grammar, limits=llguidance.LLParserLimits(**GRAMMAR_LIMITS))
         if matcher.is_error():
             raise ValueError(f"guided_grammar: {matcher.get_error()}")
