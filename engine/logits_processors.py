@@ -82,14 +82,25 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
     return out
 
 
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
 def apply_grammar(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
-    """In place: forbid every token the row's grammar (Sequence.matcher) does not allow next."""
+    """In place: forbid every token the row's grammar (Sequence.matcher) does not allow next.
+
+    llguidance fills one 32-bit word per 32 tokens; the words are unpacked here
+    in eager torch. (llguidance.torch's own apply is torch.compile'd: its first
+    call ran the C++ compiler for seconds inside the engine's loop, and a rank
+    missed its heartbeats.)
+    """
     import llguidance.torch as llg
 
-    bitmask = llg.allocate_token_bitmask(len(rows), logits.shape[1])
+    vocab = logits.shape[1]
+    bitmask = llg.allocate_token_bitmask(len(rows), vocab)
     for k, row in enumerate(rows):
         llg.fill_next_token_bitmask(seqs[row].matcher, bitmask, k)
+    allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).view(len(rows), -1)[:, :vocab].bool()
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     masked = logits[index]
-    llg.apply_token_bitmask_inplace(masked, bitmask.to(logits.device))
+    masked.masked_fill_(~allowed.to(logits.device), float("-inf"))
     logits[index] = masked
