@@ -107,17 +107,24 @@ def budget_server(small_model_dir):
 
 
 def test_mixed_lengths_over_the_kv_budget_all_finish_equal_to_their_answers_alone(budget_server, small_model_dir):
-    """Prompts of 3 to 3,000 tokens at once need more KV than the 4,096-token budget:
+    """Prompts of 3 to 2,000 tokens at once need more KV than the 4,096-token budget:
     sequences are preempted and recomputed, every request is answered, each answer equals
-    the same prompt asked alone, and the engine's memory stays within model + budget."""
+    the same prompt asked alone, and the engine's memory stays within model + budget.
+
+    Preemption must follow whatever the arrival order: the two 2,000-token prompts
+    decode 160 tokens each, so once both are prefilled their 4,000 tokens and growth
+    exceed the budget (a scheduler simulation over random arrivals up to 100 steps
+    apart always preempts; the earlier 3,000 + 1,500 mix with 24 tokens each did
+    not when a slow machine spread the arrivals)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    lengths = [3, 40, 3000, 300, 1500, 20, 700, 9]
+    lengths = [3, 40, 2000, 300, 2000, 20, 700, 9]
+    max_tokens = [160 if n == 2000 else 24 for n in lengths]
     prompts = [prompt_ids(10 + i, n) for i, n in enumerate(lengths)]
     with openai_client(budget_server) as client:
         with ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(lambda p: complete(client, p, 24), prompts))
-        alone = [complete(client, p, 24) for p in prompts]
+            together = list(pool.map(lambda pm: complete(client, *pm), zip(prompts, max_tokens)))
+        alone = [complete(client, p, m) for p, m in zip(prompts, max_tokens)]
     assert together == alone
     assert all(reason == "length" for _, reason in together)
 
