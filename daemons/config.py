@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import msgspec
+from dpserve.engine.config import ENGINES
 
 LB_POLICIES = ("queue", "tokens", "round-robin")
 LB_MODES = ("internal", "hybrid", "external", "global")
@@ -36,7 +37,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     long_prefill_token_threshold: int = 0
     kv_cache_memory_bytes: int = 0
     gpu_memory_utilization: float = 0.9
-    block_size: int = 16
+    block_size: int = 0  # 0: the engine's default (native: 16)
+    # the rank engine: dpserve (native) or vllm (vLLM's LLMEngine in the rank process)
+    engine: str = "dpserve"
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool | None = None  # None: the engine's default
+    engine_args: dict[str, str] = {}  # --engine-arg KEY=VALUE (vLLM EngineArgs fields)
     lb_policy: str = "tokens"
     max_waiting_per_rank: int = 4096
     max_request_body_bytes: int = 4 * 1024 * 1024
@@ -128,6 +134,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--data-parallel-size must be at least 1")
         if self.api_server_count < 1:
             raise ValueError("--api-server-count must be at least 1")
+        self._validate_engine()
         if self.lb_policy not in LB_POLICIES:
             raise ValueError(f"--lb-policy must be one of {', '.join(LB_POLICIES)}")
         if self.api_server_launch not in API_SERVER_LAUNCH:
@@ -175,6 +182,29 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"model directory {self.model!r} does not exist")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"{self.model!r} holds no config.json: not a Hugging Face model directory")
+
+
+    def _validate_engine(self) -> None:
+        """Options that do not apply to the chosen engine are refused, never ignored."""
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.engine == "dpserve":
+            native = "the native engine (--engine dpserve)"
+            if self.engine_args:
+                raise ValueError(f"--engine-arg passes options to vLLM's engine; {native} takes none: use --engine vllm")
+            if self.tensor_parallel_size != 1:
+                raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: {native} runs one device per rank; use --engine vllm")
+            if self.enable_prefix_caching:
+                raise ValueError(f"--enable-prefix-caching: {native} has no prefix cache yet; use --engine vllm")
+            return
+        # vLLM: installed, a supported version (package metadata only: importing vLLM takes seconds)
+        from dpserve.engine.vllm_core import check_vllm_version, vllm_version
+
+        problem = check_vllm_version(vllm_version())
+        if problem:
+            raise ValueError(problem)
 
 
 class Addresses(msgspec.Struct, kw_only=True):

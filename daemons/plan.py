@@ -102,7 +102,7 @@ def plan_children(
     """Every child this node runs, with its typed config: the coordinator (head
     only), one engine per local rank, and the API servers (unless headless)."""
     children: list[Child] = []
-    fingerprint = config_fingerprint(model_identity(cfg.model), cfg.dtype, max_model_len, cfg.data_parallel_size)
+    fingerprint = config_fingerprint(model_identity(cfg.model), cfg.dtype, max_model_len, cfg.data_parallel_size, cfg.engine)
     me = os.getpid()
     key_file = os.path.abspath(cfg.key_file) if cfg.key_file else ""
     if cfg.runs_coordinator:
@@ -145,6 +145,11 @@ def plan_children(
                 block_size=cfg.block_size,
                 num_local_ranks=cfg.size_local,
                 seed=cfg.seed,
+                local_rank=rank - cfg.data_parallel_start_rank,
+                engine=cfg.engine,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                enable_prefix_caching=cfg.enable_prefix_caching,
+                engine_args=dict(cfg.engine_args),
             ),
             node_rank=cfg.data_parallel_start_rank,
             key_file=key_file,

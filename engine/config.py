@@ -12,6 +12,8 @@ import os
 import msgspec
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# dpserve: the native engine (this package); vllm: vLLM's LLMEngine in the rank process (engine/vllm_core.py)
+ENGINES = ("dpserve", "vllm")
 
 
 # Token budget per step when none is configured. On a GPU a step's cost
@@ -30,6 +32,8 @@ CPU_LONG_PREFILL_TOKEN_THRESHOLD = 32
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # local Hugging Face model directory
     rank: int = 0
+    local_rank: int = 0  # index among this node's ranks (device placement)
+    engine: str = "dpserve"  # one of ENGINES
     dtype: str = "auto"  # auto: bf16 where the device computes it fast (checkpoint's dtype if 16-bit), else float32
     device: str = "auto"  # auto: cuda:<rank mod visible GPUs> when CUDA is present, else cpu (loader.resolve_device)
     max_num_seqs: int = 256
@@ -42,6 +46,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + KV
     num_local_ranks: int = 1  # ranks on this node sharing its memory (for the auto budget)
     seed: int = 0
+    # vLLM engine only (the CLI refuses them with the native engine)
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool | None = None  # None: the engine's default
+    engine_args: dict[str, str] = {}  # --engine-arg KEY=VALUE: vLLM EngineArgs fields, values as typed
 
 
 def resolve_token_budget(config: EngineConfig, device) -> tuple[int, int]:

@@ -113,6 +113,16 @@ class EngineCore:
         self._grammar_tokenizer_ready = threading.Event()
         threading.Thread(target=self._build_grammar_tokenizer, name="grammar-tokenizer", daemon=True).start()
 
+    def describe(self) -> dict:
+        """What the engine process logs once the model is loaded."""
+        return {
+            "engine": "dpserve",
+            "max_model_len": self.max_model_len,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_tokens": self.kv_capacity_tokens,
+            "kv_cache_gib": round(self.kv.num_bytes / 2**30, 2),
+        }
+
     # ------------------------------------------------------------ requests in
 
     def add_request(self, req: AddRequest) -> RequestOutput | None:

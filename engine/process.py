@@ -235,25 +235,31 @@ class EngineProcess:
     def _on_signal(self, signum, _frame) -> None:
         self.should_stop = True  # the loop notices; nothing else happens here
 
-    def boot(self) -> None:
+    def _make_core(self):
+        """The rank's engine: the native EngineCore, or vLLM's engine behind the same interface."""
+        if self.cfg.engine.engine == "vllm":
+            from .vllm_core import VllmConfigError, VllmCore
+
+            try:
+                return VllmCore(self.cfg.engine, self.log)
+            except VllmConfigError as exc:
+                self.log.error("the vLLM engine cannot start with this configuration", error=str(exc))
+                raise SystemExit(EXIT_CONFIG) from exc
         from .core import EngineCore  # torch is imported here, not at module load
 
+        return EngineCore(self.cfg.engine)
+
+    def boot(self) -> None:
         t0 = time.monotonic()
         self.supervisor.heartbeat()
         try:
-            self.core = EngineCore(self.cfg.engine)
+            self.core = self._make_core()
+        except SystemExit:
+            raise
         except Exception as exc:
-            self.log.exception("model failed to load", model=self.cfg.engine.model)
+            self.log.exception("model failed to load", model=self.cfg.engine.model, engine=self.cfg.engine.engine)
             raise SystemExit(EXIT_STARTUP) from exc
-        self.log.info(
-            "model loaded",
-            model=self.cfg.engine.model,
-            seconds=round(time.monotonic() - t0, 2),
-            max_model_len=self.core.max_model_len,
-            dtype=str(self.core.dtype).removeprefix("torch."),
-            kv_cache_tokens=self.core.kv_capacity_tokens,
-            kv_cache_gib=round(self.core.kv.num_bytes / 2**30, 2),
-        )
+        self.log.info("model loaded", model=self.cfg.engine.model, seconds=round(time.monotonic() - t0, 2), **self.core.describe())
         self.supervisor.heartbeat()
         addresses = self.io.register(self.log, lambda: self.should_stop)
         if self.should_stop:

@@ -321,11 +321,15 @@ class Codec:
         return self._dec.decode(data)
 
 
-def config_fingerprint(model: str, dtype: str, max_model_len: int, data_parallel_size: int) -> str:
+def config_fingerprint(model: str, dtype: str, max_model_len: int, data_parallel_size: int, engine: str = "dpserve") -> str:
     """A short hash of everything two nodes of one deployment must agree on.
 
     `model` is the model's identity (its config.json content hash, not its
-    path: nodes may keep the same model in different directories).
+    path: nodes may keep the same model in different directories). `engine`:
+    every rank of a deployment runs the same engine (answers must not depend
+    on the rank); the native engine's fingerprints are those of old.
     """
     text = f"{PROTOCOL_VERSION}|{model}|{dtype}|{max_model_len}|{data_parallel_size}"
+    if engine != "dpserve":
+        text += f"|{engine}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

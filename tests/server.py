@@ -82,9 +82,11 @@ def stream_request(port: int, max_tokens: int, result: dict, model: str = "demo"
 
 class DpServer:
     def __init__(
-        self, model_dir: str, *args: str, env: dict | None = None, served_model_name: str | None = "demo", preexec_fn=None
+        self, model_dir: str, *args: str, env: dict | None = None, served_model_name: str | None = "demo", preexec_fn=None,
+        python: str | None = None,
     ) -> None:
         self.model_dir = model_dir
+        self.python = python or sys.executable  # another venv's interpreter (the vLLM engine's)
         self.args = list(args)
         self.env = env
         self.preexec_fn = preexec_fn  # e.g. to start under a low RLIMIT_NOFILE
@@ -101,7 +103,7 @@ class DpServer:
 
     def start(self, wait_ready: bool = True) -> DpServer:
         cmd = [
-            sys.executable, "-m", "dpserve.daemons.cli", "serve", self.model_dir,
+            self.python, "-m", "dpserve.daemons.cli", "serve", self.model_dir,
             *(["--served-model-name", self.model] if self.model else []),
             "--port", "0",
             "--data-parallel-supervisor-port", "0",

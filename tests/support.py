@@ -24,3 +24,26 @@ def skip_unless_required(reason: str) -> None:
     if required():
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1: this machine must run the system tests)", pytrace=False)
     pytest.skip(reason)
+
+
+# ---------------------------------------------------------------- vLLM's engine (--engine vllm)
+
+VLLM_REQUIRE_ENV = "DPSERVE_REQUIRE_VLLM"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def vllm_venv() -> str:
+    """The venv that holds vLLM and dpserve (`make setup-vllm`): $DPSERVE_VLLM_VENV, else .venv-vllm in the repo.
+
+    vLLM pins its own versions of torch, transformers and llguidance, so it lives
+    in a venv of its own, as users of `dpserve[vllm]` have it; skips (or fails,
+    with DPSERVE_REQUIRE_VLLM=1, as CI sets it) when that venv is not there.
+    """
+    venv = os.environ.get("DPSERVE_VLLM_VENV") or os.path.join(REPO, ".venv-vllm")
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.isfile(python):
+        reason = f"no vLLM venv at {venv} (make setup-vllm creates it)"
+        if os.environ.get(VLLM_REQUIRE_ENV, "") == "1":
+            pytest.fail(f"{reason} ({VLLM_REQUIRE_ENV}=1: this machine must run the vLLM engine tests)", pytrace=False)
+        pytest.skip(reason)
+    return venv
