@@ -10,7 +10,11 @@ DP ?= 1
 API ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint clean
+# --engine vllm: vLLM's CPU build and dpserve in a venv of their own (vLLM pins
+# its own torch, transformers and llguidance); the vLLM engine tests use it.
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: setup setup-vllm demo test test-fast lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +23,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml benchmarks/setup_vllm.sh
+	PYTHON=$(PYTHON) bash benchmarks/setup_vllm.sh $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -e .
+	touch $@
+
+setup-vllm: $(VLLM_VENV)/.installed
 
 demo: setup
 	$(VENV)/bin/dpserve serve --port $(PORT) --data-parallel-size $(DP) $(if $(API),--api-server-count $(API))
@@ -34,4 +45,4 @@ lint: setup
 	$(VENV)/bin/ruff check engine daemons tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
