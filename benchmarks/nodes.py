@@ -286,9 +286,10 @@ class DpNode(Server):
     name = "dpserve"
 
     def __init__(self, model_dir: str, dp: int = 1, api: int = 1, extra: Sequence[str] = (),
-                 env: dict | None = None, log_dir: str | None = None) -> None:
+                 env: dict | None = None, log_dir: str | None = None, *, python: str | None = None) -> None:
         super().__init__(env, log_dir)
         self.model_dir = model_dir
+        self.python = python or sys.executable  # another venv's interpreter, e.g. vLLM's for --engine vllm
         self.dp, self.api = dp, api
         self.extra = list(extra)
         self.ports_file = os.path.join(self.tmp, "ports.json")
@@ -296,7 +297,7 @@ class DpNode(Server):
         self.label = f"dpserve dp{dp}/api{api}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "dpserve.daemons.cli", "serve", self.model_dir,
+        return [self.python, "-m", "dpserve.daemons.cli", "serve", self.model_dir,
                 "--served-model-name", SERVED_MODEL, "--port", "0",
                 "--data-parallel-supervisor-port", "0", "--ports-file", self.ports_file,
                 "--data-parallel-size", str(self.dp), "--api-server-count", str(self.api),
