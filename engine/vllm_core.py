@@ -9,7 +9,7 @@ token ids out (detokenize=False, DELTA outputs).
 
 The vLLM surface used, all public (see VLLM_SUPPORTED for the versions tested):
 `EngineArgs`, `LLMEngine.from_engine_args(args, stat_loggers=...)`,
-`add_request(id, TokensPrompt, SamplingParams, arrival_time)`, `step()`,
+`add_request(id, tokens_input(ids), SamplingParams, arrival_time)`, `step()`,
 `abort_request(ids)`, `SamplingParams`, `StructuredOutputsParams`,
 `RequestOutputKind.DELTA`, and a custom `StatLoggerBase` for the scheduler's
 running / waiting counts and KV usage. A vLLM upgrade that renames any of
@@ -269,20 +269,31 @@ class VllmCore:
         import psutil
 
         try:
+            # tokens_input: an already rendered token prompt (public in 0.31-0.33); a raw
+            # TokensPrompt dict goes through the renderer path vLLM deprecates
             from vllm import EngineArgs, LLMEngine
             from vllm import SamplingParams as VSamplingParams
-            from vllm.inputs import TokensPrompt
+            from vllm.inputs import tokens_input
             from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
             from vllm.v1.metrics.loggers import StatLoggerBase
         except ImportError as exc:
             raise VllmConfigError(f"vLLM's public API is not where dpserve expects it ({exc}); {INSTALL_HINT}") from exc
         self._SamplingParams = VSamplingParams
-        self._TokensPrompt = TokensPrompt
+        self._tokens_input = tokens_input
         self._Structured = StructuredOutputsParams
         self._delta = RequestOutputKind.DELTA
 
         self.max_model_len = resolve_max_model_len(config.model, config.max_model_len)
         kw = engine_args_kwargs(config, self.max_model_len, on_gpu, psutil.virtual_memory().available)
+        if "disable_log_stats" in config.engine_args:
+            raise VllmConfigError("--engine-arg disable_log_stats: dpserve's load reports are vLLM's scheduler stats; it cannot be set")
+        # vLLM's CPU build lets VLLM_CPU_KVCACHE_SPACE (GiB) override kv_cache_memory_bytes:
+        # --kv-cache-memory-bytes wins when given, else an operator's variable beats the auto budget.
+        if not on_gpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            if config.kv_cache_memory_bytes:
+                os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
+            else:
+                kw.pop("kv_cache_memory_bytes", None)
         known = {f.name for f in dataclasses.fields(EngineArgs)}
         unknown = sorted(set(kw) - known)
         if unknown:
@@ -318,7 +329,7 @@ class VllmCore:
         self.block_size = cache.block_size
         blocks = cache.num_gpu_blocks or 0
         self.kv_capacity_tokens = blocks * self.block_size
-        self.kv_bytes = int(kw.get("kv_cache_memory_bytes") or 0)
+        self.kv_bytes = int(cache.kv_cache_memory_bytes or kw.get("kv_cache_memory_bytes") or 0)
         self.vllm_version = vllm_version()
         self.on_progress = None  # vLLM's steps are bounded by its token budget; nothing to call mid-step
         self._reqs: dict[str, list[int]] = {}
@@ -350,8 +361,14 @@ class VllmCore:
             if p.guided_grammar is not None:
                 kw["structured_outputs"] = self._Structured(**structured_outputs_kwargs(p.guided_grammar))
             params = self._SamplingParams(**kw, output_kind=self._delta)
-            self.engine.add_request(rid, self._TokensPrompt(prompt_token_ids=req.prompt_token_ids), params, arrival_time=req.arrival_time)
+            self.engine.add_request(rid, self._tokens_input(list(req.prompt_token_ids)), params, arrival_time=req.arrival_time)
         except Exception as e:  # vLLM's validation (or anything else): this request fails alone
+            # vLLM may have recorded the request before refusing it (0.32/0.33 do for some
+            # checks): forget it there too, or it would count as unfinished for good.
+            try:
+                self.engine.abort_request([rid])
+            except Exception:
+                pass
             return RequestOutput(rid, [], finish_reason=FINISH_ERROR, error=f"invalid request: {e}")
         n = len(req.prompt_token_ids)
         self._reqs[rid] = [n, p.max_tokens, 0]

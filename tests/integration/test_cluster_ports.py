@@ -48,11 +48,12 @@ def free_port_run(n: int) -> int:
 class Node:
     """One `dpserve head|worker` process on loopback, in its own process group."""
 
-    def __init__(self, tmp: Path, name: str, role: str, model: str, key: str, rpc: int, *extra: str) -> None:
+    def __init__(self, tmp: Path, name: str, role: str, model: str, key: str, rpc: int, *extra: str,
+                 python: str | None = None, env: dict | None = None) -> None:
         self.log_path = tmp / f"{name}.log"
         self.ports_file = tmp / f"{name}.ports"
         cmd = [
-            sys.executable, "-m", "dpserve.daemons.cli", role, model, "--served-model-name", "demo",
+            python or sys.executable, "-m", "dpserve.daemons.cli", role, model, "--served-model-name", "demo",
             "--data-parallel-size", "2", "--data-parallel-size-local", "1",
             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc),
             "--data-parallel-key-file", key, "--port", "0", "--data-parallel-supervisor-port", "0",
@@ -62,7 +63,7 @@ class Node:
         ]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "DPSERVE_DIE_WITH_PARENT": "1"})
+                                         env={**os.environ, "DPSERVE_DIE_WITH_PARENT": "1", **(env or {})})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -216,3 +216,56 @@ def test_a_killed_rank_is_restarted_and_answers_as_before(node, vllm_reference):
     assert resp.status == 200, body
     assert body["choices"][0]["text"] == vllm_reference["cmpl2"][0]
     client.close()
+
+
+def test_multi_node_head_and_headless_worker_with_vllm_ranks(venv, demo_model_dir, vllm_reference, tmp_path):
+    """A head and a headless worker on loopback, one vLLM rank each, authenticated: both
+    ranks serve through the head's API server and answer as `vllm serve`. A worker that
+    runs the native engine is refused by the head (every rank runs the same engine): exit 2."""
+    from tests.integration.test_cluster_ports import Node, free_port_run
+
+    key = tmp_path / "dp.key"
+    key.write_bytes(os.urandom(32).hex().encode())
+    key.chmod(0o600)
+    rpc = free_port_run(4)
+    python = os.path.join(venv, "bin", "python")
+    common = [*SETTINGS, "--dp-supervisor-probe-interval-s", "2", "--dp-supervisor-probe-timeout-s", "2",
+              "--dp-supervisor-probe-failure-threshold", "5"]
+    vllm = ["--engine", "vllm", "--kv-cache-memory-bytes", str(512 << 20), *common]
+    started = []
+    try:
+        head = Node(tmp_path, "head", "head", demo_model_dir, str(key), rpc, *vllm, python=python, env=VLLM_ENV)
+        started.append(head)
+        native = Node(tmp_path, "native", "worker", demo_model_dir, str(key), rpc, "--headless", "--data-parallel-start-rank", "1",
+                      *common, python=python)
+        started.append(native)
+        rc = native.wait_exit(300)
+        assert rc == 2 and "fingerprint" in native.log(), native.log()[-3000:]
+
+        worker = Node(tmp_path, "worker", "worker", demo_model_dir, str(key), rpc, "--headless", "--data-parallel-start-rank", "1",
+                      *vllm, python=python, env=VLLM_ENV)
+        started.append(worker)
+        health = head.health()
+
+        def ready():
+            for n in (head, worker):
+                assert n.proc.poll() is None, n.log()[-3000:]
+            try:
+                return http_get(health + "/readyz", 2)[0] == 200 and json.loads(http_get(health + "/status")[1])["cluster"]["ranks_routable"] == 2
+            except (OSError, KeyError, ValueError):
+                return False
+
+        wait_until(ready, START_TIMEOUT_S, 0.5, "both vLLM ranks in the cluster")
+        port = json.loads(head.ports_file.read_text())["port"]
+        for rank in (0, 1):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            conn.request("POST", "/v1/completions", json.dumps({"model": "demo", "prompt": PROMPTS[3], "max_tokens": 16, "temperature": 0}),
+                         {"Content-Type": "application/json", "X-data-parallel-rank": str(rank)})
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+            conn.close()
+            assert resp.status == 200 and resp.getheader("X-data-parallel-rank") == str(rank), body
+            assert body["choices"][0]["text"] == vllm_reference["cmpl3"][0]
+    finally:
+        for n in reversed(started):
+            n.stop()
