@@ -32,7 +32,7 @@ from dpserve.engine.common.procutil import (
     die_with_parent,
     set_process_name,
 )
-from dpserve.engine.protocol import ApiServerRegister, Codec
+from dpserve.engine.protocol import ApiServerRegister, Codec, PrefixRouted
 
 from .config import ApiServerConfig
 from .engine_client import EngineClient
@@ -56,6 +56,7 @@ def _package_version() -> str:
 VERSION = _package_version()
 FAULT_STARTUP_DELAY_ENV = "DPSERVE_FAULT_API_STARTUP_DELAY_S"
 _ACCEPTED_GRACE_S = 0.25
+PREFIX_FLUSH_S = 0.005  # cache-aware: routed prefixes reach the other API servers this late at most
 
 CFG = web.AppKey("cfg", ApiServerConfig)
 SERVING = web.AppKey("serving", OpenAIServing)
@@ -120,6 +121,7 @@ def _http_error(status: int, request: web.BaseRequest, exc: BaseException | None
             message = "Error"
     kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
     return ApiError(status, message, type=kind, headers=headers)
+
 
 
 class _JsonErrorHandler(RequestHandler):
@@ -188,9 +190,14 @@ class ApiServer:
         self.coordinator.setsockopt(zmq.SNDHWM, 10)
         make_client(self.coordinator, self.keys)
         self.coordinator.connect(cfg.coordinator_address)
-        self._register = Codec(ApiServerRegister).encode(
-            ApiServerRegister(cfg.node_rank, cfg.index, cfg.engine_address, os.urandom(6).hex())
-        )
+        incarnation = os.urandom(6).hex()
+        self._register = Codec(ApiServerRegister).encode(ApiServerRegister(cfg.node_rank, cfg.index, cfg.engine_address, incarnation))
+        # cache-aware routing: what this API server routes, every other one learns (and back)
+        self._routed: list[tuple[int, list[int]]] = []
+        self._routed_codec = Codec(PrefixRouted)
+        if self.router.prefix is not None:
+            self.router.origin = incarnation
+            self.router.on_routed = self._prefix_routed
         self.metrics = ApiMetrics(cfg, self.router)
         self.serving = OpenAIServing(cfg, self.tokenizer, self.client, self.metrics, log)
         self.stop_event = asyncio.Event()
@@ -331,6 +338,19 @@ class ApiServer:
                 return
             await asyncio.sleep(0.01)
         self.log.warning("no routable rank yet; accepting anyway", waited_s=timeout)
+
+    def _prefix_routed(self, rank: int, keys: list[int]) -> None:
+        """Batch this API server's routed prefixes for the others, sent within PREFIX_FLUSH_S."""
+        if not self._routed:
+            asyncio.get_running_loop().call_later(PREFIX_FLUSH_S, self._flush_routed)
+        self._routed.append((rank, keys))
+
+    def _flush_routed(self) -> None:
+        routed, self._routed = self._routed, []
+        try:
+            self.coordinator.send(self._routed_codec.encode(PrefixRouted(self.router.origin, routed)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the coordinator is away: the others miss these, routing stays correct, only less sticky
 
     async def _heartbeat(self) -> None:
         while True:

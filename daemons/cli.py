@@ -62,7 +62,7 @@ _SERVE_OPTIONS = [
     _opt("--kv-cache-memory-bytes", default=0, type=click.IntRange(0), help="KV-cache budget per rank in bytes (0: auto; CPU: 40%% of available memory split between local ranks, at most 4 GiB)."),
     _opt("--gpu-memory-utilization", default=0.9, type=click.FloatRange(0.05, 1.0), help="CUDA: share of device memory for weights + KV cache (the KV cache takes what the model leaves)."),
     _opt("--block-size", default=0, type=click.IntRange(0, 1024), help="Tokens per KV-cache block (0: the engine's default; native: 16)."),
-    _opt("--lb-policy", default="tokens", type=click.Choice(LB_POLICIES), help="tokens: outstanding prompt + answer tokens; queue: 4 x waiting + running; round-robin."),
+    _opt("--lb-policy", default="tokens", type=click.Choice(LB_POLICIES), help="tokens: outstanding prompt + answer tokens; cache-aware: tokens, less the prompt tokens a rank probably has cached (its earlier prompts); queue: 4 x waiting + running; round-robin."),
     _opt("--max-waiting-per-rank", default=4096, type=click.IntRange(1), help="Admission limit: beyond it requests get 429."),
     _opt("--max-request-body-bytes", default=4 * 1024 * 1024, type=click.IntRange(1024), help="Larger bodies get 413."),
     _opt("--wait-for-engine-s", default=60.0, type=click.FloatRange(min=0), help="How long a request waits for a rank to serve it (while none is ready) before 503."),

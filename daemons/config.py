@@ -12,7 +12,7 @@ import os
 import msgspec
 from dpserve.engine.config import ENGINES
 
-LB_POLICIES = ("queue", "tokens", "round-robin")
+LB_POLICIES = ("queue", "tokens", "round-robin", "cache-aware")
 LB_MODES = ("internal", "hybrid", "external", "global")
 ROLES = ("serve", "head", "worker")
 RESTART_POLICIES = ("always", "on-failure", "never")

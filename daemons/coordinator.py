@@ -42,6 +42,7 @@ from dpserve.engine.protocol import (
     LoadTable,
     NodeHello,
     PleaseRegister,
+    PrefixRouted,
     RankDown,
     RankLoad,
     RegisterReply,
@@ -146,6 +147,8 @@ class RankTable:
             and entry.num_requests_finished == msg.num_requests_finished
             and entry.num_requests_aborted == msg.num_requests_aborted
             and entry.num_preemptions == msg.num_preemptions
+            and entry.num_prefix_hits == msg.num_prefix_hits
+            and entry.num_prefix_queries == msg.num_prefix_queries
             and entry.kv_usage == msg.kv_usage
             and entry.slot_usage == msg.slot_usage
         ):
@@ -159,6 +162,8 @@ class RankTable:
         entry.num_requests_aborted = msg.num_requests_aborted
         entry.kv_usage = msg.kv_usage
         entry.num_preemptions = msg.num_preemptions
+        entry.num_prefix_queries = msg.num_prefix_queries
+        entry.num_prefix_hits = msg.num_prefix_hits
         self._touch(msg.rank)
         return True
 
@@ -354,6 +359,9 @@ class Coordinator:
             if type(msg := self._decode(decode, identity, data)) is LoadReport:
                 if not table.load(msg, now):
                     self._ask_to_register(identity, now, f"rank {msg.rank} is not registered here")
+                continue
+            if type(msg) is PrefixRouted:
+                self.pub.send(data)  # every API server learns what one routed; nothing kept here
                 continue
             if msg is None:
                 continue

@@ -25,8 +25,9 @@ from dpserve.engine.protocol import (
     EngineInput,
     EngineOutputs,
     EngineToApi,
-    LoadTable,
+    PrefixRouted,
     RequestOutput,
+    TableChannel,
 )
 
 from .router import Router
@@ -53,6 +54,7 @@ class RequestState:
         "event",
         "num_output_tokens",
         "first_token_timer",
+        "num_cached_tokens",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
@@ -71,6 +73,7 @@ class RequestState:
         self.event = asyncio.Event()
         self.num_output_tokens = 0
         self.first_token_timer: asyncio.TimerHandle | None = None
+        self.num_cached_tokens = 0  # prompt tokens the engine found in its prefix cache (first output)
 
     @property
     def is_finished(self) -> bool:
@@ -83,6 +86,8 @@ class RequestState:
         return ids
 
     def _push(self, out: RequestOutput) -> None:
+        if out.num_cached_tokens:
+            self.num_cached_tokens = out.num_cached_tokens
         self.pending.extend(out.new_token_ids)
         self.num_output_tokens += len(out.new_token_ids)
         if out.finish_reason is not None:
@@ -115,7 +120,7 @@ class EngineClient:
         self.requests: dict[str, RequestState] = {}
         self._in_codec = Codec(EngineToApi)
         self._out_codec = Codec(EngineInput)
-        self._table_codec = Codec(LoadTable)
+        self._table_codec = Codec(TableChannel)
         self.engines = ctx.socket(zmq.ROUTER)
         self.engines.setsockopt(zmq.LINGER, 0)
         self.engines.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: error, not a silent drop
@@ -313,6 +318,9 @@ class EngineClient:
             table = self._table_codec.decode(data.buffer)
         except Exception as exc:
             self.log.warning("undecodable load table dropped", error=str(exc))
+            return
+        if type(table) is PrefixRouted:
+            self.router.learn(table)
             return
         for rank, reason in self.router.update_table(table):
             n = self.fail_rank(rank, f"engine rank {rank} is down: {reason}")

@@ -23,10 +23,13 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, insort
 
-from dpserve.engine.protocol import LoadTable, RankLoad
+from dpserve.engine.protocol import LoadTable, PrefixRouted, RankLoad
+
+from .prefix_index import BLOCK, PrefixIndex, chain_keys
 
 QUEUE_WAITING_WEIGHT = 4  # vLLM's `4 x waiting + running`
-POLICIES = ("tokens", "queue", "round-robin")
+# cache-aware: the tokens policy's score, less the prompt tokens a rank probably holds (prefix_index.py)
+POLICIES = ("tokens", "queue", "round-robin", "cache-aware")
 
 
 class RoutingError(Exception):
@@ -82,6 +85,11 @@ class Router:
         "_heap",
         "_is_routable",
         "num_routable",
+        "_token_scores",
+        "prefix",
+        "_pending_keys",
+        "origin",
+        "on_routed",
     )
 
     def __init__(self, size: int, policy: str = "tokens", max_waiting_per_rank: int = 4096, eligible: list[int] | None = None) -> None:
@@ -114,6 +122,13 @@ class Router:
         self._heap: list[int] = []
         self._is_routable = [False] * size
         self.num_routable = 0  # eligible ranks that are routable, candidates or full
+        self._token_scores = policy in ("tokens", "cache-aware")
+        self.prefix = PrefixIndex(size) if policy == "cache-aware" else None
+        self._pending_keys: list[int] | None = None  # the last pick's prompt, recorded on its send
+        # Sharing with the other API servers (through the coordinator): what this one
+        # routed goes to on_routed(rank, keys); what the others routed comes to learn().
+        self.origin = ""
+        self.on_routed = None
 
     # ---------------------------------------------------------------- the index
 
@@ -127,9 +142,11 @@ class Router:
         if routable != self._is_routable[rank]:
             self._is_routable[rank] = routable
             self.num_routable += 1 if routable else -1
+            if not routable and self.prefix is not None:
+                self.prefix.forget_rank(rank)  # dead or restarting: its cache is gone
         if not routable or load.num_waiting + self.sent[rank] >= self.max_waiting_per_rank:
             key = None
-        elif self.policy == "tokens":  # score(), inlined: this runs for every event
+        elif self._token_scores:  # score(), inlined: this runs for every event
             key = load.num_waiting_prefill_tokens + load.num_remaining_decode_tokens + self.sent_tokens[rank]
             if key < self.inflight_tokens[rank]:
                 key = self.inflight_tokens[rank]
@@ -205,6 +222,14 @@ class Router:
                 refresh(rank)
         return lost
 
+    def learn(self, msg: PrefixRouted) -> None:
+        """Another API server routed these prompts (cache-aware): their ranks now hold them too."""
+        if self.prefix is None or msg.origin == self.origin:
+            return
+        for rank, keys in msg.routed:
+            if 0 <= rank < self.size:
+                self.prefix.add(keys, rank)
+
     def engine_hello(self, rank: int, incarnation: str) -> bool:
         """Returns True when this hello replaces another incarnation (its requests are lost)."""
         if not 0 <= rank < self.size:
@@ -222,6 +247,11 @@ class Router:
         return False
 
     def on_send(self, rank: int, tokens: int) -> None:
+        if self._pending_keys is not None:
+            keys, self._pending_keys = self._pending_keys, None
+            self.prefix.add(keys, rank)
+            if self.on_routed is not None and keys:
+                self.on_routed(rank, keys)
         self.sent[rank] += 1
         self.sent_tokens[rank] += tokens
         self.inflight[rank] += 1
@@ -231,7 +261,7 @@ class Router:
     def on_progress(self, rank: int, tokens: int) -> None:
         """`tokens` of a request's work on `rank` are done (its prefill, or answer tokens)."""
         self.inflight_tokens[rank] -= tokens
-        if self.policy == "tokens":
+        if self._token_scores:
             self._refresh(rank)
 
     def on_finish(self, rank: int, tokens: int) -> None:
@@ -261,7 +291,7 @@ class Router:
 
     def score(self, rank: int) -> int:
         load = self.loads[rank]
-        if self.policy == "tokens":
+        if self._token_scores:
             # Outstanding work in tokens; our own unreported sends count in full,
             # and never less than what we alone still have in flight there: a
             # prompt admitted at once is never reported as waiting, so without
@@ -273,10 +303,19 @@ class Router:
         reported = QUEUE_WAITING_WEIGHT * load.num_waiting + load.num_running + self.sent[rank]
         return max(reported, self.inflight[rank])
 
-    def pick(self, pinned: int | None = None) -> int:
+    def pick(self, pinned: int | None = None, prompt: list[int] | None = None) -> int:
         """The rank for the next request: the lowest score among the candidates,
         ties going to the first at or after the rotation point (which advances
-        by one every pick). Raises NoRankAvailable or QueueFull."""
+        by one every pick). Raises NoRankAvailable or QueueFull.
+
+        cache-aware, given the prompt: a rank that probably holds the first d
+        blocks of it scores d x BLOCK tokens less (prefill it need not do), so
+        a conversation returns to its rank while that rank is not busier than
+        another by more than what its cache saves; the pin still wins.
+        """
+        keys = None
+        if self.prefix is not None and prompt is not None:
+            keys = self._pending_keys = chain_keys(prompt)
         if pinned is not None:
             if not self.routable(pinned):
                 raise NoRankAvailable(pinned)
@@ -290,4 +329,22 @@ class Router:
                 raise QueueFull(self.max_waiting_per_rank)
             raise NoRankAvailable()
         i = bisect_left(bucket, start)
-        return self.eligible[bucket[i] if i < len(bucket) else bucket[0]]
+        best = self.eligible[bucket[i] if i < len(bucket) else bucket[0]]
+        if keys:
+            matched = self.prefix.match(keys)
+            if matched:
+                best = self._cache_pick(best, matched)
+        return best
+
+    def _cache_pick(self, best: int, matched: dict[int, int]) -> int:
+        """The least-loaded candidate `best`, or a candidate holding a prefix whose
+        saving outweighs its extra load (ties: the lighter rank)."""
+        key, pos = self._key, self._pos
+        best_cost = key[best] - matched.get(best, 0) * BLOCK
+        for rank, depth in matched.items():
+            if not 0 <= rank < self.size or pos[rank] < 0 or key[rank] is None:
+                continue  # not eligible here, down, or at its queue limit
+            cost = key[rank] - depth * BLOCK
+            if cost < best_cost:
+                best, best_cost = rank, cost
+        return best

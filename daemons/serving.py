@@ -41,6 +41,7 @@ from .openai_types import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Usage,
     chat_messages,
     check_unsupported,
@@ -417,7 +418,7 @@ class OpenAIServing:
         """Send to the best rank; a rank whose socket is gone is skipped, not fatal.
         Raises RoutingError when no rank takes it."""
         for _ in range(self.router.size):
-            rank = self.router.pick(pinned)
+            rank = self.router.pick(pinned, add.prompt_token_ids)
             try:
                 self.client.send(state, add, rank)
                 return rank
@@ -483,7 +484,7 @@ class OpenAIServing:
         return "".join(parts), reason
 
     def _complete(self, state: RequestState, text: str, reason: str, num_prompt: int, chat: bool) -> web.Response:
-        usage = Usage(num_prompt, state.num_output_tokens, num_prompt + state.num_output_tokens)
+        usage = Usage(num_prompt, state.num_output_tokens, num_prompt + state.num_output_tokens, PromptTokensDetails(state.num_cached_tokens))
         rid = state.request_id
         if chat:
             body = ChatCompletionResponse(f"chatcmpl-{rid}", int(time.time()), self.model_name, [ChatChoice(0, AssistantMessage(text), None, reason)], usage=usage)
@@ -531,7 +532,7 @@ class OpenAIServing:
             self.metrics.observe("stream", exc.status)
             return resp
         if include_usage:
-            usage = Usage(num_prompt, state.num_output_tokens, num_prompt + state.num_output_tokens)
+            usage = Usage(num_prompt, state.num_output_tokens, num_prompt + state.num_output_tokens, PromptTokensDetails(state.num_cached_tokens))
             tail_cls = ChatCompletionChunk if chat else CompletionResponse
             tail += b"data: " + encode(tail_cls(rid, created, self.model_name, [], usage=usage)) + b"\n\n"
         await resp.write_eof(tail + _DONE)

@@ -131,6 +131,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs is set
     # With the first token, when params.prompt_logprobs is set: prompt tokens 1.. (token 0 has none).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # With the first token: prompt tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -221,6 +223,8 @@ class LoadReport(msgspec.Struct, tag="load", array_like=True):
     num_requests_aborted: int = 0  # cumulative: aborted by their API server (client gone, stop string)
     kv_usage: float = 0.0  # share of the rank's KV blocks in use (vLLM's kv_cache_usage_perc)
     num_preemptions: int = 0  # cumulative: sequences preempted for KV blocks (recomputed later)
+    num_prefix_queries: int = 0  # cumulative: prompt tokens looked up in the prefix cache
+    num_prefix_hits: int = 0  # cumulative: of those, tokens found cached
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -245,7 +249,16 @@ class NodeHello(msgspec.Struct, tag="node_hello", array_like=True):
     address: str
 
 
-CoordinatorInput = EngineRegister | LoadReport | EngineReady | RankDown | ApiServerRegister | NodeHello
+class PrefixRouted(msgspec.Struct, tag="prefix", array_like=True):
+    """API server -> coordinator -> every API server (cache-aware routing): prompts
+    with these block keys (daemons/prefix_index.py) were sent to these ranks.
+    The coordinator forwards it unread; receivers skip their own (origin)."""
+
+    origin: str  # the sending API server's incarnation
+    routed: list[tuple[int, list[int]]]  # (rank, block keys of one prompt)
+
+
+CoordinatorInput = EngineRegister | LoadReport | EngineReady | RankDown | ApiServerRegister | NodeHello | PrefixRouted
 CoordinatorToEngine = RegisterReply | ApiServerList | PleaseRegister
 
 
@@ -267,6 +280,8 @@ class RankLoad(msgspec.Struct, array_like=True):
     host: str = ""  # the engine's hostname, from its registration
     address: str = ""  # its node's address, from the node's supervisor (NodeHello)
     since: float = 0.0  # coordinator's wall clock when is_alive/down_reason last changed state
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
 
 
 class LoadTable(msgspec.Struct, tag="table", array_like=True):
@@ -280,6 +295,9 @@ class LoadTable(msgspec.Struct, tag="table", array_like=True):
     seq: int
     data_parallel_size: int
     ranks: list[RankLoad]
+
+
+TableChannel = LoadTable | PrefixRouted  # what API servers read on the coordinator's PUB socket
 
 
 # ---------------------------------------------------------------- children -> supervisor

@@ -1,0 +1,56 @@
+"""Cache-aware routing on a real node (issue 16): DP 2, 2 API servers on one port,
+`--lb-policy cache-aware`. Each turn goes over a fresh connection, so the kernel
+may hand it to either API server: turn 2 still lands on turn 1's rank, because
+the API servers share what they routed through the coordinator."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+
+import pytest
+
+from tests.server import DpServer
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 64
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 2000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def node(demo_model_dir):
+    with DpServer(demo_model_dir, "--data-parallel-size", "2", "--api-server-count", "2", "--lb-policy", "cache-aware") as srv:
+        yield srv
+
+
+def complete(node: DpServer, prompt: list[int], pinned: int | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=60)  # a new connection every time
+    headers = {"Content-Type": "application/json", **({"X-data-parallel-rank": str(pinned)} if pinned is not None else {})}
+    conn.request("POST", "/v1/completions", json.dumps({"model": "demo", "prompt": prompt, "max_tokens": 4, "temperature": 0}), headers)
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 200, body
+    return int(resp.getheader("X-data-parallel-rank")), body
+
+
+def test_turn_two_lands_on_turn_ones_rank_whichever_api_server_takes_it(node):
+    system = ids(1, 4 * BLOCK)
+    first: dict[int, int] = {}
+    for conv in range(8):
+        # pins spread the first turns over both ranks, as load would
+        first[conv], _ = complete(node, system + ids(100 + conv, BLOCK), pinned=conv % 2)
+    for conv in range(8):
+        rank, _ = complete(node, system + ids(100 + conv, BLOCK) + ids(200 + conv, BLOCK))
+        assert rank == first[conv], f"conversation {conv}: turn 1 on rank {first[conv]}, turn 2 on {rank}"
+
+
+def test_without_a_shared_prefix_load_still_spreads(node):
+    ranks = [complete(node, ids(1000 + i, 2 * BLOCK))[0] for i in range(16)]
+    assert set(ranks) == {0, 1}
