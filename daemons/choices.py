@@ -382,7 +382,12 @@ class ChoicesServing:
 
     def _usage(self, choices: list[_Choice], num_prompt: int) -> dict:
         completion = sum(0 if c.score_only else c.state.num_output_tokens for c in choices)
-        return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion}
+        # Counted once per prompt, like prompt_tokens: its first choice's (the n choices
+        # of one prompt share its ids list; vLLM reports the first output's too).
+        firsts = {id(c.prompt_ids): c for c in reversed(choices)}.values()
+        cached = sum(c.state.num_cached_tokens for c in firsts)
+        return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _headers(self, choices: list[_Choice], stream: bool) -> dict:
         s = self.s

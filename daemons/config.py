@@ -196,8 +196,6 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"--engine-arg passes options to vLLM's engine; {native} takes none: use --engine vllm")
             if self.tensor_parallel_size != 1:
                 raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: {native} runs one device per rank; use --engine vllm")
-            if self.enable_prefix_caching:
-                raise ValueError(f"--enable-prefix-caching: {native} has no prefix cache yet; use --engine vllm")
             return
         # vLLM: installed, a supported version (package metadata only: importing vLLM takes seconds)
         from dpserve.engine.vllm_core import check_vllm_version, vllm_version

@@ -40,6 +40,9 @@ class _RankCollector:
         # vLLM's names, so dashboards built for vLLM read dpserve's ranks too.
         kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage per rank (1 = every block in use).", labels=["rank"])
         preempted = CounterMetricFamily("vllm:num_preemptions", "Sequences preempted for KV blocks per rank (current incarnation).", labels=["rank"])
+        # Prefix caching, in tokens (exposed with _total): the hit rate is hits / queries.
+        queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache per rank (current incarnation).", labels=["rank"])
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache per rank (current incarnation).", labels=["rank"])
         for rank, load in enumerate(self.router.loads):
             label = [str(rank)]
             alive.add_metric(label, 1.0 if self.router.routable(rank) else 0.0)
@@ -52,7 +55,9 @@ class _RankCollector:
             waiting.add_metric(label, load.num_waiting)
             kv.add_metric(label, load.kv_usage)
             preempted.add_metric(label, load.num_preemptions)
-        yield from (finished, aborted, running, waiting, alive, inflight, kv, preempted)
+            queries.add_metric(label, load.num_prefix_queries)
+            hits.add_metric(label, load.num_prefix_hits)
+        yield from (finished, aborted, running, waiting, alive, inflight, kv, preempted, queries, hits)
 
 
 class ApiMetrics:

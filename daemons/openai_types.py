@@ -375,10 +375,16 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 # ------------------------------------------------------------------ responses
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens served from the engine's prefix cache
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Always present, as OpenAI sends it (0 when nothing was cached).
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(Struct):

@@ -86,7 +86,8 @@ class EngineCore:
             max_useful_tokens=config.max_num_seqs * (self.max_model_len + block_size),
         )
         self.kv = KVCache(shape, num_blocks, block_size, loaded.device)
-        self.blocks = BlockManager(num_blocks, block_size)
+        # Prefix caching is on unless the config turns it off, as in vLLM.
+        self.blocks = BlockManager(num_blocks, block_size, enable_caching=config.enable_prefix_caching is not False)
         self.kv_capacity_tokens = num_blocks * block_size
         budget, threshold = resolve_token_budget(config, loaded.device)
         self.scheduler = Scheduler(
@@ -121,6 +122,7 @@ class EngineCore:
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_tokens": self.kv_capacity_tokens,
             "kv_cache_gib": round(self.kv.num_bytes / 2**30, 2),
+            "prefix_caching": self.blocks.enable_caching,
         }
 
     # ------------------------------------------------------------ requests in
@@ -270,6 +272,7 @@ class EngineCore:
             return self._fail([seq for seq, _ in scheduled], f"the engine could not run this request: {e!r}")
         for seq, n in scheduled:
             seq.num_computed_tokens += n
+        self.scheduler.cache_computed_blocks(scheduled)
         # 3. Sample and postprocess.
         outputs: list[RequestOutput] = []
         if self.runner.last_prompt_logits:
@@ -356,8 +359,10 @@ class EngineCore:
             out = RequestOutput(seq.request_id, [token], finish_reason, stop_token_id)
             if logprobs is not None and logprobs[i] is not None:
                 out.logprobs = [logprobs[i]]
-            if seq.prompt_logprobs is not None and seq.num_output_tokens == 1:
-                out.prompt_logprobs = seq.prompt_logprobs
+            if seq.num_output_tokens == 1:
+                out.num_cached_tokens = max(0, seq.num_cached_tokens)
+                if seq.prompt_logprobs is not None:
+                    out.prompt_logprobs = seq.prompt_logprobs
             outputs.append(out)
             if finish_reason is not None:
                 done.append(seq)
@@ -411,6 +416,16 @@ class EngineCore:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def num_prefix_queries(self) -> int:
+        """Cumulative prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)."""
+        return self.scheduler.num_prefix_queries
+
+    @property
+    def num_prefix_hits(self) -> int:
+        """Cumulative tokens of those found cached (vLLM's prefix_cache_hits)."""
+        return self.scheduler.num_prefix_hits
 
     @property
     def last_step_ms(self) -> float:

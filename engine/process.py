@@ -366,6 +366,8 @@ class EngineProcess:
                     self.num_aborted,
                     core.kv_usage,
                     core.num_preemptions,
+                    core.num_prefix_queries,
+                    core.num_prefix_hits,
                 )
             )
         if force or now - self._last_heartbeat >= self.cfg.heartbeat_interval_s:

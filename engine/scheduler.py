@@ -36,6 +36,15 @@ class Scheduler:
     sequence needs a block and none is free, the most recently admitted
     sequence is preempted: its blocks are freed and it waits at the head of
     the queue to be recomputed from its prompt and outputs so far.
+
+    Prefix caching (when the block manager has it on): on admission a
+    sequence attaches the cached blocks that hold the leading full blocks of
+    its tokens and starts computing after them, never past its last token
+    (a step must compute it to produce logits). A sequence that wants prompt
+    logprobs attaches nothing (it needs every position's logits) but still
+    registers its blocks. After every step, cache_computed_blocks registers
+    the blocks that filled (engine.core calls it). A preempted sequence
+    re-admitted later finds whatever of its own blocks survived eviction.
     """
 
     def __init__(
@@ -56,6 +65,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # vLLM's prefix-cache counters, in tokens: looked up at admission, and found cached.
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
         # Waiting sequences have nothing computed (preemption resets them), so
         # their prefill work is their whole length: kept as a running total,
         # read with every load report, whatever the queue's length.
@@ -151,23 +163,57 @@ class Scheduler:
         # 3. Admit from the waiting queue, in order, never past a sequence that does not fit.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            hits = self._cached_prefix(seq)
+            seq.num_computed_tokens = len(hits) * self.blocks.block_size
             n = self._chunk(seq, budget, decoding, prefilling)
-            if n == 0:
-                break
-            missing = self.blocks.num_missing(seq.block_table, seq.num_computed_tokens + n)
+            missing = self.blocks.blocks_for(seq.num_computed_tokens + n) - len(hits)
             reserve = self._watermark if self.running else 0
-            if missing > self.blocks.num_free_blocks - reserve:
+            # Attaching an evictable cached block takes it out of what is free.
+            if n == 0 or missing > self.blocks.num_free_blocks - self.blocks.num_evictable(hits) - reserve:
+                seq.num_computed_tokens = 0  # waiting sequences own nothing
                 break
             self.waiting.popleft()
             self._num_waiting_tokens -= seq.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.blocks.attach(seq.block_table, hits)
+            seq.num_registered_blocks = len(hits)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            if self.blocks.enable_caching and seq.params.prompt_logprobs is None:
+                self.num_prefix_queries += seq.num_tokens
+                self.num_prefix_hits += seq.num_computed_tokens
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
             scheduled[seq.request_id] = (seq, n)
             budget -= n
             decoding = decoding or n == 1
             prefilling = prefilling or n > 1
         return list(scheduled.values())
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks seq may start from (counted in the prefix-cache
+        statistics only when it is admitted; see schedule)."""
+        if not self.blocks.enable_caching or seq.params.prompt_logprobs is not None:
+            return []
+        blocks = self.blocks
+        blocks.extend_hashes(seq.block_hashes, seq.token_ids, seq.num_tokens)
+        # Never the block of the last token: it must run to give logits.
+        return blocks.match(seq.block_hashes, seq.token_ids, (seq.num_tokens - 1) // blocks.block_size)
+
+    def cache_computed_blocks(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """After a step advanced num_computed_tokens: register every block that is now full and computed."""
+        blocks = self.blocks
+        if not blocks.enable_caching:
+            return
+        bs = blocks.block_size
+        for seq, _ in scheduled:
+            full = seq.num_computed_tokens // bs
+            if full <= seq.num_registered_blocks or seq.status is not SequenceStatus.RUNNING:
+                continue
+            blocks.extend_hashes(seq.block_hashes, seq.token_ids, full * bs)
+            for i in range(seq.num_registered_blocks, full):
+                blocks.register(seq.block_table[i], seq.block_hashes[i], seq.token_ids[i * bs : (i + 1) * bs])
+            seq.num_registered_blocks = full
 
     def _chunk(self, seq: Sequence, budget: int, decoding: bool, prefilling: bool) -> int:
         """How many of seq's uncomputed tokens this step takes (0: none fit)."""
@@ -186,6 +232,7 @@ class Scheduler:
         scheduled.pop(seq.request_id, None)
         self.blocks.release(seq.block_table)
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

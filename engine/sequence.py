@@ -31,6 +31,12 @@ class Sequence:
       block_table (position p lives in block block_table[p // block_size]).
       A preempted sequence drops its blocks and starts again from 0
       (recompute): its outputs so far are kept and prefilled with the prompt.
+    - Prefix caching: block_hashes[i] is the key (kv_cache.hash_block chain)
+      of full block i of token_ids, computed as far as needed; the first
+      num_registered_blocks blocks of block_table are registered in (or
+      were attached from) the block manager's cache. num_cached_tokens is
+      -1 until the first admission, then how many prompt tokens that
+      admission found cached (what the first output reports).
     - A new token is sampled exactly when a step computes the last of token_ids.
     - `generator` is set iff params.seed is set, and only this sequence draws
       from it, so its samples do not depend on what else shares the batch.
@@ -50,6 +56,9 @@ class Sequence:
         "has_processors",
         "prompt_logprobs",
         "matcher",
+        "block_hashes",
+        "num_registered_blocks",
+        "num_cached_tokens",
     )
 
     def __init__(
@@ -75,6 +84,9 @@ class Sequence:
         self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
         # The grammar's state (an llguidance LLMatcher) with params.guided_grammar; set by the engine core.
         self.matcher = None
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens = -1
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device)

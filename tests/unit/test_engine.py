@@ -52,8 +52,10 @@ def add(engine: EngineCore, *reqs: AddRequest) -> None:
 
 
 def assert_all_blocks_free(engine: EngineCore) -> None:
+    """No sequence holds a block; free and evictable cached blocks together are all of them."""
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    assert sorted(engine.blocks.free) == list(range(engine.blocks.num_blocks))
+    assert sorted(engine.blocks.free + list(engine.blocks.cached)) == list(range(engine.blocks.num_blocks))
+    assert not any(engine.blocks.ref_count)
 
 
 def engine_shape(loaded):

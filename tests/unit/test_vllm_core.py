@@ -132,14 +132,14 @@ def _serve_config(tmp_path, **kw) -> ServeConfig:
     [
         ({"engine_args": {"enforce_eager": "true"}}, "--engine-arg"),
         ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
-        ({"enable_prefix_caching": True}, "--enable-prefix-caching"),
         ({"engine": "tgi"}, "--engine must be one of"),
     ],
 )
 def test_options_that_do_not_apply_to_the_native_engine_are_refused(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
         _serve_config(tmp_path, **options).validate()
-    _serve_config(tmp_path, enable_prefix_caching=False).validate()  # off is what the native engine does
+    for caching in (True, False, None):  # the native engine has a prefix cache too (on by default)
+        _serve_config(tmp_path, enable_prefix_caching=caching).validate()
 
 
 @pytest.mark.skipif(vllm_version() is not None, reason="vLLM is installed in this venv")
