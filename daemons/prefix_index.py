@@ -70,6 +70,22 @@ class PrefixIndex:
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
 
+    def levels(self, keys: list[int]) -> list[dict[int, int]]:
+        """The holders ({rank: generation}) of the prompt's leading blocks, up to the first block nobody holds.
+
+        What the router walks: from the deepest level up, and only as far as
+        a rank could still beat the least-loaded one, so a prefix every rank
+        holds (a shared system prompt) costs nothing per rank.
+        """
+        out = []
+        entries = self.entries
+        for key in keys:
+            holders = entries.get(key)
+            if not holders:
+                break
+            out.append(holders)
+        return out
+
     def match(self, keys: list[int]) -> dict[int, int]:
         """rank -> how many leading blocks of `keys` it holds, for ranks holding at least one."""
         found: dict[int, int] = {}

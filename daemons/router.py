@@ -331,20 +331,35 @@ class Router:
         i = bisect_left(bucket, start)
         best = self.eligible[bucket[i] if i < len(bucket) else bucket[0]]
         if keys:
-            matched = self.prefix.match(keys)
-            if matched:
-                best = self._cache_pick(best, matched)
+            levels = self.prefix.levels(keys)
+            if levels:
+                best = self._cache_pick(best, levels)
         return best
 
-    def _cache_pick(self, best: int, matched: dict[int, int]) -> int:
-        """The least-loaded candidate `best`, or a candidate holding a prefix whose
-        saving outweighs its extra load (ties: the lighter rank)."""
-        key, pos = self._key, self._pos
-        best_cost = key[best] - matched.get(best, 0) * BLOCK
-        for rank, depth in matched.items():
-            if not 0 <= rank < self.size or pos[rank] < 0 or key[rank] is None:
-                continue  # not eligible here, down, or at its queue limit
-            cost = key[rank] - depth * BLOCK
-            if cost < best_cost:
-                best, best_cost = rank, cost
+    def _cache_pick(self, best: int, levels: list[dict[int, int]]) -> int:
+        """The least-loaded candidate `best`, or a candidate holding a deeper prefix
+        whose saving outweighs its extra load (ties: the lighter rank).
+
+        Only levels deeper than what `best` holds are read: a rank found no
+        deeper than that has a score at least best's and a credit at most
+        best's, so it cannot win. Cost: the ranks holding more than best does.
+        """
+        key, pos, gen = self._key, self._pos, self.prefix.generation
+        depth = 0
+        for d in range(len(levels), 0, -1):
+            if levels[d - 1].get(best, -1) == gen[best]:
+                depth = d
+                break
+        best_cost = key[best] - depth * BLOCK
+        seen = set()
+        for d in range(len(levels), depth, -1):
+            for rank, g in levels[d - 1].items():
+                if rank in seen:
+                    continue
+                seen.add(rank)  # its deepest level: its credit
+                if g != gen[rank] or not 0 <= rank < self.size or pos[rank] < 0 or key[rank] is None:
+                    continue  # forgotten, not eligible here, down, or at its queue limit
+                cost = key[rank] - d * BLOCK
+                if cost < best_cost:
+                    best, best_cost = rank, cost
         return best
