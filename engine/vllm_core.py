@@ -302,6 +302,8 @@ class VllmCore:
         core = self
         self._stats = None
         self._preemptions = 0
+        self._prefix_queries = 0  # prompt tokens looked up in vLLM's prefix cache, cumulative
+        self._prefix_hits = 0
 
         class _Stats(StatLoggerBase):
             """The scheduler's view after every step (running, waiting, KV usage, preemptions)."""
@@ -312,6 +314,10 @@ class VllmCore:
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
                 if scheduler_stats is not None:
                     core._stats = scheduler_stats
+                    prefix = getattr(scheduler_stats, "prefix_cache_stats", None)  # this step's, reset by vLLM
+                    if prefix is not None:
+                        core._prefix_queries += prefix.queries
+                        core._prefix_hits += prefix.hits
                 if iteration_stats is not None:
                     core._preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
 
@@ -442,6 +448,8 @@ class VllmCore:
         else:
             reason = None
         result = RequestOutput(rid, tokens, reason, stop_token)
+        if tokens and state[2] == len(tokens):
+            result.num_cached_tokens = out.num_cached_tokens or 0  # with the first token, as the native engine
         if reason == FINISH_ERROR:
             result.error = "vLLM ended the request without a reason"
         k, prompt_k = self._k.get(rid, (0, 0))
@@ -484,6 +492,14 @@ class VllmCore:
     @property
     def num_preemptions(self) -> int:
         return self._preemptions
+
+    @property
+    def num_prefix_queries(self) -> int:
+        return self._prefix_queries
+
+    @property
+    def num_prefix_hits(self) -> int:
+        return self._prefix_hits
 
     @property
     def last_step_ms(self) -> float:
