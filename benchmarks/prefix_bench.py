@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Multi-turn chat with a shared system prompt: cache-aware routing against tokens (issue 16).
+
+    python benchmarks/prefix_bench.py [--model DIR] [--conversations 32] [--turns 6]
+        [--system-tokens 1000] [--vllm-venv DIR] [--quick] [--json]
+
+Servers, one at a time, on the same model (default: the 135M-class random-weight
+model, `dpserve demo-model --size small`): dpserve DP 2 / 2 API servers with
+`--lb-policy cache-aware` and with `--lb-policy tokens` (both with the engine's
+prefix cache, on by default); with --vllm-venv also `vllm serve` (one engine,
+prefix caching on, its CPU settings) and dpserve `--engine vllm` DP 2 under
+both policies.
+
+Workloads (token-id prompts through /v1/completions, streamed, ignore_eos):
+(a) chat: --conversations conversations of --turns turns, all opening with
+    the same --system-tokens system prompt; each turn's prompt is the previous
+    turn's prompt + a 32-token answer + a 48-token user message, sent once the
+    previous answer is complete (as a chat client does); the clients share one
+    keep-alive connection pool, so a conversation's turns reach either API
+    server;
+(b) no shared prefixes: the same number of requests and prompt lengths, every
+    prompt random.
+Per run: TTFT p50/p90, output tok/s (usage), prompt tokens served from cache
+(usage.prompt_tokens_details.cached_tokens), wall time. Printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aiohttp  # noqa: E402
+
+from benchmarks.nodes import (  # noqa: E402
+    DEFAULT_VLLM_VENV,
+    SERVED_MODEL,
+    DpNode,
+    VllmNode,
+    exit_on_sigterm,
+    load_average,
+    vllm_python,
+)
+
+ANSWER_TOKENS = 32
+USER_TOKENS = 48
+VOCAB = (4, 2_000)  # within both demo models' vocabularies
+
+
+def ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+async def one_turn(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int]) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    usage = {}
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            return {"error": f"http {resp.status}: {(await resp.text())[:200]}"}
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and any(c.get("text") for c in event.get("choices", [])):
+                ttft = time.perf_counter() - t0
+            if event.get("usage"):
+                usage = event["usage"]
+    return {"ttft": ttft, "tokens": usage.get("completion_tokens", 0), "prompt": usage.get("prompt_tokens", len(prompt)),
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+
+
+async def run_chat(url: str, model: str, conversations: int, turns: int, system_tokens: int, shared: bool, seed: int) -> dict:
+    """Workload (a) when shared, else (b): the same request count and prompt lengths, every prompt random."""
+    rng = random.Random(seed)
+    system = ids(rng, system_tokens)
+    results: list[dict] = []
+
+    async def conversation(c: int, session: aiohttp.ClientSession) -> None:
+        crng = random.Random(seed * 1000 + c)
+        history = (system if shared else ids(crng, system_tokens)) + ids(crng, USER_TOKENS)
+        for _ in range(turns):
+            prompt = history if shared else ids(crng, len(history))
+            results.append(await one_turn(session, url, model, prompt))
+            history = history + ids(crng, ANSWER_TOKENS) + ids(crng, USER_TOKENS)
+
+    connector = aiohttp.TCPConnector(limit=conversations)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(c, session) for c in range(conversations)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    ttfts = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
+    prompt_tokens = sum(r["prompt"] for r in ok)
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "first_error": next((r["error"] for r in results if "error" in r), None),
+        "wall_s": round(wall, 1),
+        "ttft_p50_ms": round(statistics.median(ttfts) * 1000) if ttfts else None,
+        "ttft_p90_ms": round(ttfts[int(0.9 * (len(ttfts) - 1))] * 1000) if ttfts else None,
+        "output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1),
+        "cached_share": round(sum(r["cached"] for r in ok) / prompt_tokens, 3) if prompt_tokens else 0.0,
+    }
+
+
+def servers(args, model_dir: str) -> list[tuple[str, object]]:
+    context = 2048 if args.quick else 4096
+    common = ["--max-model-len", str(context)]
+    out = [(f"dpserve {policy}", lambda policy=policy: DpNode(model_dir, dp=2, api=2, extra=[*common, "--lb-policy", policy]))
+           for policy in ("cache-aware", "tokens")]
+    venv = args.vllm_venv
+    if venv and vllm_python(venv):
+        vllm = ["--engine", "vllm", "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(1 << 30), *common]
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+        for policy in ("cache-aware", "tokens"):
+            out.append((f"dpserve --engine vllm {policy}",
+                        lambda policy=policy: DpNode(model_dir, dp=2, api=2, extra=[*vllm, "--lb-policy", policy], env=env, python=vllm_python(venv))))
+        out.append(("vllm serve (1 engine, prefix caching)",
+                    lambda: VllmNode(venv, model_dir, api=2, max_model_len=context, env={"VLLM_CPU_KVCACHE_SPACE": "1"})))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: the 135M-class random-weight model, built once)")
+    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system-tokens", type=int, default=1000)
+    ap.add_argument("--vllm-venv", default=None, help=f"also vLLM's rows (e.g. {DEFAULT_VLLM_VENV})")
+    ap.add_argument("--quick", action="store_true", help="8 conversations x 3 turns, 300-token system prompt, the demo model")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    exit_on_sigterm()
+    if args.quick:
+        args.conversations, args.turns, args.system_tokens = 8, 3, 300
+    model_dir = args.model
+    if not model_dir:
+        from dpserve.engine.demo_model import create_demo_model
+
+        size = "tiny" if args.quick else "small"
+        model_dir = str(Path("/tmp") / f"dpserve-prefix-bench-{size}" / "model")
+        if not Path(model_dir, "config.json").exists():
+            create_demo_model(model_dir, size)
+    rows = []
+    for label, make in servers(args, model_dir):
+        server = make()
+        try:
+            server.start(timeout=900)
+            for workload, shared in (("chat, shared system prompt", True), ("no shared prefixes", False)):
+                r = asyncio.run(run_chat(server.url, SERVED_MODEL, args.conversations, args.turns, args.system_tokens, shared, seed=7))
+                rows.append({"server": label, "workload": workload, **r})
+                print(f"{label:42s} {workload:28s} {json.dumps(r)}", file=sys.stderr, flush=True)
+        finally:
+            server.stop()
+    if args.json:
+        print(json.dumps({"load": load_average(), "rows": rows}, indent=2))
+        return 0
+    print(f"\n{args.conversations} conversations x {args.turns} turns, {args.system_tokens}-token system prompt, "
+          f"{USER_TOKENS}-token user turns, {ANSWER_TOKENS}-token answers; load {load_average()}\n")
+    print("| server | workload | TTFT p50 | TTFT p90 | output tok/s | prompt tokens from cache | wall | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['server']} | {r['workload']} | {r['ttft_p50_ms']} ms | {r['ttft_p90_ms']} ms | {r['output_tok_s']} | "
+              f"{r['cached_share']:.0%} | {r['wall_s']} s | {r['errors']} |")
+    base = {r["workload"]: r for r in rows if r["server"] == "dpserve tokens"}
+    for r in rows:
+        if r["server"] == "dpserve cache-aware" and r["workload"] in base:
+            b = base[r["workload"]]
+            if r["ttft_p50_ms"] and b["ttft_p50_ms"] and r["output_tok_s"] and b["output_tok_s"]:
+                print(f"\ncache-aware / tokens, {r['workload']}: TTFT p50 {b['ttft_p50_ms'] / r['ttft_p50_ms']:.2f}x lower, "
+                      f"output tok/s {r['output_tok_s'] / b['output_tok_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
