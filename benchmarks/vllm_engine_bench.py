@@ -135,12 +135,19 @@ def log_findings(server: Server, limit: int = 12) -> dict:
 def run_pair(spec: ModelSpec, model: str, dp: int, venv: str, args, log) -> dict:
     """One dpserve node and one vllm serve, both ready, every workload on each, alternating."""
     common = ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", DTYPE, *SCHED_ARGS]
-    dpn = DpNode(model, dp, dp, python=os.path.join(venv, "bin", "python"), env=ENGINE_ENV,
+    # The same cores for the engines on both sides: vllm serve's one engine is bound to
+    # every core; each of dpserve's dp ranks gets its share (engine/vllm_core.py binds
+    # rank r to cores r*k .. r*k+k-1 from OMP_NUM_THREADS=k). With OMP_NUM_THREADS=1
+    # on both, vllm serve's auto binding still took every core while a DP 1 rank got one.
+    cores = sorted(os.sched_getaffinity(0))
+    dp_env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(max(1, len(cores) // dp))}
+    vllm_env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(len(cores)), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+    dpn = DpNode(model, dp, dp, python=os.path.join(venv, "bin", "python"), env=dp_env,
                  extra=["--engine", "vllm", *common, "--kv-cache-memory-bytes", str(KV_BYTES_PER_RANK),
                         # vLLM's first steps can be slow on 2 busy cores: lenient probes, as the integration test
                         "--dp-supervisor-probe-interval-s", "2", "--dp-supervisor-probe-failure-threshold", "5"])
     dpn.label = f"dpserve vllm dp{dp}/api{dp}"
-    vln = VllmNode(venv, model, api=dp, max_model_len=MAX_MODEL_LEN, dtype=DTYPE, env=ENGINE_ENV,
+    vln = VllmNode(venv, model, api=dp, max_model_len=MAX_MODEL_LEN, dtype=DTYPE, env=vllm_env,
                    extra=[*SCHED_ARGS, "--seed", "0"])
     for node in (dpn, vln):
         node.keep_logs = node.keep_logs or args.keep_logs
