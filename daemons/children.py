@@ -63,6 +63,7 @@ class Child:
         "restart_requested",
         "failure",
         "extra_env",
+        "detail",
     )
 
     def __init__(
@@ -79,7 +80,7 @@ class Child:
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
-        self.kind = kind  # "coordinator" | "engine" | "api"
+        self.kind = kind  # "coordinator" | "engine" | "api" | "placement" (the Ray backend's placement group)
         self.rank = rank  # DP rank for engines, index for API servers, -1 otherwise
         self.module = module
         self.config_json = config_json
@@ -110,6 +111,7 @@ class Child:
         self.restart_requested = False  # a planned restart (SIGHUP), not a crash
         self.failure = ""  # why the supervisor stopped this process for failing (probes, late start)
         self.extra_env = extra_env or {}
+        self.detail = ""  # what the process said of itself when ready (a Ray rank: node, actor)
 
     @property
     def is_running(self) -> bool:
@@ -135,6 +137,7 @@ class Child:
             "running": self.num_running,
             "waiting": self.num_waiting,
             "kv_cache_usage_perc": round(self.kv_usage, 4),
+            "detail": (self.detail or None) if self.is_running else None,
         }
 
 
@@ -182,6 +185,7 @@ def started(child: Child, proc, requested_at: float, now: float) -> None:
     child.kill_requested = False
     child.restart_requested = False
     child.failure = ""
+    child.detail = ""
 
 
 async def pump(stream: asyncio.StreamReader, name: str, default_prio: bytes, out) -> None:

@@ -22,7 +22,7 @@ from dpserve.engine.common.procutil import EXIT_CONFIG, die_with_parent, raise_f
 from dpserve.engine.config import ENGINES
 from dpserve.engine.vllm_core import parse_engine_args
 
-from .config import API_SERVER_LAUNCH, LB_POLICIES, RESTART_POLICIES, ServeConfig
+from .config import API_SERVER_LAUNCH, DP_BACKENDS, LB_POLICIES, RAY_PLACEMENTS, RESTART_POLICIES, ServeConfig
 
 DEMO_MODEL_NAME = "dpserve-demo"
 
@@ -92,18 +92,35 @@ _SERVE_OPTIONS = [
     _opt("--ports-file", default=None, hidden=True, help="Write the bound ports as JSON here (for tests)."),
 ]
 
+_RPC_PORT = _opt("--data-parallel-rpc-port", "-dpp", default=29550, type=click.IntRange(1, 65533), help="The head's coordinator port (rpc-port+1: load table; rpc-port+2+i: API server i).")
+_KEY_FILE = _opt("--data-parallel-key-file", default="", help="Shared secret authenticating inter-node traffic (same file on every node; required multi-node).")
+
+# `dpserve serve` only: the ranks as actors on an existing Ray cluster (engine/ray_rank.py).
+_RAY_OPTIONS = [
+    _opt("--data-parallel-backend", "-dpb", default="mp", type=click.Choice(DP_BACKENDS), help="mp: the ranks are this node's processes; ray: Ray actors placed on an existing Ray cluster (pip install 'dpserve[ray]')."),
+    _opt("--ray-address", default="auto", help="Ray backend: the cluster's HOST:PORT (auto: RAY_ADDRESS, then the cluster `ray start` runs on this node)."),
+    _opt("--ray-placement", default="spread", type=click.Choice(RAY_PLACEMENTS), help="Ray backend: spread ranks over nodes or pack them (strict-*: required, not preferred)."),
+    _opt("--ray-cpus-per-rank", default=1.0, type=click.FloatRange(min=0.01), help="Ray backend: CPUs reserved per rank (and its torch threads)."),
+    _opt("--ray-gpus-per-rank", default=None, type=click.FloatRange(min=0), show_default=False, help="Ray backend: GPUs per rank (default: --tensor-parallel-size on a cluster with GPUs, else 0)."),
+    _opt("--ray-connect-timeout-s", default=15.0, type=click.FloatRange(min=1), help="Ray backend: how long to try the cluster's address before exit 2."),
+    _opt("--ray-placement-timeout-s", default=60.0, type=click.FloatRange(min=1), help="Ray backend: how long the ranks' placement group may wait for resources before exit 2."),
+    _opt("--data-parallel-address", "-dpa", default="", show_default=False, help="Ray backend: this node's address the ranks reach it on (default: its address in the Ray cluster)."),
+    _RPC_PORT,
+    _KEY_FILE,
+]
+
 _MULTINODE_OPTIONS = [
     _opt("--data-parallel-size-local", "-dpl", default=None, type=click.IntRange(1), help="Ranks on this node (default: all)."),
     _opt("--data-parallel-start-rank", "-dpr", default=0, type=click.IntRange(0), help="First rank on this node."),
     _opt("--data-parallel-address", "-dpa", default="127.0.0.1", help="The head node's address."),
-    _opt("--data-parallel-rpc-port", "-dpp", default=29550, type=click.IntRange(1, 65533), help="The head's coordinator port (rpc-port+1: load table; rpc-port+2+i: API server i)."),
+    _RPC_PORT,
     _opt("--data-parallel-api-rpc-port-base", default=0, type=click.IntRange(0, 65535), help="This node's API servers' engine channels: base+i (0: rpc-port+2). Two nodes on one address need different bases."),
     _opt("--min-ready-ranks", default=0, type=click.IntRange(0), help="Head: /readyz is 200 while at least this many ranks are routable (0: one). Startup always waits for every rank."),
     _opt("--node-address", default="", help="This node's address for engines to reach its API servers (default: the route to the head)."),
     _opt("--data-parallel-hybrid-lb", "lb_hybrid", is_flag=True, envvar="DPSERVE_DATA_PARALLEL_HYBRID_LB", help="API servers on every node, each routing to its node's ranks."),
     _opt("--data-parallel-multi-port-external-lb", "lb_external", is_flag=True, envvar="DPSERVE_DATA_PARALLEL_MULTI_PORT_EXTERNAL_LB", help="One API server per local rank on port + i, for an external load balancer."),
     _opt("--api-servers-on-every-node", "lb_global", is_flag=True, envvar="DPSERVE_API_SERVERS_ON_EVERY_NODE", help="API servers on every node, each routing to every rank in the cluster."),
-    _opt("--data-parallel-key-file", default="", help="Shared secret authenticating inter-node traffic (same file on every node; required multi-node)."),
+    _KEY_FILE,
 ]
 
 
@@ -137,6 +154,17 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
     lb_mode = modes[0] if modes else "internal"
     headless = bool(opts.get("headless"))
     api_count = opts["api_server_count"] or local
+    backend = opts.get("data_parallel_backend") or "mp"
+    if role == "serve" and backend != "ray":
+        given = [flag for flag, key in (("--data-parallel-address", "data_parallel_address"), ("--data-parallel-key-file", "data_parallel_key_file")) if opts.get(key)]
+        given += [f"--ray-{k}" for k in ("placement", "gpus-per-rank") if opts.get("ray_" + k.replace("-", "_")) not in (None, "spread")]
+        if opts.get("data_parallel_rpc_port", 29550) != 29550:
+            given.append("--data-parallel-rpc-port")
+        if opts.get("ray_address", "auto") != "auto":
+            given.append("--ray-address")
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --data-parallel-backend ray (one node: no inter-node traffic)")
+    ray_gpus = opts.get("ray_gpus_per_rank")
     return ServeConfig(
         model=model,
         served_model_name=served,
@@ -187,7 +215,8 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
         role=role,
         data_parallel_size_local=local,
         data_parallel_start_rank=opts.get("data_parallel_start_rank") or 0,
-        data_parallel_address=opts.get("data_parallel_address") or "127.0.0.1",
+        # Ray backend: '' until the supervisor learns this node's address in the cluster
+        data_parallel_address=opts.get("data_parallel_address") or ("" if backend == "ray" else "127.0.0.1"),
         data_parallel_rpc_port=opts.get("data_parallel_rpc_port") or 29550,
         data_parallel_api_rpc_port_base=opts.get("data_parallel_api_rpc_port_base") or 0,
         min_ready_ranks=opts.get("min_ready_ranks") or 0,
@@ -195,6 +224,13 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
         headless=headless,
         lb_mode=lb_mode,
         key_file=opts.get("data_parallel_key_file") or "",
+        data_parallel_backend=backend,
+        ray_address=opts.get("ray_address") or "auto",
+        ray_placement=opts.get("ray_placement") or "spread",
+        ray_cpus_per_rank=opts.get("ray_cpus_per_rank") or 1.0,
+        ray_gpus_per_rank=-1.0 if ray_gpus is None else ray_gpus,
+        ray_connect_timeout_s=opts.get("ray_connect_timeout_s") or 15.0,
+        ray_placement_timeout_s=opts.get("ray_placement_timeout_s") or 60.0,
     )
 
 
@@ -244,7 +280,7 @@ def _run(role: str, model: str | None, opts: dict) -> None:
 
 @main.command()
 @click.argument("model", required=False, envvar="DPSERVE_MODEL")
-@_apply(_SERVE_OPTIONS)
+@_apply(_SERVE_OPTIONS + _RAY_OPTIONS)
 def serve(model, **opts) -> None:
     """Serve MODEL on this node (a local Hugging Face directory; default: the built-in demo model)."""
     _run("serve", model, opts)

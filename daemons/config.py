@@ -17,6 +17,8 @@ LB_MODES = ("internal", "hybrid", "external", "global")
 ROLES = ("serve", "head", "worker")
 RESTART_POLICIES = ("always", "on-failure", "never")
 API_SERVER_LAUNCH = ("prefork", "exec")
+DP_BACKENDS = ("mp", "ray")
+RAY_PLACEMENTS = ("spread", "strict-spread", "pack", "strict-pack")
 
 
 class ServeConfig(msgspec.Struct, kw_only=True):
@@ -88,6 +90,24 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     headless: bool = False
     lb_mode: str = "internal"
     key_file: str = ""
+    # Ray as the distributed backend (`dpserve serve` only): ranks are actors on a Ray cluster
+    data_parallel_backend: str = "mp"  # mp: ranks are this node's processes; ray: Ray actors
+    ray_address: str = "auto"  # the cluster's GCS HOST:PORT; auto: RAY_ADDRESS, then `ray start`'s
+    ray_placement: str = "spread"
+    ray_cpus_per_rank: float = 1.0
+    ray_gpus_per_rank: float = -1.0  # < 0: --tensor-parallel-size when the cluster has GPUs, else 0
+    ray_connect_timeout_s: float = 15.0
+    ray_placement_timeout_s: float = 60.0
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.data_parallel_backend == "ray"
+
+    @property
+    def uses_tcp(self) -> bool:
+        """Ranks reach this node over TCP (authenticated): other nodes hold ranks,
+        or Ray may place them anywhere."""
+        return self.is_multi_node or self.uses_ray
 
     @property
     def size_local(self) -> int:
@@ -172,6 +192,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"--min-ready-ranks {self.min_ready_ranks} must be in [0, --data-parallel-size {size}]")
         if self.runs_api_servers and self.api_rpc_port_base + self.api_server_count - 1 > 65535:
             raise ValueError("--data-parallel-api-rpc-port-base + --api-server-count exceeds port 65535")
+        self._validate_ray()
         if self.is_multi_node and not self.key_file:
             raise ValueError(
                 "multi-node traffic must be authenticated: give --data-parallel-key-file (the same secret on every node)"
@@ -183,6 +204,22 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"{self.model!r} holds no config.json: not a Hugging Face model directory")
 
+    def _validate_ray(self) -> None:
+        if self.data_parallel_backend not in DP_BACKENDS:
+            raise ValueError(f"--data-parallel-backend must be one of {', '.join(DP_BACKENDS)}")
+        if not self.uses_ray:
+            return
+        if self.role != "serve":
+            raise ValueError("--data-parallel-backend ray places every rank from one node: use `dpserve serve`, not head/worker")
+        if self.ray_placement not in RAY_PLACEMENTS:
+            raise ValueError(f"--ray-placement must be one of {', '.join(RAY_PLACEMENTS)}")
+        if self.ray_cpus_per_rank <= 0:
+            raise ValueError("--ray-cpus-per-rank must be positive")
+        from dpserve.engine.ray_placement import ray_version_problem
+
+        problem = ray_version_problem()
+        if problem:
+            raise ValueError(problem)
 
     def _validate_engine(self) -> None:
         """Options that do not apply to the chosen engine are refused, never ignored."""
@@ -224,7 +261,7 @@ class Addresses(msgspec.Struct, kw_only=True):
         """
         n = cfg.api_server_count if cfg.runs_api_servers else 0
         probes = [f"{run_dir}/api-{i}.http" for i in range(n)]
-        if not cfg.is_multi_node:
+        if not cfg.uses_tcp:
             return cls(
                 supervisor=f"ipc://{run_dir}/supervisor.ctl",
                 coordinator_engines=f"ipc://{run_dir}/coordinator.engines",

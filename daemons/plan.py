@@ -7,24 +7,93 @@ the plan needs: the model's identity, this node's address, the bound API port.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import secrets
 import socket
+import subprocess
+import sys
 
 import msgspec
-from dpserve.engine.common.procutil import EXIT_CONFIG
+from dpserve.engine.common.procutil import CHILD_CONFIG_ENV, EXIT_CONFIG
 from dpserve.engine.config import EngineConfig, EngineProcessConfig
 from dpserve.engine.protocol import config_fingerprint
+from dpserve.engine.ray_placement import RayCheck, RayPlacement
+from dpserve.engine.ray_rank import RayRank
 
 from .children import Child
 from .config import Addresses, ApiServerConfig, CoordinatorConfig, ServeConfig
 
 _enc = msgspec.json.Encoder().encode
+# A rank proxy relays its actor's log lines (which carry dpserve's own priority
+# and component) as they are: no Ray "(RankActor pid=..)" prefix, colours or dedup.
+_RAY_DRIVER_ENV = {"OMP_NUM_THREADS": "1", "RAY_DISABLE_WORKER_LOG_PREFIX": "1", "RAY_COLOR_PREFIX": "0", "RAY_DEDUP_LOGS": "0"}
 
 
 class StartupError(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class RayPlan(msgspec.Struct, kw_only=True):
+    """What the Ray check learnt, for the plan: the cluster, and the bundle's GPUs."""
+
+    address: str
+    node_ip: str  # this node as the Ray cluster knows it
+    gpus_per_rank: float
+    group_name: str
+    nodes: int
+
+
+def check_ray_cluster(cfg: ServeConfig) -> RayPlan:
+    """Before any child starts: Ray installed, the cluster reachable, its nodes
+    able to hold one bundle per rank (engine/ray_placement.py's check, in a
+    process of its own: the supervisor never imports Ray). Bounded in time:
+    a cluster that does not answer is exit 2, never a hang."""
+    check = RayCheck(
+        address=cfg.ray_address,
+        ranks=cfg.data_parallel_size,
+        cpus_per_rank=cfg.ray_cpus_per_rank,
+        gpus_per_rank=cfg.ray_gpus_per_rank,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        strategy=cfg.ray_placement,
+        connect_timeout_s=cfg.ray_connect_timeout_s,
+    )
+    env = dict(os.environ, **{CHILD_CONFIG_ENV: _enc(check).decode()})
+    budget = cfg.ray_connect_timeout_s + 30.0  # the TCP probe, then Ray's import and handshake
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "dpserve.engine.ray_placement"], env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=budget
+        )
+    except subprocess.TimeoutExpired:
+        raise StartupError(EXIT_CONFIG, f"the Ray cluster ({cfg.ray_address}) did not answer within {budget:.0f} s") from None
+    lines = done.stdout.decode(errors="replace").strip().splitlines()
+    try:
+        result = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-3:]
+        raise StartupError(EXIT_CONFIG, f"the Ray check failed (exit {done.returncode}): {' | '.join(tail)}") from None
+    if not result.get("ok"):
+        raise StartupError(EXIT_CONFIG, result.get("error") or "the Ray check failed")
+    fingerprint = model_identity(cfg.model)[:8]
+    return RayPlan(
+        address=result["address"],
+        node_ip=result["node_ip"],
+        gpus_per_rank=float(result["gpus_per_rank"]),
+        group_name=f"dpserve-{fingerprint}-{socket.gethostname()}-{os.getpid()}",
+        nodes=int(result["nodes"]),
+    )
+
+
+def ephemeral_key_file(run_dir: str) -> str:
+    """Ray backend without --data-parallel-key-file: a fresh secret for this run
+    (the ranks get it from the proxy; nothing else needs it), readable by us only."""
+    path = os.path.join(run_dir, "ray-ranks.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
 
 
 def model_identity(model_dir: str) -> str:
@@ -74,7 +143,7 @@ def check_rpc_ports(cfg: ServeConfig, node_address: str) -> None:
     """Multi-node: the TCP ports this node's children will bind, checked before any
     starts, so a second head on a used rpc port or two nodes' API servers on one
     address is exit 2 naming the flag, not a child's traceback and exit 3."""
-    if not cfg.is_multi_node:
+    if not cfg.uses_tcp:
         return
     wanted: list[tuple[str, int, str]] = []
     if cfg.runs_coordinator:
@@ -98,9 +167,11 @@ def plan_children(
     listen_socks: list[socket.socket],
     max_model_len: int,
     heartbeat_interval_s: float,
+    ray: RayPlan | None = None,
 ) -> list[Child]:
     """Every child this node runs, with its typed config: the coordinator (head
-    only), one engine per local rank, and the API servers (unless headless)."""
+    only), one engine per local rank (the Ray backend: a proxy per rank and the
+    placement child), and the API servers (unless headless)."""
     children: list[Child] = []
     fingerprint = config_fingerprint(model_identity(cfg.model), cfg.dtype, max_model_len, cfg.data_parallel_size, cfg.engine)
     me = os.getpid()
@@ -160,7 +231,39 @@ def plan_children(
             parent_pid=me,
             log_level=cfg.log_level,
         )
-        children.append(Child(name, "engine", rank, "dpserve.engine.process", _enc(ecfg), extra_env={"OMP_NUM_THREADS": str(engine_threads)}))
+        if ray is None:
+            children.append(Child(name, "engine", rank, "dpserve.engine.process", _enc(ecfg), extra_env={"OMP_NUM_THREADS": str(engine_threads)}))
+            continue
+        proxy = RayRank(
+            engine=msgspec.structs.replace(ecfg, key_file=""),
+            address=ray.address,
+            group_name=ray.group_name,
+            cpus_per_rank=cfg.ray_cpus_per_rank,
+            gpus_per_rank=ray.gpus_per_rank,
+            key_file=key_file,
+            placement_timeout_s=cfg.ray_placement_timeout_s + cfg.ray_connect_timeout_s,
+            stop_timeout_s=max(cfg.kill_grace_s - 1.0, 0.5),
+            supervisor_address=addr.supervisor,
+            parent_pid=me,
+            log_level=cfg.log_level,
+        )
+        children.append(Child(name, "engine", rank, "dpserve.engine.ray_rank", _enc(proxy), extra_env=_RAY_DRIVER_ENV))
+    if ray is not None:
+        holder = RayPlacement(
+            name="ray-placement",
+            address=ray.address,
+            group_name=ray.group_name,
+            ranks=cfg.data_parallel_size,
+            cpus_per_rank=cfg.ray_cpus_per_rank,
+            gpus_per_rank=ray.gpus_per_rank,
+            strategy=cfg.ray_placement,
+            placement_timeout_s=cfg.ray_placement_timeout_s,
+            supervisor_address=addr.supervisor,
+            heartbeat_interval_s=heartbeat_interval_s,
+            parent_pid=me,
+            log_level=cfg.log_level,
+        )
+        children.append(Child("ray-placement", "placement", -1, "dpserve.engine.ray_placement", _enc(holder), extra_env={"OMP_NUM_THREADS": "1"}))
     if not cfg.runs_api_servers:
         return children
     external = cfg.lb_mode == "external"

@@ -214,14 +214,18 @@ class _EngineIO:
 
 
 class EngineProcess:
-    def __init__(self, cfg: EngineProcessConfig, log) -> None:
+    def __init__(self, cfg: EngineProcessConfig, log, *, supervisor=None, keys: CurveKeys | None = None) -> None:
+        """`supervisor` and `keys` default to the node's: a SupervisorLink to the
+        supervisor's control socket and the key file's CURVE keys. A rank run as
+        a Ray actor (ray_rank.py) passes its own link and the secret it was sent."""
         self.cfg = cfg
         self.log = log
         self.rank = cfg.engine.rank
         self.incarnation = uuid.uuid4().hex[:12]
         self.ctx = zmq.Context()
-        self.supervisor = SupervisorLink(self.ctx, cfg.supervisor_address, cfg.name)
-        keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
+        self.supervisor = supervisor or SupervisorLink(self.ctx, cfg.supervisor_address, cfg.name)
+        if keys is None and cfg.key_file:
+            keys = CurveKeys.from_file(cfg.key_file, log)
         self.io = _EngineIO(self.ctx, cfg, self.incarnation, keys)
         self.core = None
         self.should_stop = False
@@ -391,16 +395,9 @@ class EngineProcess:
         self.ctx.destroy(linger=0)  # already-closed sockets keep their own linger
 
 
-def main() -> None:
-    cfg = child_config_from_env(EngineProcessConfig)
-    die_with_parent(cfg.parent_pid)
-    set_process_name(f"dpserve-dp{cfg.engine.rank}")
-    from .common.logs import setup_logging
-
-    log = setup_logging(cfg.name, cfg.log_level).bind(rank=cfg.engine.rank)
-    proc = EngineProcess(cfg, log)
-    signal.signal(signal.SIGTERM, proc._on_signal)
-    signal.signal(signal.SIGINT, proc._on_signal)
+def serve(proc: EngineProcess, log) -> int:
+    """Boot, serve until asked to stop, announce the end: the rank's whole life.
+    Returns the exit code. Shared by the process entry point and the Ray actor."""
     code = EXIT_ERROR
     try:
         proc.boot()
@@ -414,11 +411,24 @@ def main() -> None:
         code = exc.code if isinstance(exc.code, int) else EXIT_ERROR
     except Exception as exc:
         log.exception("engine failed")
-        proc.announce_death(f"engine rank {cfg.engine.rank} failed: {type(exc).__name__}: {exc}")
+        proc.announce_death(f"engine rank {proc.rank} failed: {type(exc).__name__}: {exc}")
         code = EXIT_ERROR
     finally:
         proc.close()
-    os._exit(code)
+    return code
+
+
+def main() -> None:
+    cfg = child_config_from_env(EngineProcessConfig)
+    die_with_parent(cfg.parent_pid)
+    set_process_name(f"dpserve-dp{cfg.engine.rank}")
+    from .common.logs import setup_logging
+
+    log = setup_logging(cfg.name, cfg.log_level).bind(rank=cfg.engine.rank)
+    proc = EngineProcess(cfg, log)
+    signal.signal(signal.SIGTERM, proc._on_signal)
+    signal.signal(signal.SIGINT, proc._on_signal)
+    os._exit(serve(proc, log))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -26,7 +27,7 @@ from ..config import ServeConfig
 from ..health import HealthServer
 from ..launcher import Launcher, reap_strays
 from ..notify import Notifier
-from ..plan import StartupError
+from ..plan import RayPlan, StartupError, check_ray_cluster
 from ..probes import Prober
 from . import events as ev
 from . import rolling, startup
@@ -60,6 +61,7 @@ class Supervisor:
         self.keys = None
         self.run_dir = ""
         self.own_run_dir = False
+        self.ray_plan: RayPlan | None = None  # --data-parallel-backend ray: what the cluster check learnt
         self.port = 0
         self.launcher: Launcher | None = None
         self.zctx = zmq.asyncio.Context()
@@ -96,10 +98,16 @@ class Supervisor:
             self.log.error("cannot bind the supervisor port", port=self.cfg.supervisor_port, error=str(exc))
             return EXIT_CONFIG
         try:
+            if self.cfg.uses_ray:
+                self.notifier.status("checking the Ray cluster")
+                # in a thread: bounded, but seconds long, and /health keeps answering meanwhile
+                self.ray_plan = await asyncio.to_thread(check_ray_cluster, self.cfg)
             prepare(self)
         except (StartupError, ValueError) as exc:
             self.log.error("cannot start", error=str(exc))
             await self.health.stop()
+            if self.own_run_dir:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
             return exc.code if isinstance(exc, StartupError) else EXIT_CONFIG
         write_ports_file(self.ports_file, self.port, self.health.port)
         self.log.info(
@@ -179,7 +187,7 @@ class Supervisor:
             if isinstance(event, ev.Exited):
                 self.on_exit(child, event.returncode)
             elif isinstance(event, ev.Ready):
-                self.on_ready(child)
+                self.on_ready(child, event.detail)
             elif isinstance(event, ev.Heartbeat):
                 child.last_heartbeat = event.at
                 child.num_running, child.num_waiting, child.kv_usage = event.num_running, event.num_waiting, event.kv_usage
@@ -272,12 +280,15 @@ class Supervisor:
         for news in early:
             self.apply(news)  # this process's own; anything else is dropped there
 
-    def on_ready(self, child: Child) -> None:
+    def on_ready(self, child: Child, detail: str = "") -> None:
         if child.state != ChildState.STARTING:
             return
         child.state = ChildState.READY
+        child.detail = detail
         child.ready_at = child.last_heartbeat = self.clock()
         extra = {"restarts": child.restarts} if child.restarts else {}
+        if detail and self.cfg.uses_ray and child.kind != "api":
+            extra["detail"] = detail
         self.log.info("child ready", child=child.name, pid=child.pid, seconds=round(child.ready_at - child.started_at, 2), **extra)
 
     def on_exit(self, child: Child, rc: int, how: str = "") -> None:

@@ -44,6 +44,7 @@ class Exited:
 class Ready:
     name: str
     pid: int
+    detail: str = ""  # what the child said of itself (a Ray rank: its node and actor)
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,7 @@ def node_exit_code(children: Iterable) -> tuple[int, str]:
     groups: dict[str, list] = {}
     for child in children:
         groups.setdefault(child.kind, []).append(child)
-    for kind in ("engine", "api", "coordinator"):
+    for kind in ("engine", "api", "coordinator", "placement"):
         group = groups.get(kind)
         if group and all(c.gave_up for c in group):
             code = EXIT_NODE_UNHEALTHY if any(c.gave_up == CRASH_LOOP for c in group) else EXIT_NOTHING_SERVES

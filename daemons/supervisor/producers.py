@@ -41,7 +41,7 @@ async def read_control(sock: zmq.asyncio.Socket, post: Post) -> None:
         if isinstance(msg, HeartbeatMsg):
             post(Heartbeat(msg.name, msg.pid, msg.num_running, msg.num_waiting, msg.kv_usage, time.monotonic()))
         elif isinstance(msg, ChildReady):
-            post(Ready(msg.name, msg.pid))
+            post(Ready(msg.name, msg.pid, msg.detail))
 
 
 async def read_table(sock: zmq.asyncio.Socket, post: Post) -> None:

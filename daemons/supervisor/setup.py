@@ -17,7 +17,7 @@ from dpserve.engine.protocol import Codec, CoordinatorInput
 
 from ..config import Addresses
 from ..launcher import Launcher
-from ..plan import bind_listen_socket, check_rpc_ports, node_address_towards, plan_children
+from ..plan import bind_listen_socket, check_rpc_ports, ephemeral_key_file, node_address_towards, plan_children
 
 if TYPE_CHECKING:
     from .core import Supervisor
@@ -29,6 +29,19 @@ def prepare(sup: Supervisor) -> None:
     """Raises StartupError or ValueError when the node cannot start (exit 2 or 3)."""
     cfg = sup.cfg
     sup.max_model_len = resolve_max_model_len(cfg.model, cfg.max_model_len)
+    if cfg.run_dir:
+        os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
+        sup.run_dir = cfg.run_dir
+    else:
+        sup.run_dir = tempfile.mkdtemp(prefix="dpserve-")
+        sup.own_run_dir = True
+    ray = sup.ray_plan
+    if ray is not None:
+        sup.log.info("Ray cluster checked", address=ray.address, nodes=ray.nodes, node_ip=ray.node_ip, gpus_per_rank=ray.gpus_per_rank, placement=cfg.ray_placement)
+        changes = {"data_parallel_address": cfg.data_parallel_address or ray.node_ip}
+        if not cfg.key_file:
+            changes["key_file"] = ephemeral_key_file(sup.run_dir)
+        sup.cfg = cfg = msgspec.structs.replace(cfg, **changes)
     sup.keys = CurveKeys.from_file(cfg.key_file, sup.log) if cfg.key_file else None
     if cfg.runs_api_servers:
         count = cfg.api_server_count if cfg.lb_mode == "external" else 1
@@ -37,12 +50,6 @@ def prepare(sup: Supervisor) -> None:
         sup.port = sup.listen_socks[0].getsockname()[1]
     sup.node_address = cfg.node_address or node_address_towards(cfg.data_parallel_address)
     check_rpc_ports(cfg, sup.node_address)
-    if cfg.run_dir:
-        os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
-        sup.run_dir = cfg.run_dir
-    else:
-        sup.run_dir = tempfile.mkdtemp(prefix="dpserve-")
-        sup.own_run_dir = True
     sup.addr = Addresses.for_node(cfg, sup.run_dir, sup.node_address)
     sup.ctl = sup.zctx.socket(zmq.PULL)
     sup.ctl.setsockopt(zmq.LINGER, 0)
@@ -61,7 +68,7 @@ def prepare(sup: Supervisor) -> None:
     sup.table_sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
     make_client(sup.table_sub, sup.keys)
     sup.table_sub.connect(sup.addr.coordinator_table)
-    for child in plan_children(cfg, sup.addr, sup.listen_socks, sup.max_model_len, sup.heartbeat_interval_s):
+    for child in plan_children(cfg, sup.addr, sup.listen_socks, sup.max_model_len, sup.heartbeat_interval_s, ray):
         sup.children[child.name] = child
     if any(c.kind == "api" for c in sup.children.values()) and cfg.api_server_launch == "prefork":
         if become_subreaper():

@@ -2,7 +2,8 @@
 
 API servers first (the listening sockets close at once, so new connections
 are refused rather than queued; in-flight requests drain), then the launcher,
-then engines and the coordinator; survivors of a deadline get SIGKILL.
+then engines and the coordinator, then the Ray backend's placement group;
+survivors of a deadline get SIGKILL.
 The loop no longer runs, so this is the only writer of child state here.
 """
 
@@ -38,10 +39,15 @@ async def shutdown(sup: Supervisor) -> None:
     if sup.launcher is not None:
         await sup.launcher.stop()
     sup.notifier.status("stopping: engines")
-    rest = [c for c in sup.children.values() if _alive(c)]
+    rest = [c for c in sup.children.values() if _alive(c) and c.kind != "placement"]
     for child in rest:
         sup.terminate(child, kill_after=cfg.kill_grace_s)
     await _wait_all(sup, rest, cfg.kill_grace_s)
+    # Ray backend: the placement group last (removing it kills the actors in it)
+    holders = [c for c in sup.children.values() if _alive(c)]
+    for child in holders:
+        sup.terminate(child, kill_after=cfg.kill_grace_s)
+    await _wait_all(sup, holders, cfg.kill_grace_s)
     for task in sup.tasks:
         task.cancel()
     await asyncio.gather(*sup.tasks, return_exceptions=True)

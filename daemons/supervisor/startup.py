@@ -25,6 +25,10 @@ EXTEND_EVERY_S = 5.0
 
 def timeout(cfg: ServeConfig, child: Child) -> float:
     """The child's startup budget; API servers' scales with their count (config.py)."""
+    if child.kind == "placement":  # Ray backend: connect, then wait for the cluster's resources
+        return cfg.ray_connect_timeout_s + cfg.ray_placement_timeout_s + 30.0
+    if child.kind == "engine" and cfg.uses_ray:  # the actor waits for the placement group first
+        return cfg.engine_startup_timeout_s + cfg.ray_connect_timeout_s + cfg.ray_placement_timeout_s
     return {"engine": cfg.engine_startup_timeout_s, "api": cfg.api_server_startup_timeout_s}.get(child.kind, cfg.coordinator_startup_timeout_s)
 
 
