@@ -7,18 +7,15 @@ the plan needs: the model's identity, this node's address, the bound API port.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import secrets
 import socket
-import subprocess
-import sys
 
 import msgspec
-from dpserve.engine.common.procutil import CHILD_CONFIG_ENV, EXIT_CONFIG
+from dpserve.engine.common.procutil import EXIT_CONFIG
 from dpserve.engine.config import EngineConfig, EngineProcessConfig
 from dpserve.engine.protocol import config_fingerprint
-from dpserve.engine.ray_placement import RayCheck, RayPlacement
+from dpserve.engine.ray_placement import RayError, RayPlacement, preflight
 from dpserve.engine.ray_rank import RayRank
 
 from .children import Child
@@ -37,52 +34,26 @@ class StartupError(Exception):
 
 
 class RayPlan(msgspec.Struct, kw_only=True):
-    """What the Ray check learnt, for the plan: the cluster, and the bundle's GPUs."""
+    """The Ray backend's facts for the plan: the cluster, this node's address, the group."""
 
-    address: str
-    node_ip: str  # this node as the Ray cluster knows it
-    gpus_per_rank: float
+    address: str  # the cluster's HOST:PORT
+    node_ip: str  # this node's address on the route to the cluster (the ranks reach it there)
     group_name: str
-    nodes: int
 
 
 def check_ray_cluster(cfg: ServeConfig) -> RayPlan:
-    """Before any child starts: Ray installed, the cluster reachable, its nodes
-    able to hold one bundle per rank (engine/ray_placement.py's check, in a
-    process of its own: the supervisor never imports Ray). Bounded in time:
-    a cluster that does not answer is exit 2, never a hang."""
-    check = RayCheck(
-        address=cfg.ray_address,
-        ranks=cfg.data_parallel_size,
-        cpus_per_rank=cfg.ray_cpus_per_rank,
-        gpus_per_rank=cfg.ray_gpus_per_rank,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        strategy=cfg.ray_placement,
-        connect_timeout_s=cfg.ray_connect_timeout_s,
-    )
-    env = dict(os.environ, **{CHILD_CONFIG_ENV: _enc(check).decode()})
-    budget = cfg.ray_connect_timeout_s + 30.0  # the TCP probe, then Ray's import and handshake
+    """Before any child starts: Ray installed, the cluster's address answering
+    (engine/ray_placement.py's preflight; bounded by --ray-connect-timeout-s).
+    Whether its nodes can hold the ranks is the placement child's first check."""
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "dpserve.engine.ray_placement"], env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=budget
-        )
-    except subprocess.TimeoutExpired:
-        raise StartupError(EXIT_CONFIG, f"the Ray cluster ({cfg.ray_address}) did not answer within {budget:.0f} s") from None
-    lines = done.stdout.decode(errors="replace").strip().splitlines()
-    try:
-        result = json.loads(lines[-1])
-    except (IndexError, ValueError):
-        tail = done.stderr.decode(errors="replace").strip().splitlines()[-3:]
-        raise StartupError(EXIT_CONFIG, f"the Ray check failed (exit {done.returncode}): {' | '.join(tail)}") from None
-    if not result.get("ok"):
-        raise StartupError(EXIT_CONFIG, result.get("error") or "the Ray check failed")
+        address = preflight(cfg.ray_address, cfg.ray_connect_timeout_s)
+    except RayError as exc:
+        raise StartupError(EXIT_CONFIG, str(exc)) from None
     fingerprint = model_identity(cfg.model)[:8]
     return RayPlan(
-        address=result["address"],
-        node_ip=result["node_ip"],
-        gpus_per_rank=float(result["gpus_per_rank"]),
+        address=address,
+        node_ip=node_address_towards(address.rpartition(":")[0].strip("[]")),
         group_name=f"dpserve-{fingerprint}-{socket.gethostname()}-{os.getpid()}",
-        nodes=int(result["nodes"]),
     )
 
 
@@ -238,9 +209,8 @@ def plan_children(
             engine=msgspec.structs.replace(ecfg, key_file=""),
             address=ray.address,
             group_name=ray.group_name,
-            cpus_per_rank=cfg.ray_cpus_per_rank,
-            gpus_per_rank=ray.gpus_per_rank,
             key_file=key_file,
+            connect_timeout_s=cfg.ray_connect_timeout_s,
             placement_timeout_s=cfg.ray_placement_timeout_s + cfg.ray_connect_timeout_s,
             stop_timeout_s=max(cfg.kill_grace_s - 1.0, 0.5),
             supervisor_address=addr.supervisor,
@@ -255,8 +225,10 @@ def plan_children(
             group_name=ray.group_name,
             ranks=cfg.data_parallel_size,
             cpus_per_rank=cfg.ray_cpus_per_rank,
-            gpus_per_rank=ray.gpus_per_rank,
+            gpus_per_rank=cfg.ray_gpus_per_rank,
+            tensor_parallel_size=cfg.tensor_parallel_size,
             strategy=cfg.ray_placement,
+            connect_timeout_s=cfg.ray_connect_timeout_s,
             placement_timeout_s=cfg.ray_placement_timeout_s,
             supervisor_address=addr.supervisor,
             heartbeat_interval_s=heartbeat_interval_s,

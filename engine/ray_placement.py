@@ -2,17 +2,19 @@
 
 `dpserve serve --data-parallel-backend ray` runs each DP rank as a Ray actor
 (ray_rank.py) in one bundle of a placement group. The supervisor never imports
-Ray; it starts two kinds of Ray drivers, both from this module's entry point:
+Ray (its import and handshake cost a second of the node's start):
 
-- the check (`RayCheck`, run once before any child starts, with a hard
-  timeout): is Ray installed, is the cluster's address reachable, can its
-  nodes hold one bundle per rank under the placement strategy? It prints one
-  JSON line; the supervisor turns a "no" into exit 2 naming what is missing.
-- the placement child (`RayPlacement`, kind "placement"): reserves the
-  placement group, says ready once every bundle is placed, heartbeats while it
-  holds it. The group lives as long as this driver: Ray removes a job's
-  placement groups when the job ends, and with them every actor placed in
-  them, so a dead supervisor (PDEATHSIG) leaves nothing on the cluster.
+- `preflight`, in the supervisor before any child starts: a supported Ray is
+  installed (package metadata), and the cluster's address answers a TCP
+  connect within --ray-connect-timeout-s. Either failing is exit 2.
+- the placement child (`RayPlacement`, kind "placement"; this module's entry
+  point): connects (bounded by the same timeout), checks that the cluster's
+  nodes can hold one bundle per rank under the placement strategy (exit 2
+  naming what is missing, which ends the node's start with exit 2), reserves
+  the placement group, says ready once every bundle is placed and heartbeats
+  while it holds it. The group lives as long as this driver: Ray removes a
+  job's placement groups when the job ends, and with them every actor placed
+  in them, so a dead supervisor (PDEATHSIG) leaves nothing on the cluster.
 
 Ray stays off the request path: requests go API server -> rank over the same
 authenticated ZeroMQ channels as a native worker node's ranks.
@@ -20,12 +22,12 @@ authenticated ZeroMQ channels as a native worker node's ranks.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 import msgspec
@@ -41,24 +43,16 @@ STRATEGIES = {"spread": "SPREAD", "strict-spread": "STRICT_SPREAD", "pack": "PAC
 RAY_CURRENT_CLUSTER = "/tmp/ray/ray_current_cluster"
 
 
-class RayCheck(msgspec.Struct, kw_only=True, tag="check"):
+class RayPlacement(msgspec.Struct, kw_only=True):
+    name: str  # the child's name for the supervisor
     address: str
+    group_name: str
     ranks: int
     cpus_per_rank: float
     gpus_per_rank: float  # < 0: auto (tensor_parallel_size when the cluster has GPUs, else 0)
     tensor_parallel_size: int
     strategy: str
     connect_timeout_s: float
-
-
-class RayPlacement(msgspec.Struct, kw_only=True, tag="placement"):
-    name: str  # the child's name for the supervisor
-    address: str
-    group_name: str
-    ranks: int
-    cpus_per_rank: float
-    gpus_per_rank: float
-    strategy: str
     placement_timeout_s: float
     supervisor_address: str
     heartbeat_interval_s: float
@@ -167,31 +161,42 @@ def connect(address: str, log_to_driver: bool, on_stop=None):
     return ray
 
 
-def run_check(cfg: RayCheck) -> dict:
-    """The supervisor's pre-start check (see the module docstring)."""
+def preflight(address: str, connect_timeout_s: float) -> str:
+    """The supervisor's check before any child starts, without importing Ray:
+    returns the cluster's HOST:PORT, or raises RayError (exit 2)."""
     problem = ray_version_problem()
     if problem:
         raise RayError(problem)
-    address = resolve_address(cfg.address)
-    check_reachable(address, cfg.connect_timeout_s)
-    ray = connect(address, log_to_driver=False)
+    resolved = resolve_address(address)
+    check_reachable(resolved, connect_timeout_s)
+    return resolved
+
+
+def resources_problem(ray, cfg: RayPlacement) -> tuple[dict[str, float], str]:
+    """The bundle to reserve (GPUs resolved) and why the cluster's alive nodes cannot hold them ('' if they can)."""
+    totals = [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+    gpus = cfg.gpus_per_rank
+    if gpus < 0:
+        gpus = float(cfg.tensor_parallel_size) if any(t.get("GPU", 0) > 0 for t in totals) else 0.0
+    need = bundle(cfg.cpus_per_rank, gpus)
+    return need, placement_problem(totals, need, cfg.ranks, cfg.strategy)
+
+
+def connect_bounded(address: str, timeout_s: float, log, on_stop=None, log_to_driver: bool = False, code: int = EXIT_CONFIG):
+    """connect(), or exit with `code` if Ray's handshake has not finished in
+    time: a cluster that accepts TCP but never answers must not hang a start."""
+
+    def give_up() -> None:
+        log.error("the Ray cluster did not complete the connection in time", address=address, timeout_s=timeout_s)
+        os._exit(code)
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
     try:
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        totals = [dict(n.get("Resources", {})) for n in nodes]
-        gpus = cfg.gpus_per_rank
-        if gpus < 0:
-            gpus = float(cfg.tensor_parallel_size) if any(t.get("GPU", 0) > 0 for t in totals) else 0.0
-        problem = placement_problem(totals, bundle(cfg.cpus_per_rank, gpus), cfg.ranks, cfg.strategy)
-        return {
-            "ok": not problem,
-            "error": problem,
-            "address": address,
-            "node_ip": ray.util.get_node_ip_address(),
-            "gpus_per_rank": gpus,
-            "nodes": len(nodes),
-        }
+        return connect(address, log_to_driver=log_to_driver, on_stop=on_stop)
     finally:
-        ray.shutdown()
+        timer.cancel()
 
 
 def hold_placement(cfg: RayPlacement, log) -> int:
@@ -207,15 +212,20 @@ def hold_placement(cfg: RayPlacement, log) -> int:
     signal.signal(signal.SIGINT, on_stop)
     link = SupervisorLink(zmq.Context.instance(), cfg.supervisor_address, cfg.name)
     link.heartbeat()
-    ray = connect(resolve_address(cfg.address), log_to_driver=False, on_stop=on_stop)
+    ray = connect_bounded(cfg.address, cfg.connect_timeout_s, log, on_stop=on_stop)
     from ray.util.placement_group import get_placement_group, placement_group, placement_group_table, remove_placement_group
+
+    need, problem = resources_problem(ray, cfg)
+    if problem:
+        log.error("the Ray cluster cannot hold the ranks", problem=problem)
+        ray.shutdown()
+        return EXIT_CONFIG
 
     try:  # a previous holder of this node that was killed: its group goes with its job, but maybe not yet
         remove_placement_group(get_placement_group(cfg.group_name))
         log.info("removed the previous placement group of this node", group=cfg.group_name)
     except ValueError:
         pass
-    need = bundle(cfg.cpus_per_rank, cfg.gpus_per_rank)
     pg = placement_group([dict(need) for _ in range(cfg.ranks)], strategy=STRATEGIES[cfg.strategy], name=cfg.group_name)
     started = time.monotonic()
     try:
@@ -252,22 +262,12 @@ def hold_placement(cfg: RayPlacement, log) -> int:
 
 
 def main() -> None:
-    cfg = child_config_from_env(RayCheck | RayPlacement)
-    if isinstance(cfg, RayCheck):
-        try:
-            result = run_check(cfg)
-        except RayError as exc:
-            result = {"ok": False, "error": str(exc)}
-        except Exception as exc:  # Ray's own failure to connect, for the operator
-            result = {"ok": False, "error": f"cannot connect to the Ray cluster: {type(exc).__name__}: {exc}"}
-        sys.stdout.write(json.dumps(result) + "\n")
-        sys.stdout.flush()
-        os._exit(EXIT_OK)
+    cfg = child_config_from_env(RayPlacement)
     die_with_parent(cfg.parent_pid)
     set_process_name("dpserve-raypg")
     from .common.logs import setup_logging
 
-    log = setup_logging(cfg.name, cfg.log_level)
+    log = setup_logging(cfg.name, cfg.log_level).bind(component=cfg.name)  # bound: Ray calls back on threads of its own
     try:
         code = hold_placement(cfg, log)
     except Exception as exc:

@@ -34,10 +34,10 @@ import msgspec
 from .common.auth import CurveKeys
 from .common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_STARTUP, SupervisorLink, child_config_from_env, die_with_parent, set_process_name
 from .config import EngineProcessConfig
-from .ray_placement import NAMESPACE, bundle, connect, resolve_address
+from .ray_placement import NAMESPACE, connect_bounded
 
 STATUS_INTERVAL_S = 0.25
-FIND_GROUP_POLL_S = 0.5
+FIND_GROUP_POLL_S = 0.1
 
 
 class RayRank(msgspec.Struct, kw_only=True):
@@ -47,9 +47,8 @@ class RayRank(msgspec.Struct, kw_only=True):
     engine: EngineProcessConfig
     address: str
     group_name: str
-    cpus_per_rank: float
-    gpus_per_rank: float
     key_file: str
+    connect_timeout_s: float
     placement_timeout_s: float
     stop_timeout_s: float
     supervisor_address: str
@@ -79,7 +78,9 @@ class _ActorLink:
 class RankActor:
     """One DP rank inside a Ray worker process (made remote in `_remote_class`)."""
 
-    def __init__(self, cfg_json: bytes, secret: bytes | None) -> None:
+    def __init__(self, cfg_json: bytes, secret: bytes | None, threads: int) -> None:
+        # before torch is imported in this worker: its threads are the bundle's CPUs
+        os.environ["OMP_NUM_THREADS"] = str(threads)
         from .common.logs import setup_logging
         from .process import EngineProcess
 
@@ -163,7 +164,8 @@ class RankProxy:
         """Connect, find the group, create the actor. An exit code if that failed."""
         cfg = self.cfg
         self.link.heartbeat()
-        self.ray = ray = connect(resolve_address(cfg.address), log_to_driver=True, on_stop=self._on_signal)
+        # a cluster that stopped answering: exit 1 and be retried under the restart policy
+        self.ray = ray = connect_bounded(cfg.address, cfg.connect_timeout_s, self.log, on_stop=self._on_signal, log_to_driver=True, code=EXIT_ERROR)
         pg = find_group(ray, cfg.group_name, cfg.placement_timeout_s, self.link.heartbeat, lambda: self.should_stop)
         if self.should_stop:
             return EXIT_OK
@@ -176,17 +178,17 @@ class RankProxy:
         if cfg.key_file:
             with open(cfg.key_file, "rb") as f:
                 secret = f.read().strip()
-        spec = bundle(cfg.cpus_per_rank, cfg.gpus_per_rank)
-        threads = str(max(1, int(cfg.cpus_per_rank)))
+        spec = pg.bundle_specs[self.rank]  # what the placement child reserved (GPUs resolved there)
+        # No runtime_env: an actor of the job's default environment can take a worker
+        # Ray has already started, instead of waiting for one of its own.
         self.actor = _remote_class(ray).options(
-            num_cpus=spec["CPU"],
+            num_cpus=spec.get("CPU", 0),
             num_gpus=spec.get("GPU", 0),
             max_concurrency=4,  # status() and stop() while the engine thread runs
             max_restarts=0,  # the supervisor restarts ranks, under its own policy
             namespace=NAMESPACE,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=self.rank),
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}},
-        ).remote(msgspec.json.encode(cfg.engine), secret)
+        ).remote(msgspec.json.encode(cfg.engine), secret, max(1, int(spec.get("CPU", 1))))
         return None
 
     def watch(self) -> int:
@@ -242,7 +244,7 @@ def main() -> None:
     set_process_name(f"dpserve-dp{cfg.engine.engine.rank}")
     from .common.logs import setup_logging
 
-    log = setup_logging(cfg.engine.name, cfg.log_level).bind(rank=cfg.engine.engine.rank, backend="ray")
+    log = setup_logging(cfg.engine.name, cfg.log_level).bind(component=cfg.engine.name, rank=cfg.engine.engine.rank, backend="ray")
     proxy = RankProxy(cfg, log)
     signal.signal(signal.SIGTERM, proxy._on_signal)
     signal.signal(signal.SIGINT, proxy._on_signal)

@@ -37,7 +37,7 @@ def prepare(sup: Supervisor) -> None:
         sup.own_run_dir = True
     ray = sup.ray_plan
     if ray is not None:
-        sup.log.info("Ray cluster checked", address=ray.address, nodes=ray.nodes, node_ip=ray.node_ip, gpus_per_rank=ray.gpus_per_rank, placement=cfg.ray_placement)
+        sup.log.info("Ray cluster answers", address=ray.address, node_ip=ray.node_ip, placement=cfg.ray_placement)
         changes = {"data_parallel_address": cfg.data_parallel_address or ray.node_ip}
         if not cfg.key_file:
             changes["key_file"] = ephemeral_key_file(sup.run_dir)
