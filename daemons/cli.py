@@ -95,7 +95,8 @@ _SERVE_OPTIONS = [
 _RPC_PORT = _opt("--data-parallel-rpc-port", "-dpp", default=29550, type=click.IntRange(1, 65533), help="The head's coordinator port (rpc-port+1: load table; rpc-port+2+i: API server i).")
 _KEY_FILE = _opt("--data-parallel-key-file", default="", help="Shared secret authenticating inter-node traffic (same file on every node; required multi-node).")
 
-# `dpserve serve` only: the ranks as actors on an existing Ray cluster (engine/ray_rank.py).
+# The ranks as actors on an existing Ray cluster (engine/ray_rank.py): `dpserve serve`,
+# or `dpserve head` holding every rank (the systemd head unit's command).
 _RAY_OPTIONS = [
     _opt("--data-parallel-backend", "-dpb", default="mp", type=click.Choice(DP_BACKENDS), help="mp: the ranks are this node's processes; ray: Ray actors placed on an existing Ray cluster (pip install 'dpserve[ray]')."),
     _opt("--ray-address", default="auto", help="Ray backend: the cluster's HOST:PORT (auto: RAY_ADDRESS, then the cluster `ray start` runs on this node)."),
@@ -104,7 +105,9 @@ _RAY_OPTIONS = [
     _opt("--ray-gpus-per-rank", default=None, type=click.FloatRange(min=0), show_default=False, help="Ray backend: GPUs per rank (default: --tensor-parallel-size on a cluster with GPUs, else 0)."),
     _opt("--ray-connect-timeout-s", default=15.0, type=click.FloatRange(min=1), help="Ray backend: how long to try the cluster's address before exit 2."),
     _opt("--ray-placement-timeout-s", default=60.0, type=click.FloatRange(min=1), help="Ray backend: how long the ranks' placement group may wait for resources before exit 2."),
-    _opt("--data-parallel-address", "-dpa", default="", show_default=False, help="Ray backend: this node's address the ranks reach it on (default: its address in the Ray cluster)."),
+]
+_SERVE_RAY_OPTIONS = [
+    _opt("--data-parallel-address", "-dpa", default="", show_default=False, help="Ray backend: this node's address the ranks reach it on (default: its address on the route to the Ray cluster)."),
     _RPC_PORT,
     _KEY_FILE,
 ]
@@ -112,7 +115,7 @@ _RAY_OPTIONS = [
 _MULTINODE_OPTIONS = [
     _opt("--data-parallel-size-local", "-dpl", default=None, type=click.IntRange(1), help="Ranks on this node (default: all)."),
     _opt("--data-parallel-start-rank", "-dpr", default=0, type=click.IntRange(0), help="First rank on this node."),
-    _opt("--data-parallel-address", "-dpa", default="127.0.0.1", help="The head node's address."),
+    _opt("--data-parallel-address", "-dpa", default="", show_default=False, help="The head node's address (default 127.0.0.1; Ray backend: the head's address on the route to the Ray cluster)."),
     _RPC_PORT,
     _opt("--data-parallel-api-rpc-port-base", default=0, type=click.IntRange(0, 65535), help="This node's API servers' engine channels: base+i (0: rpc-port+2). Two nodes on one address need different bases."),
     _opt("--min-ready-ranks", default=0, type=click.IntRange(0), help="Head: /readyz is 200 while at least this many ranks are routable (0: one). Startup always waits for every rank."),
@@ -155,15 +158,16 @@ def _build_config(role: str, model: str | None, opts: dict, log) -> ServeConfig:
     headless = bool(opts.get("headless"))
     api_count = opts["api_server_count"] or local
     backend = opts.get("data_parallel_backend") or "mp"
-    if role == "serve" and backend != "ray":
-        given = [flag for flag, key in (("--data-parallel-address", "data_parallel_address"), ("--data-parallel-key-file", "data_parallel_key_file")) if opts.get(key)]
-        given += [f"--ray-{k}" for k in ("placement", "gpus-per-rank") if opts.get("ray_" + k.replace("-", "_")) not in (None, "spread")]
-        if opts.get("data_parallel_rpc_port", 29550) != 29550:
-            given.append("--data-parallel-rpc-port")
-        if opts.get("ray_address", "auto") != "auto":
-            given.append("--ray-address")
+    if backend != "ray":  # options that would do nothing are refused, not ignored
+        ray_defaults = {"ray_address": "auto", "ray_placement": "spread", "ray_cpus_per_rank": 1.0, "ray_gpus_per_rank": None,
+                        "ray_connect_timeout_s": 15.0, "ray_placement_timeout_s": 60.0}
+        given = ["--" + k.replace("_", "-") for k, default in ray_defaults.items() if opts.get(k, default) != default]
+        if role == "serve":  # one node's own processes: no inter-node traffic
+            given += [flag for flag, key in (("--data-parallel-address", "data_parallel_address"), ("--data-parallel-key-file", "data_parallel_key_file")) if opts.get(key)]
+            if opts.get("data_parallel_rpc_port", 29550) != 29550:
+                given.append("--data-parallel-rpc-port")
         if given:
-            raise ValueError(f"{', '.join(given)} apply to --data-parallel-backend ray (one node: no inter-node traffic)")
+            raise ValueError(f"{', '.join(given)} apply to --data-parallel-backend ray only")
     ray_gpus = opts.get("ray_gpus_per_rank")
     return ServeConfig(
         model=model,
@@ -280,7 +284,7 @@ def _run(role: str, model: str | None, opts: dict) -> None:
 
 @main.command()
 @click.argument("model", required=False, envvar="DPSERVE_MODEL")
-@_apply(_SERVE_OPTIONS + _RAY_OPTIONS)
+@_apply(_SERVE_OPTIONS + _RAY_OPTIONS + _SERVE_RAY_OPTIONS)
 def serve(model, **opts) -> None:
     """Serve MODEL on this node (a local Hugging Face directory; default: the built-in demo model)."""
     _run("serve", model, opts)
@@ -288,7 +292,7 @@ def serve(model, **opts) -> None:
 
 @main.command()
 @click.argument("model", required=False, envvar="DPSERVE_MODEL")
-@_apply(_SERVE_OPTIONS + _MULTINODE_OPTIONS)
+@_apply(_SERVE_OPTIONS + _MULTINODE_OPTIONS + _RAY_OPTIONS)
 def head(model, **opts) -> None:
     """Run the head node of a multi-node deployment: coordinator, ranks 0..size-local-1, API servers."""
     _run("head", model, opts)

@@ -209,8 +209,11 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"--data-parallel-backend must be one of {', '.join(DP_BACKENDS)}")
         if not self.uses_ray:
             return
-        if self.role != "serve":
-            raise ValueError("--data-parallel-backend ray places every rank from one node: use `dpserve serve`, not head/worker")
+        if self.role == "worker" or self.size_local != self.data_parallel_size or self.lb_mode != "internal":
+            raise ValueError(
+                "--data-parallel-backend ray places every rank from one node: `dpserve serve` (or `dpserve head` without"
+                " --data-parallel-size-local or a load-balancing mode); Ray's nodes need no dpserve worker"
+            )
         if self.ray_placement not in RAY_PLACEMENTS:
             raise ValueError(f"--ray-placement must be one of {', '.join(RAY_PLACEMENTS)}")
         if self.ray_cpus_per_rank <= 0:

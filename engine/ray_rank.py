@@ -166,7 +166,9 @@ class RankProxy:
         self.link.heartbeat()
         # a cluster that stopped answering: exit 1 and be retried under the restart policy
         self.ray = ray = connect_bounded(cfg.address, cfg.connect_timeout_s, self.log, on_stop=self._on_signal, log_to_driver=True, code=EXIT_ERROR)
+        self.log.debug("connected to the Ray cluster", address=cfg.address)
         pg = find_group(ray, cfg.group_name, cfg.placement_timeout_s, self.link.heartbeat, lambda: self.should_stop)
+        self.log.debug("placement group found", group=cfg.group_name)
         if self.should_stop:
             return EXIT_OK
         if pg is None:

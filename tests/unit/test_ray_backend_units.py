@@ -89,7 +89,8 @@ def model_dir(tmp_path):
         (dict(data_parallel_backend="threads"), "--data-parallel-backend must be one of mp, ray"),
         (dict(data_parallel_backend="ray", ray_placement="anywhere"), "--ray-placement must be one of"),
         (dict(data_parallel_backend="ray", ray_cpus_per_rank=0), "--ray-cpus-per-rank must be positive"),
-        (dict(data_parallel_backend="ray", role="head", data_parallel_size=2, data_parallel_size_local=1), "use `dpserve serve`"),
+        (dict(data_parallel_backend="ray", role="head", data_parallel_size=2, data_parallel_size_local=1), "Ray's nodes need no dpserve worker"),
+        (dict(data_parallel_backend="ray", role="head", data_parallel_size=2, lb_mode="global"), "or a load-balancing mode"),
     ],
 )
 def test_ray_configuration_rules(model_dir, kw, message):
@@ -101,9 +102,8 @@ def test_ray_flags_without_the_ray_backend_are_refused_not_ignored(model_dir):
     for flags in (["--ray-address", "1.2.3.4:6379"], ["--data-parallel-key-file", "/etc/x"], ["--ray-placement", "pack"]):
         result = CliRunner().invoke(cli, ["serve", model_dir, *flags])
         assert result.exit_code == 2, result.output
-    for command in ("head", "worker"):
-        result = CliRunner().invoke(cli, [command, model_dir, "--data-parallel-backend", "ray"])
-        assert result.exit_code == 2 and "No such option" in result.output
+    result = CliRunner().invoke(cli, ["worker", model_dir, "--data-parallel-backend", "ray"])
+    assert result.exit_code == 2 and "No such option" in result.output
 
 
 def test_ray_mode_uses_authenticated_tcp_and_plans_a_proxy_per_rank(model_dir, tmp_path):
