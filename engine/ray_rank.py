@@ -32,7 +32,7 @@ import time
 import msgspec
 
 from .common.auth import CurveKeys
-from .common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_STARTUP, SupervisorLink, child_config_from_env, die_with_parent, set_process_name
+from .common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, SupervisorLink, child_config_from_env, die_with_parent, set_process_name
 from .config import EngineProcessConfig
 from .ray_placement import NAMESPACE, connect_bounded
 
@@ -155,6 +155,7 @@ class RankProxy:
         self.link = SupervisorLink(zmq.Context.instance(), cfg.supervisor_address, cfg.engine.name)
         self.should_stop = False
         self.actor = None
+        self.actor_lost = False  # Ray said it is dead or unreachable: nothing to ask it any more
         self.ray = None
 
     def _on_signal(self, signum, _frame) -> None:
@@ -172,8 +173,10 @@ class RankProxy:
         if self.should_stop:
             return EXIT_OK
         if pg is None:
-            self.log.error("the node's placement group is not placed; cannot start the rank", group=cfg.group_name, waited_s=cfg.placement_timeout_s)
-            return EXIT_STARTUP
+            # Exit 1, not "cannot boot": after a Ray node is lost its bundle waits for
+            # resources, and the restart policy's backoff keeps trying until they come.
+            self.log.error("the rank's bundle is not placed (a lost Ray node not replaced yet?)", group=cfg.group_name, waited_s=cfg.placement_timeout_s)
+            return EXIT_ERROR
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         secret = None
@@ -205,7 +208,8 @@ class RankProxy:
                 st = ray.get(actor.status.remote(), timeout=max(STATUS_INTERVAL_S * 8, 2.0))
             except GetTimeoutError:
                 continue  # busy or starting; the heartbeat relay decides liveness
-            except RayActorError as exc:
+            except RayActorError as exc:  # dead, or unreachable with its node (ActorUnavailableError)
+                self.actor_lost = True
                 self.log.error("the rank's Ray actor died", reason=str(exc).splitlines()[0][:300])
                 return EXIT_ERROR
             if not placed:
@@ -228,10 +232,12 @@ class RankProxy:
             return
         ray = self.ray
         started = time.monotonic()
-        try:
-            code = ray.get(self.actor.stop.remote(self.cfg.stop_timeout_s), timeout=self.cfg.stop_timeout_s + 1)
-        except Exception:
-            code = None  # dead already, or stuck: killed below either way
+        code = None
+        if not self.actor_lost:
+            try:
+                code = ray.get(self.actor.stop.remote(self.cfg.stop_timeout_s), timeout=self.cfg.stop_timeout_s + 1)
+            except Exception:
+                pass  # dead already, or stuck: killed below either way
         if self.should_stop:
             self.log.info("rank actor stopped", engine_exit_code=code, seconds=round(time.monotonic() - started, 2))
         try:

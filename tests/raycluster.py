@@ -70,6 +70,15 @@ class RayTestCluster:
                 else:
                     os.environ[key] = value
 
+    def replace_node(self, node_id_prefix: str, graceful: bool = False) -> None:
+        """Lose the (non-head) Ray node whose id starts with the prefix (its raylet
+        and workers killed), and add a fresh node with the same resources."""
+        victim = next(n for n in self.cluster.worker_nodes if n.node_id.startswith(node_id_prefix))
+        self.cluster.remove_node(victim, allow_graceful=graceful)
+        self.cluster.add_node(**dict(NODE_ARGS, num_cpus=self.cpus_per_node))
+        self.cluster.wait_for_nodes()
+        self.pids |= {p.pid for p in psutil.Process().children(recursive=True)}
+
     def driver(self, script: str, timeout: float = 60) -> str:
         """Run a short Ray driver script against the cluster in a process of its
         own (`ray` and `address` are defined for it); returns its stdout."""

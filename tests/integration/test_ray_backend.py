@@ -143,6 +143,28 @@ def test_a_killed_rank_actor_is_routed_around_and_recreated(ray_node):
     assert child["restarts"] >= 1
 
 
+def test_a_lost_ray_node_is_detected_and_its_rank_recreated_on_a_new_node(ray_node, ray_cluster):
+    before = rank_details(ray_node)
+    workers = {n.node_id for n in ray_cluster.cluster.worker_nodes}
+    rank = next(r for r, d in before.items() if any(w.startswith(d[0]) for w in workers))
+    other = 1 - rank
+    restarts = ray_node.child(f"engine-dp{rank}")["restarts"]
+    lost_at = time.monotonic()
+    ray_cluster.replace_node(before[rank][0])  # its raylet and the actor's worker are SIGKILLed; a fresh node joins
+    # detected and out of routing well before Ray's own node health check gives up on it
+    wait_until(lambda: ray_node.child(f"engine-dp{rank}")["state"] != "ready", 20, 0.1, f"rank {rank} out of service")
+    with openai.OpenAI(base_url=ray_node.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        assert client.completions.create(model="demo", prompt="meanwhile", max_tokens=2).usage.completion_tokens == 2
+        assert _try_pinned(client, other) is not None
+    wait_until(lambda: (c := ray_node.child(f"engine-dp{rank}"))["state"] == "ready" and c["restarts"] > restarts, 120, 0.2,
+               f"rank {rank} re-created")
+    after = rank_details(ray_node)
+    assert after[rank][0] not in (before[rank][0], before[other][0]), "re-created on the node that replaced the lost one"
+    with openai.OpenAI(base_url=ray_node.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        wait_until(lambda: _try_pinned(client, rank), 60, 0.2, f"rank {rank} serving again")
+    print(f"lost node: rank {rank} serving again after {time.monotonic() - lost_at:.1f} s")
+
+
 def stream_request_pinned(port: int, result: dict, rank: int) -> None:
     import json
     import urllib.request
