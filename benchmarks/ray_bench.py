@@ -30,9 +30,21 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.load import LoadConfig  # noqa: E402
-from benchmarks.nodes import SERVED_MODEL, DpNode, Server, ensure_demo_model, exit_on_sigterm, fmt, free_port, load_average, machine_info, measure_sync, ratio, render  # noqa: E402
+from benchmarks.nodes import (  # noqa: E402
+    SERVED_MODEL,
+    DpNode,
+    Server,
+    ensure_demo_model,
+    exit_on_sigterm,
+    fmt,
+    free_port,
+    load_average,
+    machine_info,
+    measure_sync,
+    ratio,
+    render,
+)
 from tests.raycluster import LOOPBACK_ENV, RayTestCluster  # noqa: E402
-
 
 # One torch thread per rank on both sides, as the Ray side's 1-CPU bundles give
 # (natively a headless worker's rank would take both cores of its node).

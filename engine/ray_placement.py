@@ -32,7 +32,15 @@ import time
 
 import msgspec
 
-from .common.procutil import EXIT_CONFIG, EXIT_OK, EXIT_STARTUP, SupervisorLink, child_config_from_env, die_with_parent, set_process_name
+from .common.procutil import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    EXIT_STARTUP,
+    SupervisorLink,
+    child_config_from_env,
+    die_with_parent,
+    set_process_name,
+)
 
 RAY_REQUIREMENT = "ray>=2.60,<3"
 INSTALL_HINT = "pip install 'dpserve[ray]'"

@@ -32,7 +32,15 @@ import time
 import msgspec
 
 from .common.auth import CurveKeys
-from .common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, SupervisorLink, child_config_from_env, die_with_parent, set_process_name
+from .common.procutil import (
+    EXIT_CONFIG,
+    EXIT_ERROR,
+    EXIT_OK,
+    SupervisorLink,
+    child_config_from_env,
+    die_with_parent,
+    set_process_name,
+)
 from .config import EngineProcessConfig
 from .ray_placement import NAMESPACE, connect_bounded
 

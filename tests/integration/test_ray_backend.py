@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.raycluster import LOOPBACK_ENV, RayTestCluster
-from tests.server import DpServer, stream_request, wait_until
+from tests.server import DpServer, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -23,7 +24,7 @@ def render(tmp_path, backend: str) -> dict[str, dict[str, str]]:
     (tmp_path / "inventory" / "group_vars").mkdir(parents=True)
     (tmp_path / "inventory" / "group_vars" / "all.yml").write_text(open(os.path.join(ROLE, "defaults", "main.yml")).read())
     inventory = tmp_path / "inventory" / "hosts.ini"
-    inventory.write_text(textwrap.dedent(f"""
+    inventory.write_text(textwrap.dedent("""
         [head]
         n1 ansible_host=10.77.0.11 dpserve_ranks=2
         [workers]
@@ -34,7 +35,7 @@ def render(tmp_path, backend: str) -> dict[str, dict[str, str]]:
     """))
     (tmp_path / "inventory" / "group_vars" / "dpserve.yml").write_text(textwrap.dedent(f"""
         ansible_connection: local
-        ansible_python_interpreter: {os.sys.executable}
+        ansible_python_interpreter: {sys.executable}
         dpserve_backend: {backend}
         dpserve_model_path: /models/m
         dpserve_bin: /opt/dpserve/bin/dpserve
