@@ -89,8 +89,11 @@ def ray_version_problem() -> str:
 def resolve_address(address: str) -> str:
     """host:port of the cluster's GCS: as given, or for 'auto' RAY_ADDRESS, then
     the address `ray start --head` left on this node."""
+    if address.startswith("ray://"):
+        # Ray Client proxies a remote driver; the ranks' proxies must be drivers on the cluster itself
+        raise RayError(f"--ray-address {address}: Ray Client (ray://) is not supported; give the cluster's GCS address HOST:PORT (`ray start --head --port`)")
     if address and address != "auto":
-        return address.removeprefix("ray://") if address.startswith("ray://") else address
+        return address
     env = os.environ.get("RAY_ADDRESS", "")
     if env and env != "auto":
         return env

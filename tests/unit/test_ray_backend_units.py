@@ -47,7 +47,8 @@ def test_placement_problem_names_what_is_missing(nodes, need, count, strategy, e
 
 def test_resolve_address_given_env_then_ray_start_file(monkeypatch, tmp_path):
     assert resolve_address("10.0.0.5:6379") == "10.0.0.5:6379"
-    assert resolve_address("ray://10.0.0.5:6379") == "10.0.0.5:6379"
+    with pytest.raises(RayError, match=r"Ray Client \(ray://\) is not supported"):
+        resolve_address("ray://10.0.0.5:10001")
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.6:6379")
     assert resolve_address("auto") == "10.0.0.6:6379"
     monkeypatch.delenv("RAY_ADDRESS")
