@@ -263,3 +263,17 @@ def test_the_coordinator_names_each_ranks_node_and_address():
 @pytest.mark.parametrize(("seconds", "text"), [(None, "-"), (-3, "0s"), (59.9, "59s"), (65, "1m05s"), (7322, "2h02m"), (200000, "2d07h")])
 def test_age(seconds, text):
     assert age(seconds) == text
+
+
+def test_ray_ranks_show_their_ray_node_and_actor():
+    from dpserve.daemons.status_table import child_rows
+
+    base = {"state": "ready", "pid": 7, "restarts": 0, "running": 0, "waiting": 0, "kv_cache_usage_perc": 0.0, "uptime_s": 1.0, "last_exit": None}
+    rows = child_rows([
+        {**base, "name": "engine-dp1", "kind": "engine", "detail": "ray node 58ddc6bd9530 (10.0.0.2), actor 28e5, pid 16491"},
+        {**base, "name": "ray-placement", "kind": "placement", "detail": "dpserve-c7d15037-vm-16420"},
+        {**base, "name": "engine-dp0", "kind": "engine", "detail": "rank 0"},
+    ])
+    assert rows[1].endswith("ray node 58ddc6bd9530 (10.0.0.2), actor 28e5, pid 16491")
+    assert rows[2].endswith("dpserve-c7d15037-vm-16420")
+    assert rows[3].endswith("s  "), "a local rank's own ready detail says nothing new"
