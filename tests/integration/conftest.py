@@ -25,6 +25,9 @@ def server(demo_model_dir):
         "--max-model-len", str(MAX_MODEL_LEN),
         "--max-request-body-bytes", str(MAX_BODY),
         "--max-num-seqs", "64",
+        # Answers and logprobs are compared with transformers in float32; --dtype auto would
+        # serve this float32 checkpoint in bfloat16 on CPUs with avx512_bf16 (as vLLM does).
+        "--dtype", "float32",
         # The API tests run on exec'd API servers; the fault tests cover the default (prefork).
         "--api-server-launch", "exec",
     )

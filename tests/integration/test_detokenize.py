@@ -25,7 +25,8 @@ def family(request, demo_model_dir, metaspace_model_dir):
     """(model dir, running DP=1 node, expected texts) for one tokenizer family."""
     model_dir = demo_model_dir if request.param == "bytelevel" else metaspace_model_dir
     expected = _expected_texts(model_dir)
-    srv = DpServer(model_dir, "--data-parallel-size", "1", "--api-server-count", "1", "--max-model-len", "256")
+    # float32 as the expected texts' generate(): --dtype auto is bfloat16 on CPUs with avx512_bf16
+    srv = DpServer(model_dir, "--data-parallel-size", "1", "--api-server-count", "1", "--max-model-len", "256", "--dtype", "float32")
     try:
         srv.start()
         yield request.param, srv, expected

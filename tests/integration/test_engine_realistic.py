@@ -67,6 +67,7 @@ def test_a_long_step_is_busy_not_dead_and_a_stopped_engine_is_caught(small_model
         "--no-enable-chunked-prefill",
         "--max-num-batched-tokens", "4096",
         "--kv-cache-memory-bytes", str(KV_BUDGET_TOKENS * KV_BYTES_PER_TOKEN_FP32),
+        "--dtype", "float32",
         "--dp-supervisor-probe-interval-s", str(interval),
         "--dp-supervisor-probe-timeout-s", str(interval),
         "--dp-supervisor-probe-failure-threshold", str(threshold),
@@ -98,7 +99,9 @@ def test_a_long_step_is_busy_not_dead_and_a_stopped_engine_is_caught(small_model
 
 @pytest.fixture(scope="module")
 def budget_server(small_model_dir):
-    srv = DpServer(small_model_dir, "--kv-cache-memory-bytes", str(KV_BUDGET_TOKENS * KV_BYTES_PER_TOKEN_FP32))
+    # float32 on every CPU (auto is bfloat16 where avx512_bf16 is): the budget is counted in
+    # float32 KV bytes, and answers are compared with generate() in float32
+    srv = DpServer(small_model_dir, "--kv-cache-memory-bytes", str(KV_BUDGET_TOKENS * KV_BYTES_PER_TOKEN_FP32), "--dtype", "float32")
     try:
         srv.start()
         yield srv
