@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -52,6 +53,23 @@ def fast_bf16(device: torch.device) -> bool:
     return False
 
 
+def cpu_half_kernels_problem(dtype: torch.dtype) -> str:
+    """'' when this process can run `dtype` matmuls and attention on the CPU, else why not.
+
+    oneDNN builds its AVX-512/AMX bfloat16 kernels at run time (JIT). A process that
+    may not map writable and executable memory (systemd's MemoryDenyWriteExecute=yes,
+    SELinux's deny_execmem) gets "could not create a primitive" from every such
+    matmul: the model would load and then fail every request."""
+    try:
+        x = torch.ones(64, 576, dtype=dtype)
+        torch.nn.functional.linear(x, torch.ones(576, 576, dtype=dtype))
+        q = torch.ones(1, 4, 16, 64, dtype=dtype)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ""
+
+
 def checkpoint_dtype(model_dir: str) -> torch.dtype:
     """The weights' dtype as config.json states it (float32 when it does not)."""
     try:
@@ -70,16 +88,31 @@ def resolve_dtype(spec: str, device: torch.device, model_dir: str | None = None)
     emulated half precision is several times slower than float32)."""
     if spec != "auto":
         try:
-            return _DTYPES[spec]
+            dtype = _DTYPES[spec]
         except KeyError:
             raise ValueError(f"unknown dtype {spec!r}; expected auto or one of {sorted(_DTYPES)}") from None
+        problem = cpu_half_kernels_problem(dtype) if device.type == "cpu" and dtype != torch.float32 else ""
+        if problem:
+            raise ValueError(
+                f"--dtype {spec}: this process cannot run {spec} kernels on the CPU ({problem}); "
+                "a W^X policy such as MemoryDenyWriteExecute=yes blocks oneDNN's run-time code: use --dtype float32, or lift it"
+            )
+        return dtype
     stored = checkpoint_dtype(model_dir) if model_dir else torch.float32
     fast = fast_bf16(device)
     if device.type == "cuda":
         if stored in (torch.float16, torch.bfloat16):
             return stored if stored != torch.bfloat16 or fast else torch.float16
         return torch.bfloat16 if fast else torch.float16
-    return torch.bfloat16 if fast else torch.float32
+    if fast:
+        problem = cpu_half_kernels_problem(torch.bfloat16)
+        if problem:
+            logging.getLogger(__name__).warning(
+                "serving in float32: the CPU computes bfloat16 natively, but this process cannot build its kernels "
+                "(%s; MemoryDenyWriteExecute=yes or another W^X policy?)", problem)
+            return torch.float32
+        return torch.bfloat16
+    return torch.float32
 
 
 def configure_threads(device: torch.device) -> None:
