@@ -144,7 +144,7 @@ def head_env() -> str:
         f"DPSERVE_DATA_PARALLEL_SUPERVISOR_PORT={HEALTH_PORT}",
         "DPSERVE_DATA_PARALLEL_SIZE=1",
         "DPSERVE_API_SERVER_COUNT=1",
-        "DPSERVE_MAX_MODEL_LEN=512",
+        "DPSERVE_MAX_MODEL_LEN=2048",  # room for the drain test's long stream
         "DPSERVE_DP_SUPERVISOR_PROBE_INTERVAL_S=0.5",
         "DPSERVE_DP_SUPERVISOR_PROBE_TIMEOUT_S=2",
         # longer than the test watchdog period, shorter than TimeoutStopSec

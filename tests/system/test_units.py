@@ -358,7 +358,8 @@ def test_stop_drains_in_flight_requests_and_leaves_no_process(head_node, record_
     node = head_node
     ensure_serving(node)
     children = _children(node)
-    stream = json.dumps({"model": "demo", "prompt": "drain me", "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0})
+    # long enough to be in flight when the stop lands, on a fast CPU too (200 and 500 tokens were sometimes done first on one; within the 12 s drain on a slow one)
+    stream = json.dumps({"model": "demo", "prompt": "drain me", "max_tokens": 1200, "ignore_eos": True, "stream": True, "temperature": 0})
     client = node_popen(node, f"curl -sSN --max-time 120 -H 'Content-Type: application/json' -d '{stream}' "
                               f"http://127.0.0.1:{API_PORT}/v1/completions > /run/dpserve-test-stream.out; echo rc=$?")
     try:
@@ -379,7 +380,7 @@ def test_stop_drains_in_flight_requests_and_leaves_no_process(head_node, record_
     assert text.rstrip().endswith("data: [DONE]"), text[-500:]
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
     messages = [_message(e) for e in unit_journal(node, cursor)]
-    assert any(m.startswith("api-0: draining") and "in_flight=1" in m for m in messages), messages
+    assert any(m.startswith("api-0: draining") and "in_flight=1" in m for m in messages), "\n".join(messages)
     props = node.show(HEAD_UNIT, "ActiveState", "Result", "ExecMainStatus")
     assert props == {"ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0"}, props
     assert not dpserve_processes(node), dpserve_processes(node)
