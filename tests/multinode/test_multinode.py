@@ -125,7 +125,10 @@ def test_internal_mode_link_cut_head_restart_and_outsiders(network, demo_model_d
     got = head.client("burst", url, "200", "16")
     assert got["statuses"] == {"200": 200}, got
     assert set(got["ranks"]) == {"0", "1", "2", "3"}, got
-    assert min(got["ranks"].values()) >= 20, got
+    # Not an even split: load-aware routing sends more to whichever ranks finish sooner, and
+    # the worker's ranks answer over a network hop that can cost more than a demo-model step
+    # (on a CPU with bf16 kernels CI saw 8-17 of 200 on each worker rank, 83-89 on the head's).
+    assert min(got["ranks"].values()) >= 5, got
 
     # outsiders: no key, wrong key, wrong config; injection into an API server
     rogue = head.client("rogue", head.address, str(RPC_PORT), f"tcp://{head.address}:{RPC_PORT + 2}", key_file)
