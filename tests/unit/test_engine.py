@@ -611,6 +611,30 @@ def test_auto_dtype_follows_vllm(tmp_path, monkeypatch, device, fast, stored, ex
     assert resolve_dtype("float16", torch.device(device), str(tmp_path)) == torch.float16
 
 
+def test_bf16_kernels_that_cannot_be_built_mean_float32_or_a_clear_refusal(tmp_path, monkeypatch, caplog):
+    """Under a W^X rule (systemd's MemoryDenyWriteExecute=yes) oneDNN cannot generate its
+    bf16 kernels and every matmul raises; torch's own error is what the probe must catch."""
+    from dpserve.engine import loader
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    monkeypatch.setattr(loader, "fast_bf16", lambda _device: True)
+    assert loader.cpu_half_kernels_problem(torch.bfloat16) == "", "this process can build them"
+    real_linear = torch.nn.functional.linear
+
+    def linear(x, w, b=None):
+        if x.dtype == torch.bfloat16:
+            raise RuntimeError("could not create a primitive")
+        return real_linear(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    with caplog.at_level("WARNING"):
+        assert resolve_dtype("auto", torch.device("cpu"), str(tmp_path)) == torch.float32
+    assert "could not create a primitive" in caplog.text and "MemoryDenyWriteExecute" in caplog.text
+    with pytest.raises(ValueError, match=r"--dtype bfloat16: .*could not create a primitive.*--dtype float32"):
+        resolve_dtype("bfloat16", torch.device("cpu"), str(tmp_path))
+    assert resolve_dtype("float32", torch.device("cpu"), str(tmp_path)) == torch.float32
+
+
 def test_loader_resolution_and_eos_fallback(tmp_path):
     assert resolve_device("cpu", 3) == torch.device("cpu")
     with pytest.raises(ValueError, match="unknown dtype"):
