@@ -177,7 +177,6 @@ class RankProxy:
         self.ray = ray = connect_bounded(cfg.address, cfg.connect_timeout_s, self.log, on_stop=self._on_signal, log_to_driver=True, code=EXIT_ERROR)
         self.log.debug("connected to the Ray cluster", address=cfg.address)
         pg = find_group(ray, cfg.group_name, cfg.placement_timeout_s, self.link.heartbeat, lambda: self.should_stop)
-        self.log.debug("placement group found", group=cfg.group_name)
         if self.should_stop:
             return EXIT_OK
         if pg is None:
@@ -185,6 +184,7 @@ class RankProxy:
             # resources, and the restart policy's backoff keeps trying until they come.
             self.log.error("the rank's bundle is not placed (a lost Ray node not replaced yet?)", group=cfg.group_name, waited_s=cfg.placement_timeout_s)
             return EXIT_ERROR
+        self.log.debug("placement group found", group=cfg.group_name)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         secret = None
