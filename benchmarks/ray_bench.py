@@ -37,7 +37,6 @@ from benchmarks.nodes import (  # noqa: E402
     ensure_demo_model,
     exit_on_sigterm,
     fmt,
-    free_port,
     load_average,
     machine_info,
     measure_sync,
@@ -45,6 +44,7 @@ from benchmarks.nodes import (  # noqa: E402
     render,
 )
 from tests.raycluster import LOOPBACK_ENV, RayTestCluster  # noqa: E402
+from tests.server import free_port_run  # noqa: E402
 
 # One torch thread per rank on both sides, as the Ray side's 1-CPU bundles give
 # (natively a headless worker's rank would take both cores of its node).
@@ -89,28 +89,8 @@ class WorkerNode(Server):
         return []
 
 
-def rpc_port_block() -> int:
-    """A coordinator port with the next four free too (table, API servers' channels)."""
-    for _ in range(50):
-        base = free_port()
-        if base + 5 < 65535 and all(_free(p) for p in range(base, base + 5)):
-            return base
-    raise RuntimeError("no free port block")
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
 def run_native(model_dir: str, key_file: str, load: LoadConfig, api: int) -> tuple[float, object]:
-    rpc = rpc_port_block()
+    rpc = free_port_run(5)
     head = HeadNode(model_dir, key_file, rpc, api)
     worker = WorkerNode(model_dir, key_file, rpc)
     try:
@@ -126,7 +106,7 @@ def run_native(model_dir: str, key_file: str, load: LoadConfig, api: int) -> tup
 
 def run_ray(model_dir: str, cluster: RayTestCluster, load: LoadConfig, api: int) -> tuple[float, object]:
     node = DpNode(model_dir, dp=2, api=api, env=dict(LOOPBACK_ENV),
-                  extra=["--data-parallel-backend", "ray", "--ray-address", cluster.address, "--data-parallel-rpc-port", str(rpc_port_block())])
+                  extra=["--data-parallel-backend", "ray", "--ray-address", cluster.address, "--data-parallel-rpc-port", str(free_port_run(5))])
     node.label = f"ray backend api{api}"
     try:
         node.spawn()

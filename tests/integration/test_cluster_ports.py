@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,32 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.server import http_get, wait_until
+from tests.server import free_port_run, http_get, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def free_port_run(n: int) -> int:
-    """A port p with p .. p+n-1 free on loopback right now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + n > 65000:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", p + i))
-            return p
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no free port run")
 
 
 class Node:

@@ -21,36 +21,13 @@ import openai
 import pytest
 
 from tests.raycluster import LOOPBACK_ENV, RayTestCluster
-from tests.server import DpServer, wait_until
+from tests.server import DpServer, free_port_run, wait_until
 
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("ray", reason="the Ray backend's tests need Ray (pip install 'dpserve[ray]')")
 
 _DETAIL = re.compile(r"ray node (\w+) \(([\d.]+)\), actor (\w+), pid (\d+)")
-
-
-def free_port_block(count: int) -> int:
-    """A first port p with p .. p+count-1 free on loopback (the coordinator's two and the API servers')."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            held = []
-            for port in range(base, base + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-        return base
-    raise RuntimeError("no free port block")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +44,7 @@ def ray_server(model_dir: str, cluster: RayTestCluster, *args: str) -> DpServer:
         model_dir,
         "--data-parallel-backend", "ray",
         "--ray-address", cluster.address,
-        "--data-parallel-rpc-port", str(free_port_block(5)),
+        "--data-parallel-rpc-port", str(free_port_run(5)),
         *args,
         env=dict(LOOPBACK_ENV),
     )

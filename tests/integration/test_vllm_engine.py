@@ -222,7 +222,8 @@ def test_multi_node_head_and_headless_worker_with_vllm_ranks(venv, demo_model_di
     """A head and a headless worker on loopback, one vLLM rank each, authenticated: both
     ranks serve through the head's API server and answer as `vllm serve`. A worker that
     runs the native engine is refused by the head (every rank runs the same engine): exit 2."""
-    from tests.integration.test_cluster_ports import Node, free_port_run
+    from tests.integration.test_cluster_ports import Node
+    from tests.server import free_port_run
 
     key = tmp_path / "dp.key"
     key.write_bytes(os.urandom(32).hex().encode())
