@@ -4,7 +4,7 @@
     python benchmarks/cluster_bench.py [--ranks 256] [--api-servers 32] [--ranks-per-process 32]
                                        [--coordinator-ranks 1024] [--quick] [--json]
 
-Part 1, a cluster: RANKS simulated ranks (dpserve.engine.sim, many ranks per
+Part 1, a cluster: RANKS simulated ranks (dpserve.engine.testing.sim, many ranks per
 process, no model) x API-SERVERS real API servers on one port, the real
 coordinator. Measured: seconds from start until every API server sees every
 rank alive (registered) and routable; CPU of the coordinator and of the API
@@ -38,7 +38,7 @@ import zmq
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpserve.engine.protocol import Codec, LoadTable  # noqa: E402
+from dpserve.engine.common.protocol import Codec, LoadTable  # noqa: E402
 
 from benchmarks.load import LoadConfig, run_load  # noqa: E402
 from benchmarks.simcluster import SimCluster, probe_json  # noqa: E402

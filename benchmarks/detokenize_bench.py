@@ -18,9 +18,9 @@ import sys
 import tempfile
 import time
 
-from dpserve.daemons.detokenizer import IncrementalDetokenizer, _WindowDetokenizer, decode_continuation
-from dpserve.daemons.tokenizer import TextTokenizer
-from dpserve.engine.demo_model import TOKENIZERS, write_tokenizer
+from dpserve.daemons.api.detokenizer import IncrementalDetokenizer, _WindowDetokenizer, decode_continuation
+from dpserve.daemons.api.tokenizer import TextTokenizer
+from dpserve.engine.testing.demo_model import TOKENIZERS, write_tokenizer
 
 PROMPT = "Write a short answer about the river and the mountain, then say hello to the world."
 ANSWER = (

@@ -17,11 +17,11 @@ import tempfile
 import time
 
 import torch
-from dpserve.engine.config import EngineConfig
+from dpserve.engine.common.config import EngineConfig
+from dpserve.engine.common.protocol import AddRequest, SamplingParams
 from dpserve.engine.core import EngineCore
-from dpserve.engine.demo_model import create_demo_model
 from dpserve.engine.loader import load_model
-from dpserve.engine.protocol import AddRequest, SamplingParams
+from dpserve.engine.testing.demo_model import create_demo_model
 
 
 def make_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -45,7 +45,7 @@ from benchmarks.nodes import DEFAULT_VLLM_VENV, SERVED_MODEL, DpNode, VllmNode, 
 def small_model_dir(given: str | None) -> str:
     if given:
         return given
-    from dpserve.engine.demo_model import create_demo_model, default_demo_model_dir
+    from dpserve.engine.testing.demo_model import create_demo_model, default_demo_model_dir
 
     path = os.path.join(os.path.dirname(default_demo_model_dir()), "demo-model-small-v1")
     return create_demo_model(path, "small")

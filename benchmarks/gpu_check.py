@@ -68,7 +68,7 @@ def llama_config(arch: dict, vocab: int, bos_id: int, eos_ids: list[int]) -> dic
 
 
 def num_parameters(cfg: dict) -> int:
-    from dpserve.engine.demo_model import _parameter_shapes
+    from dpserve.engine.testing.demo_model import _parameter_shapes
 
     shapes = _parameter_shapes(cfg)
     if cfg["tie_word_embeddings"]:
@@ -85,7 +85,7 @@ def num_parameters(cfg: dict) -> int:
 def build_model(out: Path, arch: dict, vocab: int, tokenizer_dir: Path, device: str, seed: int) -> Path:
     """Config, seeded random bf16 weights (HF Llama layout) and the demo tokenizer, in `out`."""
     import torch
-    from dpserve.engine.demo_model import _parameter_shapes
+    from dpserve.engine.testing.demo_model import _parameter_shapes
     from safetensors.torch import save_file
 
     if (out / "model.safetensors").is_file():
@@ -121,7 +121,7 @@ def build_model(out: Path, arch: dict, vocab: int, tokenizer_dir: Path, device: 
 
 def engine_phase(model_dir: Path, device: str, batch_sizes: list[int], new_tokens: int, prompt_len: int) -> list[dict]:
     import torch
-    from dpserve.engine.config import EngineConfig
+    from dpserve.engine.common.config import EngineConfig
     from dpserve.engine.loader import load_model
 
     from benchmarks.engine_bench import make_prompts, run_engine, run_generate
@@ -189,7 +189,7 @@ def frontend_phase(model_dir: Path, duration: float, warmup: float, ready_timeou
 
 def realistic_phase(out: Path, duration: float) -> dict:
     """engine_realistic's throughput (16 streamed clients) and stall parts, dpserve DP=1 on this device."""
-    from dpserve.engine.demo_model import create_demo_model
+    from dpserve.engine.testing.demo_model import create_demo_model
 
     from benchmarks import engine_realistic
 
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
                          "count": torch.cuda.device_count()}
         log(f"GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}")
 
-    from dpserve.engine.demo_model import create_demo_model
+    from dpserve.engine.testing.demo_model import create_demo_model
 
     tok_dir = Path(create_demo_model(str(out / "demo-tokenizer")))
     arch = LLAMA_1B if args.size == "1b" else TINY

@@ -29,7 +29,7 @@ SCHEMA = {
 
 
 def run(engine, rows: int, tokens: int, grammar: str | None) -> tuple[float, float, int]:
-    from dpserve.engine.protocol import AddRequest, SamplingParams
+    from dpserve.engine.common.protocol import AddRequest, SamplingParams
 
     sampler_s = 0.0
     real = engine.sampler
@@ -62,9 +62,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     import llguidance
-    from dpserve.engine import demo_model
-    from dpserve.engine.config import EngineConfig
+    from dpserve.engine.common.config import EngineConfig
     from dpserve.engine.core import EngineCore
+    from dpserve.engine.testing import demo_model
 
     model_dir = args.model_dir or tempfile.mkdtemp(prefix="guided-bench-")
     if not args.model_dir:

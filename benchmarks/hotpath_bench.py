@@ -51,16 +51,16 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-words", type=int, default=8)
     args = p.parse_args(argv)
 
-    import dpserve.daemons.serving as serving_mod
+    import dpserve.daemons.api.serving as serving_mod
     import msgspec
     from aiohttp import streams
     from aiohttp.test_utils import make_mocked_request
-    from dpserve.daemons.engine_client import RequestState
-    from dpserve.daemons.metrics import ApiMetrics
-    from dpserve.daemons.router import Router
-    from dpserve.daemons.serving import OpenAIServing
-    from dpserve.daemons.tokenizer import TextTokenizer
-    from dpserve.engine.protocol import LoadTable, RankLoad, RequestOutput
+    from dpserve.daemons.api.engine_client import RequestState
+    from dpserve.daemons.api.metrics import ApiMetrics
+    from dpserve.daemons.api.router import Router
+    from dpserve.daemons.api.serving import OpenAIServing
+    from dpserve.daemons.api.tokenizer import TextTokenizer
+    from dpserve.engine.common.protocol import LoadTable, RankLoad, RequestOutput
 
     from benchmarks.load import make_prompts
     from benchmarks.nodes import ensure_demo_model

@@ -90,7 +90,7 @@ def main() -> None:
     model = args.model
     if not model:
         model = os.path.join(tempfile.mkdtemp(prefix="dpserve-mn-model-"), "demo")
-        subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "demo-model", model], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "demo-model", model], check=True, capture_output=True)
     key = os.path.join(tempfile.mkdtemp(prefix="dpserve-mn-key-"), "dp.key")
     with open(key, "w") as f:
         f.write(os.urandom(32).hex())

@@ -84,7 +84,7 @@ def ensure_demo_model(directory: str | None = None) -> str:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         directory = os.path.join(base, "dpserve-bench", "demo-model")
     if not os.path.isfile(os.path.join(directory, "model.safetensors")):
-        subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "demo-model", directory],
+        subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "demo-model", directory],
                        check=True, stdout=subprocess.DEVNULL)
     return os.path.abspath(directory)
 
@@ -297,7 +297,7 @@ class DpNode(Server):
         self.label = f"dpserve dp{dp}/api{api}"
 
     def command(self) -> list[str]:
-        return [self.python, "-m", "dpserve.daemons.cli", "serve", self.model_dir,
+        return [self.python, "-m", "dpserve.daemons.cli.main", "serve", self.model_dir,
                 "--served-model-name", SERVED_MODEL, "--port", "0",
                 "--data-parallel-supervisor-port", "0", "--ports-file", self.ports_file,
                 "--data-parallel-size", str(self.dp), "--api-server-count", str(self.api),

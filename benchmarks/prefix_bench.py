@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         args.conversations, args.turns, args.system_tokens = 8, 3, 300
     model_dir = args.model
     if not model_dir:
-        from dpserve.engine.demo_model import create_demo_model
+        from dpserve.engine.testing.demo_model import create_demo_model
 
         size = "tiny" if args.quick else "small"
         model_dir = str(Path("/tmp") / f"dpserve-prefix-bench-{size}" / "model")

@@ -26,9 +26,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpserve.daemons.prefix_index import chain_keys  # noqa: E402
-from dpserve.daemons.router import Router  # noqa: E402
-from dpserve.engine.protocol import LoadTable, RankLoad  # noqa: E402
+from dpserve.daemons.api.prefix_index import chain_keys  # noqa: E402
+from dpserve.daemons.api.router import Router  # noqa: E402
+from dpserve.engine.common.protocol import LoadTable, RankLoad  # noqa: E402
 
 
 def ids(rng: random.Random, n: int) -> list[int]:

@@ -76,7 +76,7 @@ class WorkerNode(Server):
         self.model_dir, self.key_file, self.rpc_port = model_dir, key_file, rpc_port
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "dpserve.daemons.cli", "worker", self.model_dir, "--headless",
+        return [sys.executable, "-m", "dpserve.daemons.cli.main", "worker", self.model_dir, "--headless",
                 "--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1",
                 "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(self.rpc_port),
                 "--data-parallel-key-file", self.key_file, "--data-parallel-supervisor-port", "0",

@@ -31,8 +31,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpserve.daemons.router import Router  # noqa: E402
-from dpserve.engine.protocol import LoadTable, RankLoad  # noqa: E402
+from dpserve.daemons.api.router import Router  # noqa: E402
+from dpserve.engine.common.protocol import LoadTable, RankLoad  # noqa: E402
 
 
 def random_load(rng: random.Random, rank: int) -> RankLoad:

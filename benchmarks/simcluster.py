@@ -4,7 +4,7 @@ Used by the simulated-engine tests (tests/integration/test_sim_cluster.py) and
 the cluster-size benchmark (benchmarks/cluster_bench.py). It starts what a
 head's supervisor would (the coordinator, N API servers sharing one port,
 with their real configs through the child-config environment) plus
-`dpserve.engine.sim` processes of many ranks each, all on loopback / ipc.
+`dpserve.engine.testing.sim` processes of many ranks each, all on loopback / ipc.
 No model and no torch anywhere: the API servers read only the demo
 tokenizer. `stop()` ends every process it started, by pid, even after a
 failure (use it as a context manager).
@@ -26,10 +26,10 @@ from pathlib import Path
 import msgspec
 import zmq
 from dpserve.daemons.config import ApiServerConfig, CoordinatorConfig
-from dpserve.daemons.launcher import LauncherConfig, LaunchReply, LaunchRequest
+from dpserve.daemons.supervisor.launcher import LauncherConfig, LaunchReply, LaunchRequest
 from dpserve.engine.common.procutil import CHILD_CONFIG_ENV, become_subreaper
-from dpserve.engine.demo_model import write_tokenizer
-from dpserve.engine.protocol import ChildReady, Codec, ToSupervisor, config_fingerprint
+from dpserve.engine.common.protocol import ChildReady, Codec, ToSupervisor, config_fingerprint
+from dpserve.engine.testing.demo_model import write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -200,7 +200,7 @@ class SimCluster:
             parent_pid=me,
             log_level="warning",
         )
-        self._spawn("coordinator", "dpserve.daemons.coordinator", coord)
+        self._spawn("coordinator", "dpserve.daemons.coordinator.server", coord)
         for i in range(self.num_api_servers):
             api = ApiServerConfig(
                 name=f"api-{i}",
@@ -231,7 +231,7 @@ class SimCluster:
             if self.prefork:
                 self._fork_api(f"api-{i}", api)
             else:
-                self._spawn(f"api-{i}", "dpserve.daemons.api_server", api, pass_fds=(self.listen.fileno(),))
+                self._spawn(f"api-{i}", "dpserve.daemons.api.server", api, pass_fds=(self.listen.fileno(),))
         shared = self.num_ranks - self.num_alone
         for first in range(0, shared, self.ranks_per_process):
             self.start_sim(first, min(shared, first + self.ranks_per_process) - 1)
@@ -243,8 +243,8 @@ class SimCluster:
         become_subreaper()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cfg = LauncherConfig(control_fd=theirs.fileno(), parent_pid=os.getpid(),
-                             preload=["dpserve.daemons.api_server", "uvloop"], log_level="warning")
-        self._spawn("launcher", "dpserve.daemons.launcher", cfg, pass_fds=(theirs.fileno(),))
+                             preload=["dpserve.daemons.api.server", "uvloop"], log_level="warning")
+        self._spawn("launcher", "dpserve.daemons.supervisor.launcher", cfg, pass_fds=(theirs.fileno(),))
         theirs.close()
         ours.settimeout(60)
         if ours.recv(64) != b"ready":
@@ -256,7 +256,7 @@ class SimCluster:
             self._start_launcher()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         env[CHILD_CONFIG_ENV] = msgspec.json.encode(cfg).decode()
-        req = LaunchRequest(name=name, module="dpserve.daemons.api_server", env=env,
+        req = LaunchRequest(name=name, module="dpserve.daemons.api.server", env=env,
                             target_fds=[1, 2, cfg.listen_fd], parent_pid=os.getpid())
         with open(os.path.join(self.run_dir, f"{name}.log"), "wb") as log:
             socket.send_fds(self._launcher_sock, [msgspec.json.encode(req)], [log.fileno(), log.fileno(), cfg.listen_fd])
@@ -272,7 +272,7 @@ class SimCluster:
             "--report-interval-s", str(self.report_interval_s), "--decode-step-ms", str(self.decode_step_ms),
             "--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--parent-pid", str(os.getpid()),
         ] + (["--vary-load"] if self.vary_load else [])
-        self._spawn(name, "dpserve.engine.sim", None, args)
+        self._spawn(name, "dpserve.engine.testing.sim", None, args)
         self.sim_procs.append(name)
         return name
 

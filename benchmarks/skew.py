@@ -57,7 +57,7 @@ POLICIES = ("queue", "tokens", "round-robin")
 def words_for_tokens(model_dir: str, target: int, limit: int) -> tuple[int, int, int]:
     """Words per prompt so that prompts average ~target tokens and none exceeds limit.
     Returns (words, mean tokens, max tokens) over the prompt pool load.py will build."""
-    from dpserve.daemons.tokenizer import TextTokenizer
+    from dpserve.daemons.api.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_dir(model_dir)
     sample = make_prompts([(200, 1.0)], 32, 1)

@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dpserve.daemons.detokenizer import IncrementalDetokenizer, StopChecker
-from dpserve.daemons.tokenizer import TextTokenizer
+from dpserve.daemons.api.detokenizer import IncrementalDetokenizer, StopChecker
+from dpserve.daemons.api.tokenizer import TextTokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SHORT_PROMPT = "Write a haiku about the ocean at night, then translate it into French."

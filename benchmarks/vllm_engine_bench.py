@@ -100,7 +100,7 @@ class ModelSpec:
             return ensure_demo_model(args.tiny_model)
         if args.small_model:
             return args.small_model
-        from dpserve.engine.demo_model import create_demo_model, default_demo_model_dir
+        from dpserve.engine.testing.demo_model import create_demo_model, default_demo_model_dir
 
         return create_demo_model(os.path.join(os.path.dirname(default_demo_model_dir()), "demo-model-small-v1"), "small")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 import msgspec
-from dpserve.engine.config import ENGINES
+from dpserve.engine.common.config import ENGINES
 
 LB_POLICIES = ("queue", "tokens", "round-robin", "cache-aware")
 LB_MODES = ("internal", "hybrid", "external", "global")
@@ -218,7 +218,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"--ray-placement must be one of {', '.join(RAY_PLACEMENTS)}")
         if self.ray_cpus_per_rank <= 0:
             raise ValueError("--ray-cpus-per-rank must be positive")
-        from dpserve.engine.ray_placement import ray_version_problem
+        from dpserve.engine.backends.ray.placement import ray_version_problem
 
         problem = ray_version_problem()
         if problem:
@@ -238,7 +238,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: {native} runs one device per rank; use --engine vllm")
             return
         # vLLM: installed, a supported version (package metadata only: importing vLLM takes seconds)
-        from dpserve.engine.vllm_core import check_vllm_version, vllm_version
+        from dpserve.engine.backends.vllm.core import check_vllm_version, vllm_version
 
         problem = check_vllm_version(vllm_version())
         if problem:

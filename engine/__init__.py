@@ -1,7 +1,14 @@
-"""One data-parallel rank: model, KV cache, scheduler, sampler, engine process.
+"""The engines, and the rank process that runs one.
 
-engine/ is the lower layer: it never imports dpserve.daemons. Two things in it
-are not about one rank and are shared with the daemons for that reason:
-protocol.py (the wire between ranks and daemons, owned by the engine side) and
-common/ (process plumbing every dpserve process uses; see its docstring).
+Top level: the native engine (core.py drives sequence, kv_cache, scheduler,
+model_runner, attention, sampler, logits_processors, loader), and
+interface.py, the RankEngine protocol every engine implements. rank/ is the
+rank process around any engine; backends/vllm and backends/ray are the other
+engine and the other placement; testing/ holds the simulated engine and the
+demo model, for tests and benchmarks only.
+
+common/ is shared with the daemons: the wire protocol, config structs,
+auth, logs, process helpers, the socket helper. It lives here because the
+dependency arrow points one way: daemons import engine, engine never imports
+daemons.
 """

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
-from .kv_cache import KVCache
+from dpserve.engine.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "dpserve_paged"
 

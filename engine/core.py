@@ -14,13 +14,8 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
-
-from .config import EngineConfig, resolve_max_model_len, resolve_token_budget
-from .kv_cache import DEFAULT_BLOCK_SIZE, BlockManager, KVCache, plan_num_blocks
-from .loader import LoadedModel, kv_shape, load_model
-from .logits_processors import token_logprobs
-from .model_runner import ModelRunner
-from .protocol import (
+from dpserve.engine.common.config import EngineConfig, resolve_max_model_len, resolve_token_budget
+from dpserve.engine.common.protocol import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -29,9 +24,13 @@ from .protocol import (
     RequestOutput,
     TokenLogprobs,
 )
-from .sampler import Sampler
-from .scheduler import Scheduler
-from .sequence import Sequence
+from dpserve.engine.kv_cache import DEFAULT_BLOCK_SIZE, BlockManager, KVCache, plan_num_blocks
+from dpserve.engine.loader import LoadedModel, kv_shape, load_model
+from dpserve.engine.logits_processors import token_logprobs
+from dpserve.engine.model_runner import ModelRunner
+from dpserve.engine.sampler import Sampler
+from dpserve.engine.scheduler import Scheduler
+from dpserve.engine.sequence import Sequence
 
 MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 1024
@@ -183,7 +182,7 @@ class EngineCore:
         return self._validate_processors(p)
 
     def _validate_processors(self, p) -> str | None:
-        """The issue-14 parameters, re-checked: the API server bounds them, but no
+        """The sampling parameters beyond temperature/top-p/top-k, re-checked: the API server bounds them, but no
         value may ever reach the sampler that it cannot hold."""
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(p, name)

@@ -13,9 +13,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-
-from .config import EngineConfig, resolve_max_model_len
-from .kv_cache import KVShape
+from dpserve.engine.common.config import EngineConfig, resolve_max_model_len
+from dpserve.engine.kv_cache import KVShape
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -154,7 +153,7 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype, device: torch.device):
     # With accelerate, weights stream straight to the device; without it
     # (it is optional) they pass through host memory once.
     placement = {"device_map": {"": device}} if importlib.util.find_spec("accelerate") else {}
-    from .attention import register
+    from dpserve.engine.attention import register
 
     # The paged attention runs inside transformers' own modules: any
     # architecture whose attention layers go through its attention interface.

@@ -9,9 +9,8 @@ none of them may loop over the vocabulary in Python.
 from __future__ import annotations
 
 import torch
-
-from .protocol import TokenLogprobs
-from .sequence import Sequence
+from dpserve.engine.common.protocol import TokenLogprobs
+from dpserve.engine.sequence import Sequence
 
 # JSON has no -inf: a token the processors forbade reports this, as vLLM's server does.
 LOGPROB_FLOOR = -9999.0

@@ -12,11 +12,10 @@ import inspect
 from collections.abc import Callable
 
 import torch
-
-from .attention import DecodeGroup, PrefillChunk, StepMetadata, step_metadata
-from .kv_cache import KVCache
-from .loader import LoadedModel
-from .sequence import Sequence
+from dpserve.engine.attention import DecodeGroup, PrefillChunk, StepMetadata, step_metadata
+from dpserve.engine.kv_cache import KVCache
+from dpserve.engine.loader import LoadedModel
+from dpserve.engine.sequence import Sequence
 
 # Decodes of very different context lengths attend in separate batched calls
 # when sharing one would pad more than this many (row x position) cells; one

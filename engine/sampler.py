@@ -10,10 +10,9 @@ never loop over rows except the few that carry their own seed or processors.
 from __future__ import annotations
 
 import torch
-
-from .logits_processors import apply_bias_and_penalties, apply_grammar, apply_min_p, token_logprobs
-from .protocol import TokenLogprobs
-from .sequence import Sequence
+from dpserve.engine.common.protocol import TokenLogprobs
+from dpserve.engine.logits_processors import apply_bias_and_penalties, apply_grammar, apply_min_p, token_logprobs
+from dpserve.engine.sequence import Sequence
 
 
 class Sampler:

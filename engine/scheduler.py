@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from .kv_cache import BlockManager
-from .sequence import Sequence, SequenceStatus
+from dpserve.engine.kv_cache import BlockManager
+from dpserve.engine.sequence import Sequence, SequenceStatus
 
 # Admission keeps this share of the KV blocks free for the running sequences
 # to decode into, so a newcomer is not admitted only to be preempted at once.

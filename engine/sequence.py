@@ -10,8 +10,7 @@ from __future__ import annotations
 import enum
 
 import torch
-
-from .protocol import SamplingParams
+from dpserve.engine.common.protocol import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

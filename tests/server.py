@@ -127,7 +127,7 @@ class DpServer:
 
     def start(self, wait_ready: bool = True) -> DpServer:
         cmd = [
-            self.python, "-m", "dpserve.daemons.cli", "serve", self.model_dir,
+            self.python, "-m", "dpserve.daemons.cli.main", "serve", self.model_dir,
             *(["--served-model-name", self.model] if self.model else []),
             "--port", "0",
             "--data-parallel-supervisor-port", "0",

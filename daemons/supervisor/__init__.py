@@ -24,23 +24,17 @@ them, and that loop is the single writer of the child table.
 Spawning never blocks the loop (a prefork launcher may take seconds): spawn()
 starts a task that posts Spawned. Files: events.py (the event kinds),
 policy.py (the pure restart decision), core.py (the loop and its verbs),
-startup.py (deadlines and the READY=1 verdict),
-rolling.py (SIGHUP's one-at-a-time restart), setup.py, shutdown.py,
-cluster.py (every rank of the deployment, from the coordinator's load table),
-views.py (the read-only NodeView that the health port, the prober, the
-STATUS= line and `dpserve status` read: one readiness verdict for all).
+startup.py (deadlines and the READY=1 verdict), rolling.py (SIGHUP's
+one-at-a-time restart), boot.py (what exists before the first turn: sockets,
+keys, the launcher, the plan), shutdown.py, cluster.py (every rank of the
+deployment, from the coordinator's load table), views.py (the read-only
+NodeView that the health port, the prober, the STATUS= line and `dpserve
+status` read: one readiness verdict for all). The children: plan.py (which
+children this node runs, with their configs), children.py (a child's record
+and how it starts), launcher.py (the prefork parent of the API servers),
+probes.py, health.py (the node's health port), notify.py (sd_notify).
+
+This __init__ imports nothing: take the loop from core (`from
+dpserve.daemons.supervisor.core import Supervisor`), so a child that needs
+only launcher.py or children.py does not load the whole supervisor.
 """
-
-from __future__ import annotations
-
-
-def __getattr__(name: str):
-    # Lazy, so probes.py and health.py can import events/views without a cycle.
-    if name == "Supervisor":
-        from .core import Supervisor
-
-        return Supervisor
-    raise AttributeError(name)
-
-
-__all__ = ["Supervisor"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dpserve.engine.protocol import RankLoad
+from dpserve.engine.common.protocol import RankLoad
 
 RANK_STATES = ("absent", "registered", "ready", "lost")
 # The coordinator publishes every rank at least once a second; a node that

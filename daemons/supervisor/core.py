@@ -19,25 +19,24 @@ import time
 
 import zmq
 import zmq.asyncio
+from dpserve.daemons.config import ServeConfig
+from dpserve.daemons.supervisor import events as ev
+from dpserve.daemons.supervisor import rolling, startup
+from dpserve.daemons.supervisor.boot import prepare, write_ports_file
+from dpserve.daemons.supervisor.children import Child, ChildState, launch, started
+from dpserve.daemons.supervisor.cluster import ClusterState
+from dpserve.daemons.supervisor.health import HealthServer
+from dpserve.daemons.supervisor.launcher import Launcher, reap_strays
+from dpserve.daemons.supervisor.notify import Notifier
+from dpserve.daemons.supervisor.plan import RayPlan, StartupError, check_ray_cluster
+from dpserve.daemons.supervisor.policy import Action, RestartPolicy, decide, node_exit_code
+from dpserve.daemons.supervisor.probes import Prober
+from dpserve.daemons.supervisor.producers import read_control, read_table, watch_coordinator_link, watch_exit
+from dpserve.daemons.supervisor.rolling import RollingRestart
+from dpserve.daemons.supervisor.shutdown import shutdown
+from dpserve.daemons.supervisor.views import NodeView
 from dpserve.engine.common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_STARTUP, describe_exit
-from dpserve.engine.protocol import Codec, CoordinatorInput, NodeHello, RankDown
-
-from ..children import Child, ChildState, launch, started
-from ..config import ServeConfig
-from ..health import HealthServer
-from ..launcher import Launcher, reap_strays
-from ..notify import Notifier
-from ..plan import RayPlan, StartupError, check_ray_cluster
-from ..probes import Prober
-from . import events as ev
-from . import rolling, startup
-from .cluster import ClusterState
-from .policy import Action, RestartPolicy, decide, node_exit_code
-from .producers import read_control, read_table, watch_coordinator_link, watch_exit
-from .rolling import RollingRestart
-from .setup import prepare, write_ports_file
-from .shutdown import shutdown
-from .views import NodeView
+from dpserve.engine.common.protocol import Codec, CoordinatorInput, NodeHello, RankDown
 
 TICK_S = 0.1  # the loop runs its timers at least this often
 STRAY_SWEEP_S = 5.0

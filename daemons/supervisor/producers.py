@@ -12,13 +12,12 @@ import time
 from collections.abc import Callable
 
 import zmq
+from dpserve.daemons.supervisor.events import Event, Exited, Fatal, Heartbeat, Ready, TableSeen
 from dpserve.engine.common.auth import HANDSHAKE_EVENTS, describe_handshake_failure
 from dpserve.engine.common.procutil import EXIT_CONFIG
-from dpserve.engine.protocol import ChildReady, Codec, LoadTable, ToSupervisor
-from dpserve.engine.protocol import Heartbeat as HeartbeatMsg
+from dpserve.engine.common.protocol import ChildReady, Codec, LoadTable, ToSupervisor
+from dpserve.engine.common.protocol import Heartbeat as HeartbeatMsg
 from zmq.utils.monitor import parse_monitor_message
-
-from .events import Event, Exited, Fatal, Heartbeat, Ready, TableSeen
 
 Post = Callable[[Event], None]
 
@@ -30,14 +29,10 @@ async def watch_exit(name: str, proc, post: Post) -> None:
 
 
 async def read_control(sock: zmq.asyncio.Socket, post: Post) -> None:
-    """Children's ChildReady and Heartbeat messages; undecodable ones are dropped."""
-    codec = Codec(ToSupervisor)
+    """Children's ChildReady and Heartbeat messages (undecodable ones: Codec's policy)."""
+    codec = Codec(ToSupervisor, "supervisor control")
     while True:
-        data = await sock.recv()
-        try:
-            msg = codec.decode(data)
-        except Exception:
-            continue
+        msg = codec.decode_or_none(await sock.recv())
         if isinstance(msg, HeartbeatMsg):
             post(Heartbeat(msg.name, msg.pid, msg.num_running, msg.num_waiting, msg.kv_usage, time.monotonic()))
         elif isinstance(msg, ChildReady):
@@ -46,12 +41,10 @@ async def read_control(sock: zmq.asyncio.Socket, post: Post) -> None:
 
 async def read_table(sock: zmq.asyncio.Socket, post: Post) -> None:
     """The coordinator's load table, as the API servers get it: the cluster view's source."""
-    codec = Codec(LoadTable)
+    codec = Codec(LoadTable, "load table")
     while True:
-        data = await sock.recv()
-        try:
-            table = codec.decode(data)
-        except Exception:
+        table = codec.decode_or_none(await sock.recv())
+        if table is None:
             continue
         post(TableSeen(table.ranks, time.monotonic(), time.time()))
 

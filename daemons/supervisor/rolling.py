@@ -12,11 +12,11 @@ import asyncio
 import sys
 from typing import TYPE_CHECKING
 
-from ..children import ChildState
-from .events import LauncherRestarted
+from dpserve.daemons.supervisor.children import ChildState
+from dpserve.daemons.supervisor.events import LauncherRestarted
 
 if TYPE_CHECKING:
-    from .core import Supervisor
+    from dpserve.daemons.supervisor.core import Supervisor
 
 
 def begin(sup: Supervisor) -> RollingRestart:

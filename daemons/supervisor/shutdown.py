@@ -16,11 +16,11 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
-from ..children import Child
-from .events import Spawned
+from dpserve.daemons.supervisor.children import Child
+from dpserve.daemons.supervisor.events import Spawned
 
 if TYPE_CHECKING:
-    from .core import Supervisor
+    from dpserve.daemons.supervisor.core import Supervisor
 
 
 async def shutdown(sup: Supervisor) -> None:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from dpserve.daemons.supervisor.children import Child, ChildState
 from dpserve.engine.common.procutil import EXIT_STARTUP
 
-from ..children import Child, ChildState
-
 if TYPE_CHECKING:
-    from ..config import ServeConfig
-    from .core import Supervisor
+    from dpserve.daemons.config import ServeConfig
+    from dpserve.daemons.supervisor.core import Supervisor
 
 EXTEND_EVERY_S = 5.0
 

@@ -8,10 +8,10 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from ..children import Child, ChildState
+from dpserve.daemons.supervisor.children import Child, ChildState
 
 if TYPE_CHECKING:
-    from .core import Supervisor
+    from dpserve.daemons.supervisor.core import Supervisor
 
 
 class NodeView:

@@ -11,8 +11,8 @@ import signal
 import sys
 
 import zmq
-
-from ..protocol import ChildReady, Codec, Heartbeat, ToSupervisor
+from dpserve.engine.common.protocol import ChildReady, Codec, Heartbeat, ToSupervisor
+from dpserve.engine.common.sockets import make_socket
 
 # Exit codes are a contract between children and the supervisor (and systemd):
 EXIT_OK = 0
@@ -130,10 +130,7 @@ class SupervisorLink:
         self.name = name
         self.pid = os.getpid()
         self._codec = Codec(ToSupervisor)
-        self._sock = ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 1000)
-        self._sock.connect(address)
+        self._sock = make_socket(ctx, zmq.PUSH, connect=address, sndhwm=1000)
 
     def send(self, msg: object) -> None:
         try:

@@ -175,7 +175,7 @@ def test_long_prompt_tokenizes_off_the_event_loop(node):
 
 
 def test_byte_bound_of_the_demo_tokenizer(demo_model_dir, strip_model_dir):
-    from dpserve.daemons.tokenizer import TextTokenizer
+    from dpserve.daemons.api.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_dir(demo_model_dir)
     bound = tok.max_bytes_per_token

@@ -29,7 +29,7 @@ class Node:
         self.log_path = tmp / f"{name}.log"
         self.ports_file = tmp / f"{name}.ports"
         cmd = [
-            python or sys.executable, "-m", "dpserve.daemons.cli", role, model, "--served-model-name", "demo",
+            python or sys.executable, "-m", "dpserve.daemons.cli.main", role, model, "--served-model-name", "demo",
             "--data-parallel-size", "2", "--data-parallel-size-local", "1",
             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc),
             "--data-parallel-key-file", key, "--port", "0", "--data-parallel-supervisor-port", "0",

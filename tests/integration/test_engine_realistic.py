@@ -29,7 +29,7 @@ KV_BUDGET_TOKENS = 4096
 
 @pytest.fixture(scope="session")
 def small_model_dir(tmp_path_factory) -> str:
-    from dpserve.engine.demo_model import create_demo_model
+    from dpserve.engine.testing.demo_model import create_demo_model
 
     return create_demo_model(str(tmp_path_factory.mktemp("small-model") / "model"), "small")
 

@@ -197,7 +197,7 @@ def test_degraded_node_reports_it(node):
 
 def forked(pid: int) -> bool:
     """An API server forked by the prefork launcher still shows the launcher's command line."""
-    return "dpserve.daemons.launcher" in " ".join(psutil.Process(pid).cmdline())
+    return "dpserve.daemons.supervisor.launcher" in " ".join(psutil.Process(pid).cmdline())
 
 
 def test_api_servers_are_forked_children_of_the_supervisor(node):

@@ -125,7 +125,7 @@ def test_second_instance_on_the_same_port_fails_clearly(demo_model_dir, tmp_path
     port = holder.getsockname()[1]
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "dpserve.daemons.cli", "serve", demo_model_dir, "--port", str(port), "--data-parallel-supervisor-port", "0"],
+            [sys.executable, "-m", "dpserve.daemons.cli.main", "serve", demo_model_dir, "--port", str(port), "--data-parallel-supervisor-port", "0"],
             capture_output=True,
             timeout=60,
         )
@@ -175,7 +175,7 @@ def test_health_endpoints_through_startup_and_shutdown(demo_model_dir):
         assert 'dpserve_child_restarts_total{child="engine-dp0",kind="engine"} 0' in metrics
         assert "dpserve_node_ready 1" in metrics
         # the status command renders the same table for a person
-        out = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "status", srv.health_url], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "status", srv.health_url], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0 and "engine-dp0" in out.stdout and "ready" in out.stdout, out
         assert "KV USED" in out.stdout and "0.0%" in out.stdout, out.stdout
     finally:

@@ -99,7 +99,7 @@ def test_starts_under_a_1024_fd_limit_with_forked_api_servers(node):
     assert status["launcher"]["state"] == "ready", status["launcher"]
     for c in status["children"]:
         if c["kind"] == "api":
-            assert "dpserve.daemons.launcher" in " ".join(psutil.Process(c["pid"]).cmdline()), c  # forked, not exec'd
+            assert "dpserve.daemons.supervisor.launcher" in " ".join(psutil.Process(c["pid"]).cmdline()), c  # forked, not exec'd
     assert "prefork launcher unavailable" not in node.log()
 
 
@@ -280,7 +280,7 @@ def test_worker_with_the_wrong_key_fails_fast_and_the_head_warns(demo_model_dir,
 
         def cmd(role: str, key: str, *extra: str) -> list[str]:
             return [
-                sys.executable, "-m", "dpserve.daemons.cli", role, demo_model_dir,
+                sys.executable, "-m", "dpserve.daemons.cli.main", role, demo_model_dir,
                 "--data-parallel-size", "2", "--data-parallel-size-local", "1",
                 "--data-parallel-address", head.address, "--data-parallel-rpc-port", "29550",
                 "--data-parallel-key-file", key, "--port", "0", "--data-parallel-supervisor-port", "0",

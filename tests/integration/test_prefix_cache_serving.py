@@ -26,7 +26,7 @@ def ids(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def loaded(demo_model_dir):
-    from dpserve.engine.config import EngineConfig
+    from dpserve.engine.common.config import EngineConfig
     from dpserve.engine.loader import load_model
 
     with pytest.MonkeyPatch.context() as mp:
@@ -38,9 +38,9 @@ def run_waves(loaded, waves: list[list[list[int]]], caching: bool, kv_blocks: in
     """Each wave's prompts run together to the end before the next wave starts (so
     later waves find what earlier ones cached). Returns (answers, cached tokens by
     request, the engine)."""
-    from dpserve.engine.config import EngineConfig
+    from dpserve.engine.common.config import EngineConfig
+    from dpserve.engine.common.protocol import AddRequest, SamplingParams
     from dpserve.engine.core import EngineCore
-    from dpserve.engine.protocol import AddRequest, SamplingParams
 
     config = EngineConfig(model=loaded.model_dir, device="cpu", dtype="float32", enable_prefix_caching=caching,
                           kv_cache_memory_bytes=kv_blocks * BLOCK * BYTES_PER_TOKEN)

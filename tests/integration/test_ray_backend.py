@@ -188,7 +188,7 @@ def test_stopping_the_node_leaves_nothing_on_the_cluster(ray_node, ray_cluster):
 def run_serve(demo_model_dir: str, *args: str, timeout: float = 90) -> tuple[int, str, float]:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "dpserve.daemons.cli", "serve", demo_model_dir, "--port", "0", "--data-parallel-supervisor-port", "0",
+        [sys.executable, "-m", "dpserve.daemons.cli.main", "serve", demo_model_dir, "--port", "0", "--data-parallel-supervisor-port", "0",
          "--data-parallel-backend", "ray", *args],
         capture_output=True, text=True, timeout=timeout, env={**__import__("os").environ, **LOOPBACK_ENV},
     )

@@ -1,6 +1,6 @@
 """64 simulated ranks behind the real coordinator and API servers (issue 19).
 
-The ranks are dpserve.engine.sim processes (32 ranks each, no model): they
+The ranks are dpserve.engine.testing.sim processes (32 ranks each, no model): they
 speak the real protocol, so these tests exercise registration, load tables,
 routing and rank loss at a cluster size the real engine cannot reach on two
 cores. Requests go through the official openai client over loopback.

@@ -95,7 +95,7 @@ def rogue(head: str, rpc_port: int, api_address: str, key_file: str) -> dict:
     """Each attempt an outsider could make; the answer says what it got back."""
     import zmq
     from dpserve.engine.common.auth import CurveKeys, make_client
-    from dpserve.engine.protocol import (
+    from dpserve.engine.common.protocol import (
         Codec,
         CoordinatorInput,
         CoordinatorToEngine,

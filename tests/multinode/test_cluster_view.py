@@ -39,7 +39,7 @@ def look(node) -> dict:
     readyz = node.client("get", health(node) + "/readyz")
     metrics = node.client("get", health(node) + "/metrics")["body"]
     table = subprocess.run(
-        ["nsenter", "-t", str(node.sleeper.pid), "-n", "--", sys.executable, "-m", "dpserve.daemons.cli", "status", health(node)],
+        ["nsenter", "-t", str(node.sleeper.pid), "-n", "--", sys.executable, "-m", "dpserve.daemons.cli.main", "status", health(node)],
         capture_output=True, text=True, timeout=60,
     )
     assert table.returncode == 0, table.stderr

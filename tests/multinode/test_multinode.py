@@ -43,7 +43,7 @@ class Deployment:
 
     def _cmd(self, role: str, node, extra: list[str]) -> list[str]:
         return [
-            sys.executable, "-m", "dpserve.daemons.cli", role, self.model_dir,
+            sys.executable, "-m", "dpserve.daemons.cli.main", role, self.model_dir,
             "--served-model-name", "demo",
             "--data-parallel-size", "4", "--data-parallel-size-local", "2",
             "--data-parallel-address", self.head.address, "--data-parallel-rpc-port", str(RPC_PORT),

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from dpserve.daemons.cli import main
-from dpserve.daemons.install import CANONICAL_BIN, UNIT_FILES
+from dpserve.daemons.cli.install import CANONICAL_BIN, UNIT_FILES
+from dpserve.daemons.cli.main import main
 
 from tests.system.conftest import (
     API_PORT,

@@ -14,7 +14,7 @@ import pytest
 def loaded_demo_model(demo_model_dir):
     """The demo model loaded once on CPU in float32; engines in tests share it."""
     import torch
-    from dpserve.engine.config import EngineConfig
+    from dpserve.engine.common.config import EngineConfig
     from dpserve.engine.loader import load_model
 
     # One intra-op thread (the loader honours OMP_NUM_THREADS): the demo model's

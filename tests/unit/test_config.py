@@ -96,7 +96,7 @@ def test_curve_keys_derive_the_same_on_every_node_and_differ_per_secret():
      ({"DPSERVE_SHUTDOWN_TIMEOUT_S": "12", "DPSERVE_SHUTDOWN_TIMEOUT": "7"}, 12.0)],
 )
 def test_shutdown_timeout_reads_the_s_name_and_keeps_the_old_one(monkeypatch, env, expected):
-    from dpserve.daemons.cli import main
+    from dpserve.daemons.cli.main import main
 
     for name in ("DPSERVE_SHUTDOWN_TIMEOUT_S", "DPSERVE_SHUTDOWN_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)

@@ -34,7 +34,7 @@ def test_aiohttp_defers_headers_through_the_class_switch_we_set():
         f"{AIOHTTP_HINT}: StreamResponse._send_headers_immediately is gone")
     assert "self._send_headers_immediately" in inspect.getsource(web.StreamResponse), (
         f"{AIOHTTP_HINT}: StreamResponse no longer reads _send_headers_immediately")
-    from dpserve.daemons.serving import _EventStream
+    from dpserve.daemons.api.serving import _EventStream
 
     assert _EventStream._send_headers_immediately is False
 
@@ -62,8 +62,8 @@ def _request(port: int, raw: bytes) -> tuple[int, dict]:
 def test_guarded_runner_caps_connections_and_answers_bad_http_in_json():
     """ApiAppRunner on a public SockSite: over the cap a request gets the guard's 503,
     a malformed request line gets OpenAI-style JSON, and under the cap it is served."""
-    from dpserve.daemons.api_server import ApiAppRunner
-    from dpserve.daemons.http_limits import ConnectionGuard
+    from dpserve.daemons.api.http_limits import ConnectionGuard
+    from dpserve.daemons.api.server import ApiAppRunner
 
     class Log:
         def warning(self, *args, **kwargs) -> None:
@@ -126,7 +126,7 @@ def test_transformers_attention_registration():
 def test_tokenizers_decode_stream_takes_a_prefill_and_lists(tmp_path):
     """daemons/tokenizer.py primes DecodeStream with the prompt's tail (ids=...) and steps
     it with one id or a list (tokenizers 0.22+)."""
-    from dpserve.engine.demo_model import write_tokenizer
+    from dpserve.engine.testing.demo_model import write_tokenizer
     from tokenizers import Tokenizer
     from tokenizers.decoders import DecodeStream
 

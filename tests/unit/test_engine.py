@@ -12,8 +12,14 @@ from functools import cache
 
 import pytest
 import torch
-from dpserve.engine import demo_model
-from dpserve.engine.config import EngineConfig
+from dpserve.engine.common.config import EngineConfig
+from dpserve.engine.common.protocol import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    AddRequest,
+    SamplingParams,
+)
 from dpserve.engine.core import EngineCore
 from dpserve.engine.loader import (
     load_model,
@@ -21,13 +27,7 @@ from dpserve.engine.loader import (
     resolve_device,
     resolve_dtype,
 )
-from dpserve.engine.protocol import (
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    AddRequest,
-    SamplingParams,
-)
+from dpserve.engine.testing import demo_model
 
 pytestmark = pytest.mark.timeout(120)
 

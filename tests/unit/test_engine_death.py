@@ -14,9 +14,9 @@ import time
 
 import structlog
 import zmq
-from dpserve.engine.config import EngineConfig, EngineProcessConfig
-from dpserve.engine.process import DEATH_LINGER_S, EngineProcess
-from dpserve.engine.protocol import Codec, EngineDead, EngineToApi
+from dpserve.engine.common.config import EngineConfig, EngineProcessConfig
+from dpserve.engine.common.protocol import Codec, EngineDead, EngineToApi
+from dpserve.engine.rank.process import DEATH_LINGER_S, EngineProcess
 
 
 def test_engine_dead_reaches_an_api_server_that_binds_after_the_close_began(tmp_path):

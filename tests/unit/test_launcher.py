@@ -7,7 +7,7 @@ import signal
 import time
 
 import psutil
-from dpserve.daemons.launcher import reap_strays
+from dpserve.daemons.supervisor.launcher import reap_strays
 
 
 def _zombie(code: int) -> int:

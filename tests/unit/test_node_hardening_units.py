@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from dpserve.daemons.cli import _api_key
+from dpserve.daemons.cli.main import _api_key
 from dpserve.engine.common.logs import _FloodFilter
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from dpserve.daemons.openai_types import (
+from dpserve.daemons.api.openai_types import (
     INT32_MAX,
     UNSUPPORTED,
     ApiError,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from dpserve.engine.common.protocol import SamplingParams
 from dpserve.engine.kv_cache import BlockManager
-from dpserve.engine.protocol import SamplingParams
 from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.sequence import Sequence, SequenceStatus
 

@@ -7,9 +7,9 @@ import random
 import subprocess
 import sys
 
-from dpserve.daemons.prefix_index import BLOCK, PrefixIndex, chain_keys
-from dpserve.daemons.router import Router
-from dpserve.engine.protocol import Codec, LoadTable, PrefixRouted, RankLoad, TableChannel
+from dpserve.daemons.api.prefix_index import BLOCK, PrefixIndex, chain_keys
+from dpserve.daemons.api.router import Router
+from dpserve.engine.common.protocol import Codec, LoadTable, PrefixRouted, RankLoad, TableChannel
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -48,7 +48,7 @@ def test_keys_are_a_chain_over_full_blocks():
 
 def test_keys_agree_across_processes():
     """API servers share keys: they must not depend on the interpreter's hash seed."""
-    code = "from dpserve.daemons.prefix_index import chain_keys; print(chain_keys(list(range(300))))"
+    code = "from dpserve.daemons.api.prefix_index import chain_keys; print(chain_keys(list(range(300))))"
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONHASHSEED": seed, "PATH": ""},
                            check=True).stdout for seed in ("1", "2", "random")}
     assert len(outs) == 1 and outs.pop().strip() == str(chain_keys(list(range(300))))

@@ -10,12 +10,12 @@ import socket
 import msgspec
 import pytest
 from click.testing import CliRunner
-from dpserve.daemons.cli import main as cli
+from dpserve.daemons.cli.main import main as cli
 from dpserve.daemons.config import Addresses, ServeConfig
-from dpserve.daemons.plan import RayPlan, ephemeral_key_file, plan_children
-from dpserve.engine import ray_placement
-from dpserve.engine.ray_placement import RayError, placement_problem, resolve_address
-from dpserve.engine.ray_rank import RayRank
+from dpserve.daemons.supervisor.plan import RayPlan, ephemeral_key_file, plan_children
+from dpserve.engine.backends.ray import placement as ray_placement
+from dpserve.engine.backends.ray.placement import RayError, placement_problem, resolve_address
+from dpserve.engine.backends.ray.rank import RayRank
 
 CPU1 = {"CPU": 1.0}
 
@@ -124,7 +124,7 @@ def test_ray_mode_uses_authenticated_tcp_and_plans_a_proxy_per_rank(model_dir, t
     assert (holder.gpus_per_rank, holder.tensor_parallel_size) == (-1, 1), "GPUs resolved by the placement child, from the cluster"
     for rank in (0, 1):
         child = children[f"engine-dp{rank}"]
-        assert child.module == "dpserve.engine.ray_rank"
+        assert child.module == "dpserve.engine.backends.ray.rank"
         proxy = msgspec.json.decode(child.config_json, type=RayRank)
         assert proxy.engine.engine.rank == rank and proxy.group_name == "dpserve-x-h-1"
         assert proxy.key_file == key and proxy.engine.key_file == "", "the actor gets the secret from its proxy, not a path on another node"

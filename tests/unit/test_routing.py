@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from dpserve.daemons.coordinator import RankTable
-from dpserve.daemons.openai_types import ApiError
-from dpserve.daemons.router import NoRankAvailable, QueueFull, RankNotEligible, Router
-from dpserve.daemons.serving import parse_rank_header, routing_error
-from dpserve.engine.protocol import (
+from dpserve.daemons.api.openai_types import ApiError
+from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, Router
+from dpserve.daemons.api.serving import parse_rank_header, routing_error
+from dpserve.daemons.coordinator.server import RankTable
+from dpserve.engine.common.protocol import (
     PROTOCOL_VERSION,
     Codec,
     EngineReady,
@@ -240,7 +240,7 @@ def test_router_applies_deltas_and_resyncs():
 
 
 def test_publish_interval_grows_with_the_cluster_within_bounds():
-    from dpserve.daemons.coordinator import publish_interval
+    from dpserve.daemons.coordinator.server import publish_interval
 
     assert publish_interval(8) == 0.002  # small deployments: as before
     assert publish_interval(256) == pytest.approx(0.00512)

@@ -12,8 +12,8 @@ is full, 503 when none is routable), and the same answer to a pin.
 from __future__ import annotations
 
 import pytest
-from dpserve.daemons.router import NoRankAvailable, QueueFull, Router
-from dpserve.engine.protocol import LoadTable, RankLoad
+from dpserve.daemons.api.router import NoRankAvailable, QueueFull, Router
+from dpserve.engine.common.protocol import LoadTable, RankLoad
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

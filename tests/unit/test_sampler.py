@@ -8,13 +8,13 @@ import random
 
 import pytest
 import torch
-from dpserve.engine import demo_model
-from dpserve.engine.config import EngineConfig
+from dpserve.engine.common.config import EngineConfig
+from dpserve.engine.common.protocol import FINISH_ERROR, AddRequest, SamplingParams
 from dpserve.engine.core import EngineCore
 from dpserve.engine.logits_processors import LOGPROB_FLOOR, apply_bias_and_penalties, token_logprobs
-from dpserve.engine.protocol import FINISH_ERROR, AddRequest, SamplingParams
 from dpserve.engine.sampler import Sampler
 from dpserve.engine.sequence import Sequence
+from dpserve.engine.testing import demo_model
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from dpserve.engine.common.protocol import SamplingParams
 from dpserve.engine.kv_cache import BlockManager
 from dpserve.engine.model_runner import group_decodes
-from dpserve.engine.protocol import SamplingParams
 from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.sequence import Sequence, SequenceStatus
 

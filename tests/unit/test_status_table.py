@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import structlog
 from click.testing import CliRunner
-from dpserve.daemons.children import Child, ChildState
-from dpserve.daemons.cli import main as cli
+from dpserve.daemons.cli.main import main as cli
+from dpserve.daemons.cli.status_table import age, render
 from dpserve.daemons.config import ServeConfig
-from dpserve.daemons.status_table import age, render
-from dpserve.daemons.supervisor import Supervisor
 from dpserve.daemons.supervisor import events as ev
+from dpserve.daemons.supervisor.children import Child, ChildState
 from dpserve.daemons.supervisor.cluster import ClusterState
-from dpserve.engine.protocol import RankLoad
+from dpserve.daemons.supervisor.core import Supervisor
+from dpserve.engine.common.protocol import RankLoad
 
 
 def make_sup(tmp_path, **kw) -> Supervisor:
@@ -195,7 +195,7 @@ def test_status_watch_redraws_in_place_until_interrupted(head):
     async def watch() -> tuple[int, str]:
         port = await head.health.start("127.0.0.1", 0)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dpserve.daemons.cli", "status", "--watch", "--interval", "0.2", f"http://127.0.0.1:{port}",
+            sys.executable, "-m", "dpserve.daemons.cli.main", "status", "--watch", "--interval", "0.2", f"http://127.0.0.1:{port}",
             stdout=asyncio.subprocess.PIPE,
         )
         try:
@@ -236,8 +236,8 @@ def test_the_monitoring_examples_use_only_metrics_the_health_port_exports(head):
 
 
 def test_the_coordinator_names_each_ranks_node_and_address():
-    from dpserve.daemons.coordinator import RankTable
-    from dpserve.engine.protocol import EngineRegister
+    from dpserve.daemons.coordinator.server import RankTable
+    from dpserve.engine.common.protocol import EngineRegister
 
     t = RankTable(4, "fp", 3.0)
     assert t.register(EngineRegister(2, "a", "fp", 1, "worker-host", node_rank=2), 0.0) == ""
@@ -266,7 +266,7 @@ def test_age(seconds, text):
 
 
 def test_ray_ranks_show_their_ray_node_and_actor():
-    from dpserve.daemons.status_table import child_rows
+    from dpserve.daemons.cli.status_table import child_rows
 
     base = {"state": "ready", "pid": 7, "restarts": 0, "running": 0, "waiting": 0, "kv_cache_usage_perc": 0.0, "uptime_s": 1.0, "last_exit": None}
     rows = child_rows([

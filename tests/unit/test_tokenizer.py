@@ -1,4 +1,4 @@
-"""dpserve.daemons.tokenizer against real tokenizers: a byte-level BPE trained here and both demo-model families (byte-level, Metaspace)."""
+"""dpserve.daemons.api.tokenizer against real tokenizers: a byte-level BPE trained here and both demo-model families (byte-level, Metaspace)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from dpserve.daemons.detokenizer import IncrementalDetokenizer, StopChecker, _WindowDetokenizer, decode_continuation
-from dpserve.daemons.tokenizer import TextTokenizer
+from dpserve.daemons.api.detokenizer import IncrementalDetokenizer, StopChecker, _WindowDetokenizer, decode_continuation
+from dpserve.daemons.api.tokenizer import TextTokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
@@ -383,7 +383,7 @@ def test_model_dir_end_to_end(any_model_dir):
 
 
 def test_import_pulls_in_neither_torch_nor_transformers():
-    code = ("import sys, dpserve.daemons.tokenizer, dpserve.daemons.detokenizer; "
+    code = ("import sys, dpserve.daemons.api.tokenizer, dpserve.daemons.api.detokenizer; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -394,7 +394,7 @@ def test_import_pulls_in_neither_torch_nor_transformers():
 
 @pytest.fixture(scope="module", params=["bytelevel", "metaspace"])
 def family_dir(request, tmp_path_factory) -> tuple[str, Path]:
-    from dpserve.engine.demo_model import write_tokenizer
+    from dpserve.engine.testing.demo_model import write_tokenizer
 
     return request.param, Path(write_tokenizer(str(tmp_path_factory.mktemp(request.param)), request.param))
 
@@ -450,14 +450,14 @@ def test_text_equals_transformers_continuation_for_both_families(family_dir):
 
 def test_demo_model_cli_writes_the_metaspace_variant(tmp_path):
     out = tmp_path / "m"
-    run = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "demo-model", str(out), "--tokenizer", "metaspace"],
+    run = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "demo-model", str(out), "--tokenizer", "metaspace"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     spec = json.loads((out / "tokenizer.json").read_text())
     assert spec["pre_tokenizer"]["type"] == "Metaspace" and spec["model"]["byte_fallback"] is True
     tok = TextTokenizer.from_dir(out)
     assert len(tok.byte_fallback_ids) == 256 and tok.vocab_size == 2048
-    refused = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "demo-model", str(tmp_path / "s"),
+    refused = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "demo-model", str(tmp_path / "s"),
                               "--size", "small", "--tokenizer", "metaspace"], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "tiny size only" in refused.stderr, refused.stderr
     assert not (tmp_path / "s").exists()

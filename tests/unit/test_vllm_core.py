@@ -10,9 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 from dpserve.daemons.config import ServeConfig
-from dpserve.engine.config import EngineConfig
-from dpserve.engine.protocol import SamplingParams
-from dpserve.engine.vllm_core import (
+from dpserve.engine.backends.vllm.core import (
     VllmConfigError,
     check_vllm_version,
     convert_engine_arg,
@@ -25,6 +23,8 @@ from dpserve.engine.vllm_core import (
     to_token_logprobs,
     vllm_version,
 )
+from dpserve.engine.common.config import EngineConfig
+from dpserve.engine.common.protocol import SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,7 @@ def test_sampling_params_map_one_to_one():
 
 def test_structured_output_grammars_as_the_api_server_builds_them():
     """The llguidance grammars of daemons/guided.py become vLLM's json / grammar parameters."""
-    from dpserve.daemons.guided import _build
+    from dpserve.daemons.api.guided import _build
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     kw = structured_outputs_kwargs(_build("guided_json", schema))
@@ -144,13 +144,13 @@ def test_options_that_do_not_apply_to_the_native_engine_are_refused(tmp_path, op
 
 @pytest.mark.skipif(vllm_version() is not None, reason="vLLM is installed in this venv")
 def test_vllm_engine_without_vllm_exits_2_with_the_install_hint(demo_model_dir):
-    out = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "serve", demo_model_dir, "--engine", "vllm", "--port", "0",
+    out = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "serve", demo_model_dir, "--engine", "vllm", "--port", "0",
                           "--data-parallel-supervisor-port", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert "pip install 'dpserve[vllm]'" in out.stderr + out.stdout
 
 
 def test_native_engine_with_an_engine_arg_exits_2(demo_model_dir):
-    out = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli", "serve", demo_model_dir, "--engine-arg", "enforce_eager=true",
+    out = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "serve", demo_model_dir, "--engine-arg", "enforce_eager=true",
                           "--port", "0", "--data-parallel-supervisor-port", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--engine-arg" in out.stderr + out.stdout

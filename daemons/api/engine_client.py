@@ -1,0 +1,313 @@
+"""An API server's link to every engine rank and to the coordinator's load table.
+
+Owns the ROUTER socket the engines connect to, the SUB socket for the load
+table, the Router, and the table of in-flight RequestStates. Only this module
+moves bytes between ZeroMQ and RequestStates; handlers see typed objects.
+Invariant: a RequestState is in `requests` from send until it finishes,
+fails or is aborted, and its rank's in-flight count covers exactly that span;
+until its first output arrives it also holds a timer that fails it (bounded wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+from dpserve.daemons.api.router import Router
+from dpserve.engine.common.auth import CurveKeys
+from dpserve.engine.common.protocol import (
+    FINISH_ERROR,
+    AbortRequests,
+    AddRequest,
+    Codec,
+    EngineDead,
+    EngineHello,
+    EngineInput,
+    EngineOutputs,
+    EngineToApi,
+    PrefixRouted,
+    RequestOutput,
+    TableChannel,
+)
+from dpserve.engine.common.sockets import make_socket
+
+
+def _retrieve(sent: asyncio.Future) -> None:
+    if not sent.cancelled():
+        sent.exception()  # read, so asyncio does not log it as never retrieved
+
+
+class RequestState:
+    """Outputs of one request as they arrive; the handler drains `pending`."""
+
+    __slots__ = (
+        "request_id",
+        "rank",
+        "prompt_tokens",
+        "remaining",
+        "pending",
+        "finish_reason",
+        "stop_token_id",
+        "error",
+        "error_status",
+        "event",
+        "num_output_tokens",
+        "first_token_timer",
+        "num_cached_tokens",
+    )
+
+    def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
+        self.request_id = request_id
+        self.rank = -1
+        self.prompt_tokens = prompt_tokens
+        # Work not yet done, in tokens: the prompt until its first token comes
+        # back, then the answer tokens still allowed. The router's in-flight
+        # tokens for this rank are the sum of these.
+        self.remaining = prompt_tokens + max_tokens
+        self.pending: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_token_id: int | None = None
+        self.error: str | None = None
+        self.error_status = 400  # an engine's own rejection is the request's fault
+        self.event = asyncio.Event()
+        self.num_output_tokens = 0
+        self.first_token_timer: asyncio.TimerHandle | None = None
+        self.num_cached_tokens = 0  # prompt tokens the engine found in its prefix cache (first output)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def take(self) -> list[int]:
+        ids = self.pending
+        self.pending = []
+        self.event.clear()
+        return ids
+
+    def _push(self, out: RequestOutput) -> None:
+        if out.num_cached_tokens:
+            self.num_cached_tokens = out.num_cached_tokens
+        self.pending.extend(out.new_token_ids)
+        self.num_output_tokens += len(out.new_token_ids)
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.stop_token_id = out.stop_token_id
+            self.error = out.error
+        self.event.set()
+
+    def _fail(self, reason: str, status: int = 503) -> None:
+        self.finish_reason = FINISH_ERROR
+        self.error = reason
+        self.error_status = status  # 503: the rank failed, not the request; 504: it never answered
+        self.event.set()
+
+
+class EngineClient:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        router: Router,
+        engine_address: str,
+        table_address: str,
+        log,
+        keys: CurveKeys | None = None,
+        first_token_timeout_s: float = 0.0,
+    ) -> None:
+        self.ctx = ctx
+        self.router = router
+        self.log = log
+        self.requests: dict[str, RequestState] = {}
+        self._in_codec = Codec(EngineToApi, "engine outputs")
+        self._out_codec = Codec(EngineInput)
+        self._table_codec = Codec(TableChannel, "load table")
+        # Unbounded queues: a request's outputs are never dropped; an unknown peer is an
+        # error (not a silent drop); a restarted rank takes over its identity.
+        self.engines = make_socket(
+            ctx, zmq.ROUTER, keys, bind=engine_address, sndhwm=0, rcvhwm=0, router_mandatory=True, router_handover=True
+        )
+        # The same socket without asyncio's futures, to drain what already arrived
+        # (~1 us a message instead of ~30 for an await each). Only for receiving:
+        # a send through it would skip pyzmq's re-check of the edge-triggered FD,
+        # and the reader could then sleep through a reply (measured: a hang).
+        self._engines_now = zmq.Socket.shadow(self.engines.underlying)
+        self.table = make_socket(ctx, zmq.SUB, keys, connect=table_address, subscribe=b"", reconnect_ms=(100, 2000))
+        self._identities = [str(r).encode() for r in range(router.size)]
+        self._tasks: list[asyncio.Task] = []
+        self.table_received = asyncio.Event()
+        self.first_token_timeout_s = first_token_timeout_s  # 0: unbounded
+        # Set (and replaced) whenever a rank may have become routable; only while
+        # someone waits for one, so the table's hot path pays one comparison.
+        self._routes_changed = asyncio.Event()
+        self.num_route_waiters = 0
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._read_engines(), name="read-engines"),
+            asyncio.create_task(self._read_table(), name="read-table"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.fail_all("API server shutting down")
+        self.engines.close(0)
+        self.table.close(0)
+
+    # ---------------------------------------------------------------- requests
+
+    def _send_now(self, rank: int, data: bytes) -> None:
+        """One message to `rank`'s engine; raises zmq.ZMQError when it cannot leave.
+
+        zmq.asyncio never raises from a send: it puts the error (EHOSTUNREACH for
+        an identity no peer holds, thanks to ROUTER_MANDATORY) on the returned
+        future, which a NOBLOCK send resolves at once. Reading it here is what
+        turns a lost send into an error instead of a request that waits forever.
+        """
+        sent = self.engines.send_multipart([self._identities[rank], data], zmq.NOBLOCK)
+        if sent.done():
+            sent.result()
+        else:  # queued behind another send (none of ours block): judge it when it resolves
+            sent.add_done_callback(_retrieve)
+
+    def send(self, state: RequestState, req: AddRequest, rank: int) -> None:
+        """Hand a request to `rank`; raises zmq.ZMQError if the rank is unreachable
+        (then nothing is recorded: the request is neither in flight nor counted)."""
+        self._send_now(rank, self._out_codec.encode(req))
+        state.rank = rank
+        self.requests[state.request_id] = state
+        self.router.on_send(rank, state.remaining)
+        if self.first_token_timeout_s > 0:
+            loop = asyncio.get_running_loop()
+            state.first_token_timer = loop.call_later(self.first_token_timeout_s, self._first_token_overdue, state)
+
+    def _first_token_overdue(self, state: RequestState) -> None:
+        state.first_token_timer = None
+        if state.request_id not in self.requests or state.num_output_tokens or state.is_finished:
+            return
+        self.abort(state)
+        state._fail(f"no output from engine rank {state.rank} within {self.first_token_timeout_s:g} s; the request was aborted", 504)
+
+    def abort(self, state: RequestState) -> None:
+        """Forget a request that is not finished (client gone, stop string hit)."""
+        if self.requests.pop(state.request_id, None) is None:
+            return
+        self._stop_timer(state)
+        self.router.on_finish(state.rank, state.remaining)
+        try:
+            self._send_now(state.rank, self._out_codec.encode(AbortRequests([state.request_id])))
+        except zmq.ZMQError:
+            pass  # the rank is gone, and with it the request
+
+    # ---------------------------------------------------------------- waiting for a rank
+
+    def notify_routes(self) -> None:
+        """Wake requests waiting for a rank (routing may have changed, or we drain)."""
+        if self.num_route_waiters:
+            self._routes_changed.set()
+            self._routes_changed = asyncio.Event()
+
+    async def wait_routes(self, timeout: float) -> bool:
+        """Wait until routing may have changed; False once `timeout` passed without."""
+        if timeout <= 0:
+            return False
+        self.num_route_waiters += 1
+        try:
+            async with asyncio.timeout(timeout):
+                await self._routes_changed.wait()
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.num_route_waiters -= 1
+
+    def fail_rank(self, rank: int, reason: str) -> int:
+        """End every in-flight request on `rank` with an error; returns how many."""
+        doomed = [s for s in self.requests.values() if s.rank == rank]
+        for state in doomed:
+            self._finish(state)
+            state._fail(reason)
+        return len(doomed)
+
+    def fail_all(self, reason: str) -> None:
+        for state in list(self.requests.values()):
+            self._finish(state)
+            state._fail(reason)
+
+    def _finish(self, state: RequestState) -> None:
+        if self.requests.pop(state.request_id, None) is not None:
+            self._stop_timer(state)
+            self.router.on_finish(state.rank, state.remaining)
+
+    @staticmethod
+    def _stop_timer(state: RequestState) -> None:
+        if state.first_token_timer is not None:
+            state.first_token_timer.cancel()
+            state.first_token_timer = None
+
+    # ---------------------------------------------------------------- readers
+
+    async def _read_engines(self) -> None:
+        requests = self.requests
+        now = self._engines_now
+        while True:
+            frames = await self.engines.recv_multipart(copy=False)
+            while True:
+                self._handle_engine_message(frames[-1], requests)
+                try:
+                    frames = now.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+
+    def _handle_engine_message(self, data, requests: dict[str, RequestState]) -> None:
+        """Apply one message from an engine (outputs, hello, death) to the requests."""
+        msg = self._in_codec.decode_or_none(data.buffer)
+        if type(msg) is EngineOutputs:
+            for out in msg.outputs:
+                state = requests.get(out.request_id)
+                if state is None:
+                    continue
+                if state.first_token_timer is not None:
+                    self._stop_timer(state)
+                if out.finish_reason is not None:
+                    self._finish(state)
+                else:
+                    done = len(out.new_token_ids) + (state.prompt_tokens if not state.num_output_tokens else 0)
+                    done = min(done, state.remaining)
+                    state.remaining -= done
+                    self.router.on_progress(state.rank, done)
+                state._push(out)
+        elif type(msg) is EngineHello:
+            if self.router.engine_hello(msg.rank, msg.incarnation):
+                self.fail_rank(msg.rank, f"engine rank {msg.rank} restarted")
+            self.log.info("engine connected", rank=msg.rank, incarnation=msg.incarnation)
+            self.notify_routes()
+        elif type(msg) is EngineDead:
+            if self.router.engine_dead(msg.rank, msg.incarnation):
+                n = self.fail_rank(msg.rank, msg.reason)
+                self.log.warning("engine announced its death", rank=msg.rank, reason=msg.reason, failed_requests=n)
+
+    async def _read_table(self) -> None:
+        now = zmq.Socket.shadow(self.table.underlying)
+        while True:
+            data = await self.table.recv(copy=False)
+            while True:
+                self._apply_table(data)
+                try:
+                    data = now.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+
+    def _apply_table(self, data) -> None:
+        table = self._table_codec.decode_or_none(data.buffer)
+        if table is None:
+            return
+        if type(table) is PrefixRouted:
+            self.router.learn(table)
+            return
+        for rank, reason in self.router.update_table(table):
+            n = self.fail_rank(rank, f"engine rank {rank} is down: {reason}")
+            self.log.warning("rank left routing", rank=rank, reason=reason, failed_requests=n)
+        self.table_received.set()
+        self.notify_routes()

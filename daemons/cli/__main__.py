@@ -1,0 +1,3 @@
+from dpserve.daemons.cli.main import main
+
+main()

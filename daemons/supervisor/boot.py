@@ -1,0 +1,85 @@
+"""What the supervisor boots before any child starts: the listening sockets it
+owns (bound once, no SO_REUSEPORT, handed to every API server), the run
+directory, its ZeroMQ sockets, the child table and the prefork launcher."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+from dpserve.daemons.config import Addresses
+from dpserve.daemons.supervisor.launcher import Launcher
+from dpserve.daemons.supervisor.plan import (
+    bind_listen_socket,
+    check_rpc_ports,
+    ephemeral_key_file,
+    node_address_towards,
+    plan_children,
+)
+from dpserve.engine.common.auth import CurveKeys
+from dpserve.engine.common.config import resolve_max_model_len
+from dpserve.engine.common.procutil import become_subreaper
+from dpserve.engine.common.protocol import Codec, CoordinatorInput
+from dpserve.engine.common.sockets import make_socket
+
+if TYPE_CHECKING:
+    from dpserve.daemons.supervisor.core import Supervisor
+
+_enc = msgspec.json.Encoder().encode
+
+
+def prepare(sup: Supervisor) -> None:
+    """Raises StartupError or ValueError when the node cannot start (exit 2 or 3)."""
+    cfg = sup.cfg
+    sup.max_model_len = resolve_max_model_len(cfg.model, cfg.max_model_len)
+    if cfg.run_dir:
+        os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
+        sup.run_dir = cfg.run_dir
+    else:
+        sup.run_dir = tempfile.mkdtemp(prefix="dpserve-")
+        sup.own_run_dir = True
+    ray = sup.ray_plan
+    if ray is not None:
+        sup.log.info("Ray cluster answers", address=ray.address, node_ip=ray.node_ip, placement=cfg.ray_placement)
+        changes = {"data_parallel_address": cfg.data_parallel_address or ray.node_ip}
+        if not cfg.key_file:
+            changes["key_file"] = ephemeral_key_file(sup.run_dir)
+        sup.cfg = cfg = msgspec.structs.replace(cfg, **changes)
+    sup.keys = CurveKeys.from_file(cfg.key_file, sup.log) if cfg.key_file else None
+    if cfg.runs_api_servers:
+        count = cfg.api_server_count if cfg.lb_mode == "external" else 1
+        # external LB: one port per local rank (port + i); otherwise one shared port
+        sup.listen_socks = [bind_listen_socket(cfg.host, cfg.port + i if cfg.port else 0) for i in range(count)]
+        sup.port = sup.listen_socks[0].getsockname()[1]
+    sup.node_address = cfg.node_address or node_address_towards(cfg.data_parallel_address)
+    check_rpc_ports(cfg, sup.node_address)
+    sup.addr = Addresses.for_node(cfg, sup.run_dir, sup.node_address)
+    # The control socket is node-local (ipc://): no CURVE.
+    sup.ctl = make_socket(sup.zctx, zmq.PULL, bind=sup.addr.supervisor)
+    sup.coord_link = make_socket(
+        sup.zctx, zmq.DEALER, sup.keys, connect=sup.addr.coordinator_engines,
+        identity=f"supervisor-{cfg.data_parallel_start_rank}".encode(),
+    )
+    sup.coord_codec = Codec(CoordinatorInput)
+    # The cluster view's source: the load table every API server reads (cluster.py).
+    sup.table_sub = make_socket(
+        sup.zctx, zmq.SUB, sup.keys, connect=sup.addr.coordinator_table, subscribe=b"", reconnect_ms=(100, 2000)
+    )
+    for child in plan_children(cfg, sup.addr, sup.listen_socks, sup.max_model_len, sup.heartbeat_interval_s, ray):
+        sup.children[child.name] = child
+    if any(c.kind == "api" for c in sup.children.values()) and cfg.api_server_launch == "prefork":
+        if become_subreaper():
+            sup.launcher = Launcher(os.getpid(), ["dpserve.daemons.api.server", "uvloop"], sup.log, cfg.log_level)
+        else:
+            sup.log.warning("cannot become a child subreaper; API servers start with exec")
+
+
+def write_ports_file(path: str | None, port: int, supervisor_port: int) -> None:
+    if path:
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(_enc({"port": port, "supervisor_port": supervisor_port, "pid": os.getpid()}))
+        os.replace(tmp, path)

@@ -1,0 +1,383 @@
+"""Every message that crosses a process boundary in dpserve, as typed msgspec Structs.
+
+This module owns the wire format (msgpack, tagged unions, one protocol version)
+and nothing else: it must never import torch, transformers or anything from
+dpserve.daemons, because API-server processes import it and must start fast.
+
+Channels (who binds / who connects):
+- API server  <-> engine:      API server binds a ROUTER, each engine connects a
+  DEALER whose identity is its rank. Requests flow down, batched outputs up.
+- engine       -> coordinator: coordinator binds a ROUTER; engines connect a
+  DEALER, register (EngineRegister -> RegisterReply) and then send LoadReports.
+- coordinator  -> API servers: coordinator binds a PUB; API servers SUB to LoadTable.
+- every child  -> supervisor:  supervisor binds a PULL; children PUSH ChildReady
+  and Heartbeat (heartbeats come from the loop that does the work).
+- supervisor   -> coordinator: RankDown / RankUp on the coordinator's ROUTER.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import msgspec
+from dpserve.engine.common.logs import get_logger
+
+PROTOCOL_VERSION = 1
+# At most one 'undecodable message dropped' warning per channel per this many seconds.
+UNDECODABLE_LOG_INTERVAL_S = 10.0
+
+# Finish reasons as they appear in OpenAI responses, plus the two internal ones
+# that the API server turns into errors.
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """What an engine needs to decode one request. Validated by the API server."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    # Penalties, bias, logprobs (vLLM's semantics). Trailing defaults are omitted on the wire, so a
+    # plain request's bytes do not change.
+    presence_penalty: float = 0.0  # output tokens only
+    frequency_penalty: float = 0.0  # output tokens only, per occurrence
+    repetition_penalty: float = 1.0  # prompt and output tokens
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    logprobs: int | None = None  # None: none; k: the sampled token's and the top k
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
+    guided_grammar: str | None = None  # an llguidance grammar (JSON), built by the API server
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_processors(self) -> bool:
+        """Anything that changes the logits before temperature (penalties, bias) or truncates like min_p."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.min_p or self.logit_bias or self.guided_grammar
+        )
+
+
+# llguidance's resource limits, the same where the API server validates a grammar
+# and where the engine follows it: its defaults let one hostile grammar (a regex
+# like a{100000}) cost tens of ms per token of the engine's loop; past these the
+# row's grammar errors and its answer ends there, the rank's other rows unharmed.
+GRAMMAR_LIMITS = {
+    "initial_lexer_fuel": 200_000,
+    "step_lexer_fuel": 50_000,
+    "step_max_items": 20_000,
+    "max_lexer_states": 50_000,
+    "max_grammar_size": 100_000,
+}
+
+
+# ---------------------------------------------------------------- API server -> engine
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    """Utility round trip; the engine answers with Pong from its busy loop."""
+
+    nonce: int
+
+
+EngineInput = AddRequest | AbortRequests | Ping
+
+
+# ---------------------------------------------------------------- engine -> API server
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One position's log-probabilities: the chosen token's (with its 1-based rank
+    in the vocabulary) and the top alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request from one engine step.
+
+    finish_reason is None while the request runs; once set, the engine has
+    forgotten the request and sends nothing more for it.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs is set
+    # With the first token, when params.prompt_logprobs is set: prompt tokens 1.. (token 0 has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    # With the first token: prompt tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    """Everything one engine step produced for one API server."""
+
+    rank: int
+    outputs: list[RequestOutput]
+    num_running: int
+    num_waiting: int
+
+
+class EngineHello(msgspec.Struct, tag="hello", array_like=True):
+    """First message an engine sends on a freshly connected API-server channel."""
+
+    rank: int
+    incarnation: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Pong(msgspec.Struct, tag="pong", array_like=True):
+    rank: int
+    nonce: int
+
+
+class EngineDead(msgspec.Struct, tag="dead", array_like=True):
+    """Sent by a dying engine to every API server before it exits."""
+
+    rank: int
+    incarnation: str
+    reason: str
+
+
+EngineToApi = EngineOutputs | EngineHello | Pong | EngineDead
+
+
+# ---------------------------------------------------------------- engine <-> coordinator
+
+
+class EngineRegister(msgspec.Struct, tag="register", array_like=True):
+    rank: int
+    incarnation: str
+    fingerprint: str
+    pid: int
+    host: str
+    node_rank: int = 0  # the node's first rank: identifies the node
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class RegisterReply(msgspec.Struct, tag="welcome", array_like=True):
+    accepted: bool
+    reason: str
+    api_server_addresses: list[str]
+
+
+class ApiServerList(msgspec.Struct, tag="api_list", array_like=True):
+    """Coordinator -> engine: the API servers this engine must connect to (grows as nodes join)."""
+
+    api_server_addresses: list[str]
+
+
+class PleaseRegister(msgspec.Struct, tag="reregister", array_like=True):
+    """Coordinator -> engine: I do not know you (I restarted, or declared you lost)."""
+
+    reason: str
+
+
+class ApiServerRegister(msgspec.Struct, tag="api_register", array_like=True):
+    """API server -> coordinator, repeated every second: where engines reach me."""
+
+    node_rank: int
+    index: int
+    address: str
+    incarnation: str
+
+
+class LoadReport(msgspec.Struct, tag="load", array_like=True):
+    """An engine's load, sent whenever it changes (rate-limited) and as a heartbeat."""
+
+    rank: int
+    incarnation: str
+    num_running: int
+    num_waiting: int
+    num_waiting_prefill_tokens: int
+    num_remaining_decode_tokens: int
+    slot_usage: float
+    step_ms: float
+    num_requests_finished: int = 0  # cumulative, since this incarnation started
+    num_requests_aborted: int = 0  # cumulative: aborted by their API server (client gone, stop string)
+    kv_usage: float = 0.0  # share of the rank's KV blocks in use (vLLM's kv_cache_usage_perc)
+    num_preemptions: int = 0  # cumulative: sequences preempted for KV blocks (recomputed later)
+    num_prefix_queries: int = 0  # cumulative: prompt tokens looked up in the prefix cache
+    num_prefix_hits: int = 0  # cumulative: of those, tokens found cached
+
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    """The engine is connected to every API server and takes requests."""
+
+    rank: int
+    incarnation: str
+
+
+class RankDown(msgspec.Struct, tag="rank_down", array_like=True):
+    """Supervisor -> coordinator: this rank's process is gone; fail its requests."""
+
+    rank: int
+    reason: str
+
+
+class NodeHello(msgspec.Struct, tag="node_hello", array_like=True):
+    """Supervisor -> coordinator, repeated every few seconds: the address the
+    other nodes reach this node on (shown per rank in every node's /status)."""
+
+    node_rank: int
+    address: str
+
+
+class PrefixRouted(msgspec.Struct, tag="prefix", array_like=True):
+    """API server -> coordinator -> every API server (cache-aware routing): prompts
+    with these block keys (daemons/prefix_index.py) were sent to these ranks.
+    The coordinator forwards it unread; receivers skip their own (origin)."""
+
+    origin: str  # the sending API server's incarnation
+    routed: list[tuple[int, list[int]]]  # (rank, block keys of one prompt)
+
+
+CoordinatorInput = EngineRegister | LoadReport | EngineReady | RankDown | ApiServerRegister | NodeHello | PrefixRouted
+CoordinatorToEngine = RegisterReply | ApiServerList | PleaseRegister
+
+
+class RankLoad(msgspec.Struct, array_like=True):
+    rank: int
+    incarnation: str
+    is_alive: bool
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_prefill_tokens: int = 0
+    num_remaining_decode_tokens: int = 0
+    slot_usage: float = 0.0
+    num_requests_finished: int = 0
+    num_requests_aborted: int = 0
+    down_reason: str = ""
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    node_rank: int = -1  # the rank's node (its first rank), from its registration; -1: unknown
+    host: str = ""  # the engine's hostname, from its registration
+    address: str = ""  # its node's address, from the node's supervisor (NodeHello)
+    since: float = 0.0  # coordinator's wall clock when is_alive/down_reason last changed state
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
+
+
+class LoadTable(msgspec.Struct, tag="table", array_like=True):
+    """Coordinator -> API servers: the entries of some ranks, alive or not.
+
+    Each entry replaces what the receiver held for that rank; ranks not named
+    keep theirs. The coordinator names the ranks that changed, and every rank
+    once a second (at most 256 a message), so cost follows change.
+    """
+
+    seq: int
+    data_parallel_size: int
+    ranks: list[RankLoad]
+
+
+TableChannel = LoadTable | PrefixRouted  # what API servers read on the coordinator's PUB socket
+
+
+# ---------------------------------------------------------------- children -> supervisor
+
+
+class ChildReady(msgspec.Struct, tag="child_ready", array_like=True):
+    name: str
+    pid: int
+    detail: str = ""
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
+    name: str
+    pid: int
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # engines: share of KV blocks in use
+
+
+ToSupervisor = ChildReady | Heartbeat
+
+
+# ---------------------------------------------------------------- codecs
+
+
+class Codec:
+    """A msgpack encoder/decoder pair for one channel's message union.
+
+    Readers take peers' bytes with decode_or_none(): one policy for bytes that
+    are not a message of this channel (a peer of another version, a stray
+    client, garbage): count them, log at most one warning per
+    UNDECODABLE_LOG_INTERVAL_S per channel, and go on. A reader never crashes
+    on them and never floods the journal. decode() raises, for callers that
+    decode their own bytes.
+    """
+
+    __slots__ = ("_enc", "_dec", "channel", "num_undecodable", "_last_warned")
+
+    def __init__(self, union: object, channel: str = "") -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(union)
+        self.channel = channel or getattr(union, "__name__", str(union))
+        self.num_undecodable = 0
+        self._last_warned = -UNDECODABLE_LOG_INTERVAL_S
+
+    def encode(self, msg: object) -> bytes:
+        return self._enc.encode(msg)
+
+    def decode(self, data: bytes | memoryview):
+        return self._dec.decode(data)
+
+    def decode_or_none(self, data: bytes | memoryview, peer: str = ""):
+        """The message, or None (counted, logged rate-limited) for bytes that are not one."""
+        try:
+            return self._dec.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.num_undecodable += 1
+            now = time.monotonic()
+            if now - self._last_warned >= UNDECODABLE_LOG_INTERVAL_S:
+                self._last_warned = now
+                get_logger().warning(
+                    "undecodable message dropped", channel=self.channel, peer=peer or None,
+                    error=str(exc)[:200], num_undecodable=self.num_undecodable,
+                )
+            return None
+
+
+def config_fingerprint(model: str, dtype: str, max_model_len: int, data_parallel_size: int, engine: str = "dpserve") -> str:
+    """A short hash of everything two nodes of one deployment must agree on.
+
+    `model` is the model's identity (its config.json content hash, not its
+    path: nodes may keep the same model in different directories). `engine`:
+    every rank of a deployment runs the same engine (answers must not depend
+    on the rank); the native engine's fingerprints are those of old.
+    """
+    text = f"{PROTOCOL_VERSION}|{model}|{dtype}|{max_model_len}|{data_parallel_size}"
+    if engine != "dpserve":
+        text += f"|{engine}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
