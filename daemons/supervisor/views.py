@@ -8,6 +8,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from dpserve.daemons.coordinator.routing import routed_by
 from dpserve.daemons.supervisor.children import Child, ChildState
 
 if TYPE_CHECKING:
@@ -56,19 +57,6 @@ class NodeView:
     def min_ready_ranks(self) -> int:
         """Routable ranks this node's API servers need to be ready (--min-ready-ranks, 0: one)."""
         return min(self._sup.cfg.min_ready_ranks or 1, len(self._sup.cfg.eligible_ranks()))
-
-    def routed_by(self, rank: int, node_rank: int) -> str:
-        """Which API servers route to `rank` (the coordinator's rule, coordinator._addresses_for)."""
-        mode = self._sup.cfg.lb_mode
-        if mode == "internal":
-            return "head" if self._sup.cfg.is_multi_node else "all"
-        if mode == "global":
-            return "all nodes"
-        if node_rank < 0:
-            return "-"
-        if mode == "external":
-            return f"node {node_rank} api-{rank - node_rank}"
-        return f"node {node_rank}"
 
     def node_ready(self) -> tuple[bool, str]:
         """The one readiness verdict: /readyz, /status, the STATUS= line and `dpserve status` read it."""
@@ -157,7 +145,7 @@ class NodeView:
                 "requests_finished": r.num_requests_finished,
                 "requests_aborted": r.num_requests_aborted,
                 "preemptions": r.num_preemptions,
-                "routed_by": self.routed_by(r.rank, r.node_rank),
+                "routed_by": routed_by(self._sup.cfg.lb_mode, r.rank, r.node_rank),
             })
         return rows
 

@@ -6,7 +6,7 @@ import pytest
 from dpserve.daemons.api.openai_types import ApiError
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, Router
 from dpserve.daemons.api.serving import parse_rank_header, routing_error
-from dpserve.daemons.coordinator.server import RankTable
+from dpserve.daemons.coordinator.registry import RankTable
 from dpserve.engine.common.protocol import (
     PROTOCOL_VERSION,
     Codec,
@@ -240,9 +240,36 @@ def test_router_applies_deltas_and_resyncs():
 
 
 def test_publish_interval_grows_with_the_cluster_within_bounds():
-    from dpserve.daemons.coordinator.server import publish_interval
+    from dpserve.daemons.coordinator.registry import publish_interval
 
     assert publish_interval(8) == 0.002  # small deployments: as before
     assert publish_interval(256) == pytest.approx(0.00512)
     assert publish_interval(1024) == pytest.approx(0.02048)
     assert publish_interval(100_000) == 0.1
+
+
+@pytest.mark.parametrize(
+    ("mode", "api_nodes", "words"),
+    [
+        ("internal", [0], "head"),  # API servers on the head only
+        ("global", [0, 2], "all nodes"),
+        ("hybrid", [0, 2], "node 2"),
+        ("external", [0, 2], "node 2 api-1"),
+    ],
+)
+def test_the_coordinator_and_status_apply_one_routing_rule(mode, api_nodes, words):
+    """A rank on node 2 (ranks 2 and 3): the engine connects to the API servers
+    the coordinator lists, and /status `routed_by` names those same servers."""
+    from types import SimpleNamespace
+
+    from dpserve.daemons.coordinator.routing import routed_by
+    from dpserve.daemons.coordinator.server import Coordinator
+
+    coord = SimpleNamespace(cfg=SimpleNamespace(lb_mode=mode), api_servers={(n, i): f"tcp://n{n}:{i}" for n in api_nodes for i in (0, 1)})
+    listed = Coordinator._addresses_for(coord, 2)
+    assert routed_by(mode, 3, 2) == words
+    if words in ("head", "all nodes"):
+        assert listed == [f"tcp://n{n}:{i}" for n in api_nodes for i in (0, 1)]  # every API server
+    else:
+        assert listed == ["tcp://n2:0", "tcp://n2:1"]  # its own node's only
+    assert routed_by(mode, 3, -1) == ("-" if mode in ("hybrid", "external") else words)  # node not known yet
