@@ -194,7 +194,7 @@ class Supervisor:
                 self.on_probe(child, event)
 
     def tick(self, now: float) -> None:
-        if self.cfg.is_multi_node and now - self._last_hello >= NODE_HELLO_S:
+        if now - self._last_hello >= NODE_HELLO_S:
             self._last_hello = now
             self.say_where()
         if self.cluster.check_head(now, time.time()) and self.phase == "serving":
@@ -347,7 +347,10 @@ class Supervisor:
         self.terminate(child, kill_after=self.cfg.kill_grace_s, cont=True)
 
     def say_where(self) -> None:
-        """NodeHello: every node's /status names the address of this node's ranks."""
+        """NodeHello: every node's /status names the address of this node's ranks
+        (a one-node serve's too, so that `dpserve status` shows an address, not a hostname)."""
+        if self.coord_link is None:
+            return  # not set up yet (or a test's supervisor without sockets)
         try:
             self.coord_link.send(self.coord_codec.encode(NodeHello(self.cfg.data_parallel_start_rank, self.node_address)), zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -15,7 +15,7 @@ import zmq
 from dpserve.daemons.supervisor.events import Event, Exited, Fatal, Heartbeat, Ready, TableSeen
 from dpserve.engine.common.auth import HANDSHAKE_EVENTS, describe_handshake_failure
 from dpserve.engine.common.procutil import EXIT_CONFIG
-from dpserve.engine.common.protocol import ChildReady, Codec, LoadTable, ToSupervisor
+from dpserve.engine.common.protocol import ChildReady, Codec, LoadTable, TableChannel, ToSupervisor
 from dpserve.engine.common.protocol import Heartbeat as HeartbeatMsg
 from zmq.utils.monitor import parse_monitor_message
 
@@ -40,11 +40,13 @@ async def read_control(sock: zmq.asyncio.Socket, post: Post) -> None:
 
 
 async def read_table(sock: zmq.asyncio.Socket, post: Post) -> None:
-    """The coordinator's load table, as the API servers get it: the cluster view's source."""
-    codec = Codec(LoadTable, "load table")
+    """The coordinator's load table, as the API servers get it: the cluster view's source.
+    The channel also carries the API servers' PrefixRouted news (cache-aware
+    routing): a message of the channel, skipped here, never "undecodable"."""
+    codec = Codec(TableChannel, "load table")
     while True:
         table = codec.decode_or_none(await sock.recv())
-        if table is None:
+        if type(table) is not LoadTable:
             continue
         post(TableSeen(table.ranks, time.monotonic(), time.time()))
 
