@@ -2,13 +2,16 @@
 
 Every server a test starts is stopped by that test (fixture finalizer or
 `with`), by process group, even when the test fails; the node's child pids
-are collected from /status so a test can prove none survived.
+are collected from /status so a test can prove none survived. Stopping also
+removes the server's own temporary folder (ports file, log); its log stays
+readable through log().
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -118,6 +121,7 @@ class DpServer:
         self.tmp = tempfile.mkdtemp(prefix="dpserve-test-")
         self.ports_file = os.path.join(self.tmp, "ports.json")
         self.log_path = os.path.join(self.tmp, "server.log")
+        self.final_log = ""  # the log's text once stop() removed the folder
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.supervisor_port = 0
@@ -135,17 +139,22 @@ class DpServer:
             *self.args,
         ]
         env = {**os.environ, "DPSERVE_DIE_WITH_PARENT": "1", **(self.env or {})}
+        os.makedirs(self.tmp, exist_ok=True)  # started again after a stop
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=self.preexec_fn
         )
-        wait_until(lambda: os.path.exists(self.ports_file) or self.proc.poll() is not None, 60, what="ports file")
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"dpserve exited with {self.proc.returncode} before binding:\n{self.log()}")
-        ports = json.loads(Path(self.ports_file).read_text())
-        self.port, self.supervisor_port = ports["port"], ports["supervisor_port"]
-        if wait_ready:
-            self.wait_ready()
+        try:
+            wait_until(lambda: os.path.exists(self.ports_file) or self.proc.poll() is not None, 60, what="ports file")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dpserve exited with {self.proc.returncode} before binding:\n{self.log()}")
+            ports = json.loads(Path(self.ports_file).read_text())
+            self.port, self.supervisor_port = ports["port"], ports["supervisor_port"]
+            if wait_ready:
+                self.wait_ready()
+        except BaseException:
+            self.kill_group()  # `with DpServer(...)` never reaches __exit__ when start() raises
+            raise
         return self
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
@@ -169,6 +178,7 @@ class DpServer:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
         """Stop the server; SIGKILL the whole group if it does not exit in time."""
         if self.proc is None:
+            shutil.rmtree(self.tmp, ignore_errors=True)  # never started
             return None
         if self.proc.poll() is None:
             try:
@@ -195,6 +205,8 @@ class DpServer:
             pass
         if not self._log.closed:
             self._log.close()
+        self.final_log = self._read_log() or self.final_log
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> DpServer:
         return self.start()
@@ -232,7 +244,10 @@ class DpServer:
         return out
 
     def log(self) -> str:
+        return (self._read_log() or self.final_log)[-20000:]
+
+    def _read_log(self) -> str:
         try:
-            return Path(self.log_path).read_text(errors="replace")[-20000:]
+            return Path(self.log_path).read_text(errors="replace")
         except OSError:
             return ""
