@@ -3,14 +3,21 @@
 The supervisor turns one ServeConfig into per-child configs (msgspec Structs)
 and hands each to its child as JSON in the environment, so secrets such as the
 API key never show in `ps`. Never imports torch.
+
+Each default is written once: an engine setting's in EngineConfig, a node
+setting's here in ServeConfig; the CLI shows these (cli/options.py) and a
+child's config copies its values from ServeConfig by field name (child_config).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, TypeVar
 
 import msgspec
-from dpserve.engine.common.config import ENGINES
+from dpserve.engine.common.config import ENGINES, EngineConfig
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 LB_POLICIES = ("queue", "tokens", "round-robin", "cache-aware")
 LB_MODES = ("internal", "hybrid", "external", "global")
@@ -19,6 +26,36 @@ RESTART_POLICIES = ("always", "on-failure", "never")
 API_SERVER_LAUNCH = ("prefork", "exec")
 DP_BACKENDS = ("mp", "ray")
 RAY_PLACEMENTS = ("spread", "strict-spread", "pack", "strict-pack")
+
+
+def field_defaults(struct: type[msgspec.Struct]) -> dict[str, Any]:
+    """Each field's default (a fresh value for a factory's); required fields are left out."""
+    out = {}
+    for f in msgspec.structs.fields(struct):
+        if f.default is not msgspec.NODEFAULT:
+            out[f.name] = f.default
+        elif f.default_factory is not msgspec.NODEFAULT:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def child_config(target: type[S], source: msgspec.Struct, prefix: str = "", **given: Any) -> S:
+    """A `target` whose fields are `given`, else copied from the field of `source`
+    with the same name (first with `prefix`: ray_cpus_per_rank -> cpus_per_rank).
+    msgspec checks every type, so a same-named field of another meaning fails here."""
+    have = set(source.__struct_fields__)
+    values = dict(given)
+    for name in target.__struct_fields__:
+        if name in values:
+            continue
+        for candidate in (prefix + name, name) if prefix else (name,):
+            if candidate in have:
+                values[name] = getattr(source, candidate)
+                break
+    return msgspec.convert(values, type=target)
+
+
+_ENGINE = field_defaults(EngineConfig)
 
 
 class ServeConfig(msgspec.Struct, kw_only=True):
@@ -30,20 +67,21 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     port: int = 8000
     api_key: str | None = None
     data_parallel_size: int = 1
-    api_server_count: int = 1
-    dtype: str = "auto"
-    max_model_len: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 0  # 0: by device (engine/config.py)
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    kv_cache_memory_bytes: int = 0
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 0  # 0: the engine's default (native: 16)
+    api_server_count: int = 1  # 0 on a headless worker: it runs none
+    # the ranks' engine settings; their defaults are EngineConfig's
+    dtype: str = _ENGINE["dtype"]
+    max_model_len: int = _ENGINE["max_model_len"]
+    max_num_seqs: int = _ENGINE["max_num_seqs"]
+    max_num_batched_tokens: int = _ENGINE["max_num_batched_tokens"]
+    enable_chunked_prefill: bool = _ENGINE["enable_chunked_prefill"]
+    long_prefill_token_threshold: int = _ENGINE["long_prefill_token_threshold"]
+    kv_cache_memory_bytes: int = _ENGINE["kv_cache_memory_bytes"]
+    gpu_memory_utilization: float = _ENGINE["gpu_memory_utilization"]
+    block_size: int = _ENGINE["block_size"]
     # the rank engine: dpserve (native) or vllm (vLLM's LLMEngine in the rank process)
-    engine: str = "dpserve"
-    tensor_parallel_size: int = 1
-    enable_prefix_caching: bool | None = None  # None: the engine's default
+    engine: str = _ENGINE["engine"]
+    tensor_parallel_size: int = _ENGINE["tensor_parallel_size"]
+    enable_prefix_caching: bool | None = _ENGINE["enable_prefix_caching"]
     engine_args: dict[str, str] = {}  # --engine-arg KEY=VALUE (vLLM EngineArgs fields)
     lb_policy: str = "tokens"
     max_waiting_per_rank: int = 4096
@@ -54,7 +92,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     http_idle_timeout_s: float = 30.0
     http_body_timeout_s: float = 60.0
     http_max_connections: int = 2048
-    seed: int = 0
+    seed: int = _ENGINE["seed"]
     # supervisor
     supervisor_host: str = "127.0.0.1"
     supervisor_port: int = 9256
@@ -152,7 +190,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     def validate(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError("--data-parallel-size must be at least 1")
-        if self.api_server_count < 1:
+        if self.runs_api_servers and self.api_server_count < 1:
             raise ValueError("--api-server-count must be at least 1")
         self._validate_engine()
         if self.lb_policy not in LB_POLICIES:
@@ -245,6 +283,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError(problem)
 
 
+_SERVE = field_defaults(ServeConfig)
+
+
 class Addresses(msgspec.Struct, kw_only=True):
     """ZeroMQ endpoints of one node (ipc:// on a single node)."""
 
@@ -305,12 +346,13 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     supervisor_address: str
     probe_path: str
     parent_pid: int
-    log_level: str = "info"
-    wait_for_engine_s: float = 60.0
-    request_first_token_timeout_s: float = 600.0
-    http_idle_timeout_s: float = 30.0
-    http_body_timeout_s: float = 60.0
-    http_max_connections: int = 2048
+    # ServeConfig's defaults, for tools that run an API server without a node (benchmarks/simcluster.py)
+    log_level: str = _SERVE["log_level"]
+    wait_for_engine_s: float = _SERVE["wait_for_engine_s"]
+    request_first_token_timeout_s: float = _SERVE["request_first_token_timeout_s"]
+    http_idle_timeout_s: float = _SERVE["http_idle_timeout_s"]
+    http_body_timeout_s: float = _SERVE["http_body_timeout_s"]
+    http_max_connections: int = _SERVE["http_max_connections"]
 
 
 class CoordinatorConfig(msgspec.Struct, kw_only=True):
@@ -325,4 +367,4 @@ class CoordinatorConfig(msgspec.Struct, kw_only=True):
     heartbeat_interval_s: float
     stale_after_s: float
     parent_pid: int
-    log_level: str = "info"
+    log_level: str = _SERVE["log_level"]

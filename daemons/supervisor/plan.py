@@ -12,7 +12,7 @@ import secrets
 import socket
 
 import msgspec
-from dpserve.daemons.config import Addresses, ApiServerConfig, CoordinatorConfig, ServeConfig
+from dpserve.daemons.config import Addresses, ApiServerConfig, CoordinatorConfig, ServeConfig, child_config
 from dpserve.daemons.supervisor.children import Child
 from dpserve.engine.backends.ray.placement import RayError, RayPlacement, preflight
 from dpserve.engine.backends.ray.rank import RayRank
@@ -131,6 +131,17 @@ def check_rpc_ports(cfg: ServeConfig, node_address: str) -> None:
             raise StartupError(EXIT_CONFIG, f"cannot listen on {host}:{port}: {why} (another dpserve node on this address? choose another {flag})")
 
 
+class NodeFacts(msgspec.Struct, kw_only=True, frozen=True):
+    """What every child's config shares beyond ServeConfig: learnt at boot."""
+
+    addr: Addresses
+    key_file: str  # absolute, or '' on a single node without Ray
+    fingerprint: str  # the model, dtype, context and size every rank must agree on
+    max_model_len: int
+    heartbeat_interval_s: float
+    parent_pid: int
+
+
 def plan_children(
     cfg: ServeConfig,
     addr: Addresses,
@@ -142,145 +153,143 @@ def plan_children(
     """Every child this node runs, with its typed config: the coordinator (head
     only), one engine per local rank (the Ray backend: a proxy per rank and the
     placement child), and the API servers (unless headless)."""
-    children: list[Child] = []
-    fingerprint = config_fingerprint(model_identity(cfg.model), cfg.dtype, max_model_len, cfg.data_parallel_size, cfg.engine)
-    me = os.getpid()
-    key_file = os.path.abspath(cfg.key_file) if cfg.key_file else ""
-    if cfg.runs_coordinator:
-        coord = CoordinatorConfig(
-            name="coordinator",
-            lb_mode=cfg.lb_mode,
-            key_file=key_file,
-            engines_address=addr.coordinator_engines,
-            table_address=addr.coordinator_table,
-            supervisor_address=addr.supervisor,
-            data_parallel_size=cfg.data_parallel_size,
-            fingerprint=fingerprint,
-            heartbeat_interval_s=heartbeat_interval_s,
-            stale_after_s=cfg.probe_interval_s * cfg.probe_failure_threshold,
-            parent_pid=me,
-            log_level=cfg.log_level,
-        )
-        children.append(Child("coordinator", "coordinator", -1, "dpserve.daemons.coordinator.server", _enc(coord), extra_env={"OMP_NUM_THREADS": "1"}))
+    facts = NodeFacts(
+        addr=addr,
+        key_file=os.path.abspath(cfg.key_file) if cfg.key_file else "",
+        fingerprint=config_fingerprint(model_identity(cfg.model), cfg.dtype, max_model_len, cfg.data_parallel_size, cfg.engine),
+        max_model_len=max_model_len,
+        heartbeat_interval_s=heartbeat_interval_s,
+        parent_pid=os.getpid(),
+    )
+    children = [coordinator_child(cfg, facts)] if cfg.runs_coordinator else []
+    if ray is None:
+        children += engine_children(cfg, facts)
+    else:
+        children += ray_children(cfg, facts, ray)
+    if cfg.runs_api_servers:
+        children += api_children(cfg, facts, listen_socks)
+    return children
+
+
+def coordinator_child(cfg: ServeConfig, facts: NodeFacts) -> Child:
+    coord = child_config(
+        CoordinatorConfig,
+        cfg,
+        name="coordinator",
+        key_file=facts.key_file,
+        engines_address=facts.addr.coordinator_engines,
+        table_address=facts.addr.coordinator_table,
+        supervisor_address=facts.addr.supervisor,
+        fingerprint=facts.fingerprint,
+        heartbeat_interval_s=facts.heartbeat_interval_s,
+        stale_after_s=cfg.probe_interval_s * cfg.probe_failure_threshold,
+        parent_pid=facts.parent_pid,
+    )
+    return Child("coordinator", "coordinator", -1, "dpserve.daemons.coordinator.server", _enc(coord), extra_env={"OMP_NUM_THREADS": "1"})
+
+
+def engine_config(cfg: ServeConfig, facts: NodeFacts, rank: int) -> EngineProcessConfig:
+    """One rank's config: the engine settings copied from ServeConfig by name."""
+    engine = child_config(
+        EngineConfig,
+        cfg,
+        rank=rank,
+        local_rank=rank - cfg.data_parallel_start_rank,
+        max_model_len=facts.max_model_len,
+        num_local_ranks=cfg.size_local,
+        engine_args=dict(cfg.engine_args),
+    )
+    return child_config(
+        EngineProcessConfig,
+        cfg,
+        name=f"engine-dp{rank}",
+        engine=engine,
+        node_rank=cfg.data_parallel_start_rank,
+        key_file=facts.key_file,
+        coordinator_address=facts.addr.coordinator_engines,
+        supervisor_address=facts.addr.supervisor,
+        fingerprint=facts.fingerprint,
+        heartbeat_interval_s=facts.heartbeat_interval_s,
+        parent_pid=facts.parent_pid,
+    )
+
+
+def engine_children(cfg: ServeConfig, facts: NodeFacts) -> list[Child]:
+    """One rank process per local rank (the mp backend)."""
     # CPU ranks share the node's cores; oversubscribed torch threads stall each
     # other by orders of magnitude (a 4 ms step became 300-800 ms in tests).
     # The API servers need cores too: reserve one per API server, up to half the node.
     ncpu = len(os.sched_getaffinity(0))
     api_count = cfg.api_server_count if cfg.runs_api_servers else 0
-    engine_threads = max(1, (ncpu - min(api_count, ncpu // 2)) // cfg.size_local)
+    threads = str(max(1, (ncpu - min(api_count, ncpu // 2)) // cfg.size_local))
+    return [
+        Child(f"engine-dp{rank}", "engine", rank, "dpserve.engine.rank.process", _enc(engine_config(cfg, facts, rank)),
+              extra_env={"OMP_NUM_THREADS": threads})
+        for rank in cfg.local_ranks
+    ]
+
+
+def ray_children(cfg: ServeConfig, facts: NodeFacts, ray: RayPlan) -> list[Child]:
+    """The Ray backend: a proxy per rank (its actor runs the engine) and the placement child."""
+    children = []
     for rank in cfg.local_ranks:
-        name = f"engine-dp{rank}"
-        ecfg = EngineProcessConfig(
-            name=name,
-            engine=EngineConfig(
-                model=cfg.model,
-                rank=rank,
-                dtype=cfg.dtype,
-                max_num_seqs=cfg.max_num_seqs,
-                max_model_len=max_model_len,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                enable_chunked_prefill=cfg.enable_chunked_prefill,
-                long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-                kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-                gpu_memory_utilization=cfg.gpu_memory_utilization,
-                block_size=cfg.block_size,
-                num_local_ranks=cfg.size_local,
-                seed=cfg.seed,
-                local_rank=rank - cfg.data_parallel_start_rank,
-                engine=cfg.engine,
-                tensor_parallel_size=cfg.tensor_parallel_size,
-                enable_prefix_caching=cfg.enable_prefix_caching,
-                engine_args=dict(cfg.engine_args),
-            ),
-            node_rank=cfg.data_parallel_start_rank,
-            key_file=key_file,
-            coordinator_address=addr.coordinator_engines,
-            supervisor_address=addr.supervisor,
-            fingerprint=fingerprint,
-            heartbeat_interval_s=heartbeat_interval_s,
-            parent_pid=me,
-            log_level=cfg.log_level,
-        )
-        if ray is None:
-            children.append(Child(name, "engine", rank, "dpserve.engine.rank.process", _enc(ecfg), extra_env={"OMP_NUM_THREADS": str(engine_threads)}))
-            continue
-        proxy = RayRank(
-            engine=msgspec.structs.replace(ecfg, key_file=""),
+        proxy = child_config(
+            RayRank,
+            cfg,
+            prefix="ray_",
+            engine=msgspec.structs.replace(engine_config(cfg, facts, rank), key_file=""),
             address=ray.address,
             group_name=ray.group_name,
-            key_file=key_file,
-            connect_timeout_s=cfg.ray_connect_timeout_s,
+            key_file=facts.key_file,
             placement_timeout_s=cfg.ray_placement_timeout_s + cfg.ray_connect_timeout_s,
             stop_timeout_s=max(cfg.kill_grace_s - 1.0, 0.5),
-            supervisor_address=addr.supervisor,
-            parent_pid=me,
-            log_level=cfg.log_level,
+            supervisor_address=facts.addr.supervisor,
+            parent_pid=facts.parent_pid,
         )
-        children.append(Child(name, "engine", rank, "dpserve.engine.backends.ray.rank", _enc(proxy), extra_env=_RAY_DRIVER_ENV))
-    if ray is not None:
-        holder = RayPlacement(
-            name="ray-placement",
-            address=ray.address,
-            group_name=ray.group_name,
-            ranks=cfg.data_parallel_size,
-            cpus_per_rank=cfg.ray_cpus_per_rank,
-            gpus_per_rank=cfg.ray_gpus_per_rank,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            strategy=cfg.ray_placement,
-            connect_timeout_s=cfg.ray_connect_timeout_s,
-            placement_timeout_s=cfg.ray_placement_timeout_s,
-            supervisor_address=addr.supervisor,
-            heartbeat_interval_s=heartbeat_interval_s,
-            parent_pid=me,
-            log_level=cfg.log_level,
-        )
-        children.append(Child("ray-placement", "placement", -1, "dpserve.engine.backends.ray.placement", _enc(holder), extra_env={"OMP_NUM_THREADS": "1"}))
-    if not cfg.runs_api_servers:
-        return children
+        children.append(Child(f"engine-dp{rank}", "engine", rank, "dpserve.engine.backends.ray.rank", _enc(proxy), extra_env=_RAY_DRIVER_ENV))
+    holder = child_config(
+        RayPlacement,
+        cfg,
+        prefix="ray_",
+        name="ray-placement",
+        address=ray.address,
+        group_name=ray.group_name,
+        ranks=cfg.data_parallel_size,
+        strategy=cfg.ray_placement,
+        supervisor_address=facts.addr.supervisor,
+        heartbeat_interval_s=facts.heartbeat_interval_s,
+        parent_pid=facts.parent_pid,
+    )
+    children.append(Child("ray-placement", "placement", -1, "dpserve.engine.backends.ray.placement", _enc(holder), extra_env={"OMP_NUM_THREADS": "1"}))
+    return children
+
+
+def api_children(cfg: ServeConfig, facts: NodeFacts, listen_socks: list[socket.socket]) -> list[Child]:
+    """The API servers: all on one bound socket, or (external LB) one port and one rank each."""
     external = cfg.lb_mode == "external"
+    children = []
     for i in range(cfg.api_server_count):
-        name = f"api-{i}"
         sock = listen_socks[i if external else 0]
-        fd = sock.fileno()
-        acfg = ApiServerConfig(
-            name=name,
+        acfg = child_config(
+            ApiServerConfig,
+            cfg,
+            name=f"api-{i}",
             index=i,
             node_rank=cfg.data_parallel_start_rank,
-            coordinator_address=addr.coordinator_engines,
+            coordinator_address=facts.addr.coordinator_engines,
             eligible_ranks=[cfg.data_parallel_start_rank + i] if external else cfg.eligible_ranks(),
-            key_file=key_file,
+            key_file=facts.key_file,
             model_dir=cfg.model,
-            served_model_name=cfg.served_model_name,
-            api_key=cfg.api_key,
-            data_parallel_size=cfg.data_parallel_size,
-            max_model_len=max_model_len,
-            lb_policy=cfg.lb_policy,
-            max_waiting_per_rank=cfg.max_waiting_per_rank,
-            max_request_body_bytes=cfg.max_request_body_bytes,
-            wait_for_engine_s=cfg.wait_for_engine_s,
-            request_first_token_timeout_s=cfg.request_first_token_timeout_s,
-            http_idle_timeout_s=cfg.http_idle_timeout_s,
-            http_body_timeout_s=cfg.http_body_timeout_s,
-            http_max_connections=cfg.http_max_connections,
-            shutdown_timeout_s=cfg.shutdown_timeout_s,
-            listen_fd=fd,
-            engine_address=addr.api_engines[i],
-            table_address=addr.coordinator_table,
-            supervisor_address=addr.supervisor,
-            probe_path=addr.api_probes[i],
-            parent_pid=me,
-            log_level=cfg.log_level,
+            max_model_len=facts.max_model_len,
+            listen_fd=sock.fileno(),
+            engine_address=facts.addr.api_engines[i],
+            table_address=facts.addr.coordinator_table,
+            supervisor_address=facts.addr.supervisor,
+            probe_path=facts.addr.api_probes[i],
+            parent_pid=facts.parent_pid,
         )
-        child = Child(
-            name,
-            "api",
-            i,
-            "dpserve.daemons.api.server",
-            _enc(acfg),
-            pass_fds=(fd,),
-            port=sock.getsockname()[1],
-            probe_path=addr.api_probes[i],
-            extra_env={"OMP_NUM_THREADS": "1"},
-        )
-        children.append(child)
+        children.append(Child(
+            f"api-{i}", "api", i, "dpserve.daemons.api.server", _enc(acfg), pass_fds=(sock.fileno(),),
+            port=sock.getsockname()[1], probe_path=facts.addr.api_probes[i], extra_env={"OMP_NUM_THREADS": "1"},
+        ))
     return children

@@ -11,8 +11,8 @@ import os
 
 import msgspec
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-# dpserve: the native engine (this package); vllm: vLLM's LLMEngine in the rank process (engine/vllm_core.py)
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype's choices
+# dpserve: the native engine (this package); vllm: vLLM's LLMEngine in the rank process (engine/backends/vllm/core.py)
 ENGINES = ("dpserve", "vllm")
 
 
@@ -27,6 +27,9 @@ CPU_MAX_NUM_BATCHED_TOKENS = 512
 # many tokens on a CPU (measured: a 16-stream decode step costs about as much
 # as 16-24 prefill tokens there, so the streams' step time stays within ~3x).
 CPU_LONG_PREFILL_TOKEN_THRESHOLD = 32
+# Tokens per KV-cache block of the native engine when none is configured
+# (vLLM's engine picks its own).
+DEFAULT_BLOCK_SIZE = 16
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -41,7 +44,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int = 0  # tokens per step at most; 0: by device (see above)
     enable_chunked_prefill: bool = True  # split long prompts across steps
     long_prefill_token_threshold: int = 0  # chunk cap while others decode; 0: by device
-    block_size: int = 0  # tokens per KV block; 0: the default (16)
+    block_size: int = 0  # tokens per KV block; 0: the engine's own (native: DEFAULT_BLOCK_SIZE)
     kv_cache_memory_bytes: int = 0  # KV budget; 0: auto (CPU: share of available RAM)
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + KV
     num_local_ranks: int = 1  # ranks on this node sharing its memory (for the auto budget)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
+from click.testing import CliRunner
 from dpserve.daemons.config import Addresses, ServeConfig
 from dpserve.engine.common.auth import CurveKeys
 
@@ -90,16 +95,143 @@ def test_curve_keys_derive_the_same_on_every_node_and_differ_per_secret():
         CurveKeys(b"short")
 
 
-@pytest.mark.parametrize(
-    "env, expected",
-    [({}, 30.0), ({"DPSERVE_SHUTDOWN_TIMEOUT_S": "12"}, 12.0), ({"DPSERVE_SHUTDOWN_TIMEOUT": "7"}, 7.0),
-     ({"DPSERVE_SHUTDOWN_TIMEOUT_S": "12", "DPSERVE_SHUTDOWN_TIMEOUT": "7"}, 12.0)],
-)
-def test_shutdown_timeout_reads_the_s_name_and_keeps_the_old_one(monkeypatch, env, expected):
+def parse(command: str, argv: list[str]) -> tuple[dict, set[str], list[tuple[str, str]]]:
+    """The options a node command would run with, what the user gave, and the deprecated spellings used."""
+    from dpserve.daemons.cli.main import main
+    from dpserve.daemons.cli.options import given
+
+    ctx = main.commands[command].make_context(command, list(argv))
+    opts = dict(ctx.params)
+    names, used = given(ctx, opts)
+    return opts, names, used
+
+
+RENAMED = [  # old spelling, new spelling, parameter, a value
+    ("--data-parallel-supervisor-port", "--supervisor-port", "supervisor_port", "9300"),
+    ("--data-parallel-supervisor-host", "--supervisor-host", "supervisor_host", "10.0.0.9"),
+    ("--dp-supervisor-probe-interval-s", "--supervisor-probe-interval-s", "probe_interval_s", "0.5"),
+    ("--dp-supervisor-probe-timeout-s", "--supervisor-probe-timeout-s", "probe_timeout_s", "0.7"),
+    ("--dp-supervisor-probe-failure-threshold", "--supervisor-probe-failure-threshold", "probe_failure_threshold", "9"),
+    ("--shutdown-timeout", "--shutdown-timeout-s", "shutdown_timeout_s", "12"),
+]
+
+
+def env_name(flag: str) -> str:
+    return "DPSERVE_" + flag[2:].upper().replace("-", "_")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for old, new, _, _ in RENAMED:
+        monkeypatch.delenv(env_name(old), raising=False)
+        monkeypatch.delenv(env_name(new), raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("old, new, name, value", RENAMED)
+@pytest.mark.parametrize("command", ["serve", "head", "worker"])
+def test_old_spellings_still_work_and_are_reported(clean_env, command, old, new, name, value):
+    opts, names, used = parse(command, [old, value])
+    assert str(opts[name]) == str(type(opts[name])(value)) and name in names
+    assert used == [(old, new)]
+    clean_env.setenv(env_name(old), value)
+    opts, names, used = parse(command, [])
+    assert str(opts[name]) == str(type(opts[name])(value)) and used == [(env_name(old), env_name(new))]
+    # the new spelling wins over the old one from the same place; the command line over the environment
+    clean_env.setenv(env_name(new), "1")
+    assert str(parse(command, [])[0][name]) == str(type(opts[name])("1"))
+    assert str(parse(command, [old, value])[0][name]) == str(type(opts[name])(value))
+
+
+def test_old_spellings_are_hidden_from_help():
     from dpserve.daemons.cli.main import main
 
-    for name in ("DPSERVE_SHUTDOWN_TIMEOUT_S", "DPSERVE_SHUTDOWN_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert main.commands["serve"].make_context("serve", []).params["shutdown_timeout"] == expected
+    for command in ("serve", "head", "worker"):
+        text = CliRunner().invoke(main, [command, "--help"], terminal_width=200).output
+        for old, new, _, _ in RENAMED:
+            assert new in text and f"{old} " not in text, (command, old)
+
+
+def test_an_old_spelling_logs_a_deprecation_line_naming_the_new_flag(tmp_path):
+    """The journal line (warning priority, <4>) is written before the configuration is checked."""
+    env = {**os.environ, "DPSERVE_DP_SUPERVISOR_PROBE_TIMEOUT_S": "2"}
+    run = subprocess.run(
+        [sys.executable, "-m", "dpserve.daemons.cli.main", "serve", str(tmp_path / "missing"), "--shutdown-timeout", "3"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert run.returncode == 2, run.stderr
+    warnings = [line for line in run.stderr.splitlines() if line.startswith("<4>")]
+    assert any("--shutdown-timeout is deprecated" in w and "use --shutdown-timeout-s" in w for w in warnings), run.stderr
+    assert any("DPSERVE_DP_SUPERVISOR_PROBE_TIMEOUT_S is deprecated" in w and "DPSERVE_SUPERVISOR_PROBE_TIMEOUT_S" in w for w in warnings), run.stderr
+
+
+def test_only_what_the_user_gave_counts_as_given(clean_env):
+    opts, names, _ = parse("serve", ["--port", "8000"])  # the default's value, but given
+    assert "port" in names and "host" not in names
+    clean_env.setenv("DPSERVE_HOST", "0.0.0.0")
+    assert "host" in parse("serve", [])[1]
+
+
+def test_an_environment_error_names_the_variable(monkeypatch):
+    from dpserve.daemons.cli.main import main
+
+    monkeypatch.setenv("DPSERVE_DATA_PARALLEL_SIZE", "0")
+    result = CliRunner().invoke(main, ["serve"])
+    assert result.exit_code == 2 and "'DPSERVE_DATA_PARALLEL_SIZE'" in result.output, result.output
+    monkeypatch.delenv("DPSERVE_DATA_PARALLEL_SIZE")
+    result = CliRunner().invoke(main, ["serve", "-dp", "0"])
+    assert result.exit_code == 2 and "'--data-parallel-size'" in result.output and "DPSERVE_" not in result.output
+
+
+def test_serve_takes_the_one_node_head_options(model_dir, clean_env):
+    from dpserve.daemons.cli.main import main
+
+    opts, names, _ = parse("serve", ["--min-ready-ranks", "2", "-dp", "3"])
+    assert opts["min_ready_ranks"] == 2 and "min_ready_ranks" in names
+    # the engine channels' ports are TCP ports: Ray's, as --data-parallel-rpc-port
+    result = CliRunner().invoke(main, ["serve", model_dir, "--data-parallel-api-rpc-port-base", "30000"])
+    assert result.exit_code == 2 and "--data-parallel-api-rpc-port-base apply to --data-parallel-backend ray only" in result.output
+
+
+def test_help_says_what_a_zero_default_means():
+    from dpserve.daemons.cli.main import main
+
+    text = " ".join(CliRunner().invoke(main, ["serve", "--help"], terminal_width=200).output.split())
+    assert "--block-size INTEGER RANGE Tokens per KV-cache block. [default: (0 = the engine's own: 16 native" in text
+    assert "%%" not in text and "40% of available memory" in text
+
+
+def test_a_headless_worker_runs_no_api_server_whatever_the_count(model_dir, key_file):
+    import structlog
+    from dpserve.daemons.cli.main import _build_config
+
+    opts, names, _ = parse("worker", [model_dir, "-dp", "4", "-dpl", "2", "-dpr", "2", "--headless", "--api-server-count", "2",
+                                      "--data-parallel-key-file", key_file])
+    opts.pop("ports_file")
+    worker = _build_config("worker", model_dir, opts, names, structlog.get_logger())
+    worker.validate()
+    assert worker.api_server_count == 0
+
+
+def test_each_child_gets_the_node_settings_it_shares_by_name(model_dir):
+    """Child configs are filtered from ServeConfig: a setting given to the node reaches every child that has it."""
+    import socket
+
+    import msgspec
+    from dpserve.daemons.config import ApiServerConfig, CoordinatorConfig
+    from dpserve.daemons.supervisor.plan import plan_children
+    from dpserve.engine.common.config import EngineProcessConfig
+
+    node = cfg(model_dir, data_parallel_size=2, api_server_count=2, max_num_seqs=7, block_size=32, seed=5, log_level="debug",
+               http_max_connections=99, shutdown_timeout_s=3.5, lb_policy="queue", api_key="k", engine_args={})
+    with socket.create_server(("127.0.0.1", 0)) as listen:
+        children = {c.name: c for c in plan_children(node, Addresses.for_node(node, "/run/x", "127.0.0.1"), [listen], 256, 0.5)}
+    assert sorted(children) == ["api-0", "api-1", "coordinator", "engine-dp0", "engine-dp1"]
+    api = msgspec.json.decode(children["api-1"].config_json, type=ApiServerConfig)
+    assert (api.http_max_connections, api.shutdown_timeout_s, api.lb_policy, api.api_key, api.log_level) == (99, 3.5, "queue", "k", "debug")
+    assert (api.max_model_len, api.model_dir, api.index, api.eligible_ranks) == (256, model_dir, 1, [0, 1])
+    engine = msgspec.json.decode(children["engine-dp1"].config_json, type=EngineProcessConfig)
+    assert (engine.engine.max_num_seqs, engine.engine.block_size, engine.engine.seed, engine.engine.max_model_len) == (7, 32, 5, 256)
+    assert (engine.engine.rank, engine.engine.local_rank, engine.engine.num_local_ranks, engine.log_level) == (1, 1, 2, "debug")
+    coord = msgspec.json.decode(children["coordinator"].config_json, type=CoordinatorConfig)
+    assert (coord.data_parallel_size, coord.stale_after_s, coord.heartbeat_interval_s) == (2, 15.0, 0.5)

