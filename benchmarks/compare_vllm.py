@@ -27,34 +27,20 @@ Figures and ratios are printed, never asserted.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+# ruff: noqa: E402 (the imports below need the path set first)
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.load import LoadConfig  # noqa: E402
-from benchmarks.nodes import (  # noqa: E402
-    DEFAULT_VLLM_VENV,
-    DpNode,
-    Measured,
-    VllmNode,
-    ensure_demo_model,
-    exit_on_sigterm,
-    fmt,
-    load_average,
-    machine_info,
-    measure_sync,
-    ratio,
-    render,
-    vllm_python,
-)
-from benchmarks.suite import Workload  # noqa: E402
+from benchmarks.common import begin, ensure_demo_model, fmt, load_average, parser, ratio, render, vllm_venv_or_say_why
+from benchmarks.load import LoadConfig
+from benchmarks.nodes import DpNode, Measured, VllmNode, measure_sync
+from benchmarks.suite import Workload
 
 WORKLOADS = [
     Workload("mt1_c32", 1, False, 32),
@@ -168,10 +154,7 @@ def to_json(info: dict, pairs: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-venv", default=None,
-                   help=f"vLLM's venv (default: $DPSERVE_VLLM_VENV or {DEFAULT_VLLM_VENV})")
+    p = parser(__doc__, model_dir=True, json=True, vllm_venv=True)
     p.add_argument("--quick", action="store_true", help="1 s warm-up + 3 s windows, api-server-count 1 only")
     p.add_argument("--api-counts", default=None, help="api-server counts to compare (default 1,2; quick 1)")
     p.add_argument("--rounds", type=int, default=1, help="passes over the workloads (medians are reported)")
@@ -183,20 +166,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-words", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--vllm-dtype", default="bfloat16")
-    p.add_argument("--model-dir", default=None, help="demo model dir (default: a cache dir; built if missing)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    exit_on_sigterm()
+    args, run = begin(p, argv)
 
-    venv = args.vllm_venv or None
-    py = vllm_python(venv)
-    shown = venv or __import__("os").environ.get("DPSERVE_VLLM_VENV") or DEFAULT_VLLM_VENV
-    if py is None:
-        print(f"vLLM is not installed in {shown} (no bin/vllm, or `import vllm` fails): skipping the comparison. "
-              f"Install it with benchmarks/setup_vllm.sh {shown}, or pass --vllm-venv.")
+    venv = vllm_venv_or_say_why(args.vllm_venv)
+    if venv is None:
         return 0
-    venv = str(Path(py).parents[1])
     args.duration = args.duration or (3.0 if args.quick else 10.0)
     args.warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 2.0)
     counts = [int(x) for x in (args.api_counts or ("1" if args.quick else "1,2")).split(",")]
@@ -205,12 +180,10 @@ def main(argv=None) -> int:
         keep = set(args.workloads.split(","))
         wls = [w for w in WORKLOADS if w.key in keep]
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
+    log = run.log
 
     model = ensure_demo_model(args.model_dir)
-    info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "machine": machine_info(), "argv": sys.argv[1:], "model_dir": model, "vllm_venv": venv,
+    info = {**run.info(), "model_dir": model, "vllm_venv": venv,
             "duration_s": args.duration, "warmup_s": args.warmup, "rounds": args.rounds,
             "dtype": {"dpserve": "float32 (default on CPU)", "vllm": args.vllm_dtype}}
     log(f"dpserve vs vLLM {info['date']}: {info['machine']['nproc']} CPUs ({info['machine']['cpu_model']}), "

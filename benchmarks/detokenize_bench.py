@@ -1,7 +1,7 @@
 """Micro-benchmark of the API server's per-token text cost, before and after the
 detokenizer moved to tokenizers' DecodeStream primed with the prompt (issue 13).
 
-Usage: python benchmarks/detokenize_bench.py
+Usage: .venv/bin/python benchmarks/detokenize_bench.py [bytelevel|metaspace ...]
 For each demo tokenizer family (byte-level BPE, and Metaspace with byte fallback,
 written by engine/demo_model.py without torch) it prints microseconds per output token:
   before  the hand-written window detokenizer started without the prompt (what the API
@@ -17,10 +17,16 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from dpserve.daemons.api.detokenizer import IncrementalDetokenizer, _WindowDetokenizer, decode_continuation
-from dpserve.daemons.api.tokenizer import TextTokenizer
-from dpserve.engine.testing.demo_model import TOKENIZERS, write_tokenizer
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dpserve.daemons.api.detokenizer import IncrementalDetokenizer, _WindowDetokenizer, decode_continuation  # noqa: E402
+from dpserve.daemons.api.tokenizer import TextTokenizer  # noqa: E402
+from dpserve.engine.testing.demo_model import TOKENIZERS, write_tokenizer  # noqa: E402
+
+from benchmarks.common import begin, parser  # noqa: E402
 
 PROMPT = "Write a short answer about the river and the mountain, then say hello to the world."
 ANSWER = (
@@ -71,8 +77,13 @@ def bench(kind: str) -> None:
         print(f"  {label:24s} before {b:6.2f} us/token   after {a:6.2f} us/token   ({b / a:4.1f}x)")
 
 
-def main() -> None:
-    for kind in sys.argv[1:] or TOKENIZERS:
+def main(argv=None) -> None:
+    p = parser(__doc__)
+    p.add_argument("kinds", nargs="*", metavar="KIND", help=f"tokenizer families to measure: {', '.join(TOKENIZERS)} (default: all)")
+    args, _ = begin(p, argv)
+    if unknown := [k for k in args.kinds if k not in TOKENIZERS]:
+        p.error(f"unknown tokenizer family {', '.join(unknown)} (one of {', '.join(TOKENIZERS)})")
+    for kind in args.kinds or TOKENIZERS:
         bench(kind)
 
 

@@ -24,7 +24,6 @@ Figures are printed, never asserted. Parts (--only):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -38,8 +37,9 @@ if __package__ in (None, ""):
 
 import aiohttp  # noqa: E402
 
+from benchmarks.common import DEFAULT_VLLM_VENV, begin, machine_info, parser, vllm_python  # noqa: E402
 from benchmarks.load import LoadConfig, run_load_sync  # noqa: E402
-from benchmarks.nodes import DEFAULT_VLLM_VENV, SERVED_MODEL, DpNode, VllmNode, exit_on_sigterm, machine_info, vllm_python  # noqa: E402
+from benchmarks.nodes import SERVED_MODEL, DpNode, VllmNode  # noqa: E402
 
 
 def small_model_dir(given: str | None) -> str:
@@ -245,15 +245,14 @@ def long_and_mixed(model: str, parts: set[str], results: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model")
     ap.add_argument("--vllm-venv")
     ap.add_argument("--only", nargs="*", default=["throughput", "stall", "long", "mixed"])
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--servers", nargs="*", default=["dpserve dp1", "dpserve dp1 2 threads", "dpserve dp2", "vllm-cpu", "vllm-cpu float32"])
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    exit_on_sigterm()
+    args, _ = begin(ap, None)
     parts = set(args.only)
     model = small_model_dir(args.model)
     results: dict = {"machine": machine_info(), "model": model}

@@ -74,11 +74,17 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import render  # noqa: E402
 
 __all__ = [
     "LoadConfig",
@@ -738,16 +744,7 @@ def format_table(results: Sequence[tuple[str, LoadResult]]) -> str:
         row("per rank", lambda r: " ".join(f"{k}:{v}" for k, v in r.per_rank.items()) or "-")
     row("client CPU us/req", lambda r: _f(r.client_cpu_us_per_req, 0))
 
-    header = [""] + [label for label, _ in results]
-    table = [header] + [[name] + vals for name, vals in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    out = []
-    for j, line in enumerate(table):
-        cells = [line[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(line[1:], widths[1:])]
-        out.append("  ".join(cells).rstrip())
-        if j == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return render([""] + [label for label, _ in results], [[name] + vals for name, vals in rows])
 
 
 # ----------------------------------------------------------------- CLI

@@ -1,6 +1,7 @@
 """Servers the benchmarks start, measure and stop: dpserve nodes and vLLM.
 
-Owns process lifecycles (own session per server, loopback only, ports from the
+Run with the venv's Python; this module is a library (benchmarks/common.py has
+the shared preamble). Owns process lifecycles (own session per server, loopback only, ports from the
 kernel), readiness timing, and the psutil view of each server's API-server
 processes (CPU seconds, RSS). Every process started here is stopped by
 process group, even when the benchmark fails; nothing here asserts figures.
@@ -27,10 +28,24 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.load import LoadConfig, LoadResult, run_load
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_VLLM_VENV = "/work/vllm-venv"
+# The preamble's helpers are imported from here too (profile_api.py, hotpath_bench.py).
+from benchmarks.common import (  # noqa: E402, F401
+    DEFAULT_VLLM_VENV,
+    ROOT,
+    ensure_demo_model,
+    exit_on_sigterm,
+    fmt,
+    load_average,
+    machine_info,
+    ratio,
+    render,
+    vllm_python,
+)
+from benchmarks.load import LoadConfig, LoadResult, run_load  # noqa: E402
+
 SERVED_MODEL = "demo"
 # vLLM's fastest single-node configuration on the 2-core machine (ANCHORS.md).
 VLLM_ENV = {
@@ -54,16 +69,6 @@ def _stop_leftovers() -> None:
         server.stop(timeout=5)
 
 
-def exit_on_sigterm() -> None:
-    """Turn SIGTERM (e.g. from `timeout`) into SystemExit, so that `finally`
-    blocks and the atexit hook stop every server this process started."""
-
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -76,17 +81,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def ensure_demo_model(directory: str | None = None) -> str:
-    """The demo model via `dpserve demo-model DIR` (a no-op once it is complete)."""
-    if directory is None:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        directory = os.path.join(base, "dpserve-bench", "demo-model")
-    if not os.path.isfile(os.path.join(directory, "model.safetensors")):
-        subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "demo-model", directory],
-                       check=True, stdout=subprocess.DEVNULL)
-    return os.path.abspath(directory)
 
 
 def code_tree_env(tree: str, into: str | None = None) -> dict:
@@ -107,24 +101,6 @@ def code_tree_env(tree: str, into: str | None = None) -> dict:
             os.symlink(os.path.join(tree, sub), link)
     extra = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": into + (os.pathsep + extra if extra else "")}
-
-
-def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
-
-
-def machine_info() -> dict:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"nproc": os.cpu_count(), "cpu_model": model,
-            "mem_gib": round(psutil.virtual_memory().total / 2**30, 1), "loadavg": load_average()}
 
 
 # ----------------------------------------------------------------- processes
@@ -350,17 +326,6 @@ class BaselineNode(Server):
         return [psutil.Process(self.proc.pid)]
 
 
-def vllm_python(venv: str | None) -> str | None:
-    """The vLLM venv's python if vLLM is installed there, else None."""
-    venv = venv or os.environ.get("DPSERVE_VLLM_VENV") or DEFAULT_VLLM_VENV
-    py = os.path.join(venv, "bin", "python")
-    if not os.path.isfile(os.path.join(venv, "bin", "vllm")) or not os.access(py, os.X_OK):
-        return None
-    probe = subprocess.run([py, "-c", "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('vllm') else 1)"],
-                           capture_output=True, timeout=60)
-    return py if probe.returncode == 0 else None
-
-
 class VllmNode(Server):
     """`vllm serve` (CPU build) in its own venv; ready when /health and /v1/models answer 200."""
 
@@ -486,23 +451,8 @@ def measure_sync(server: Server, cfg: LoadConfig, label: str = "", bystanders: S
         loop.close()
 
 
-def fmt(v: float | None, nd: int = 1) -> str:
-    return "-" if v is None else f"{v:,.{nd}f}"
+if __name__ == "__main__":
+    from benchmarks.common import parser
 
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
-def render(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    table = [list(header)] + [list(r) for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    out = []
-    for j, line in enumerate(table):
-        cells = [line[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(line[1:], widths[1:])]
-        out.append("  ".join(cells).rstrip())
-        if j == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    parser(__doc__, prog="benchmarks/nodes.py").parse_args()
+    print(__doc__)

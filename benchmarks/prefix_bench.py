@@ -26,7 +26,6 @@ Per run: TTFT p50/p90, output tok/s (usage), prompt tokens served from cache
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -40,15 +39,8 @@ if __package__ in (None, ""):
 
 import aiohttp  # noqa: E402
 
-from benchmarks.nodes import (  # noqa: E402
-    DEFAULT_VLLM_VENV,
-    SERVED_MODEL,
-    DpNode,
-    VllmNode,
-    exit_on_sigterm,
-    load_average,
-    vllm_python,
-)
+from benchmarks.common import DEFAULT_VLLM_VENV, begin, load_average, parser, vllm_python  # noqa: E402
+from benchmarks.nodes import SERVED_MODEL, DpNode, VllmNode  # noqa: E402
 
 ANSWER_TOKENS = 32
 USER_TOKENS = 48
@@ -134,7 +126,7 @@ def servers(args, model_dir: str) -> list[tuple[str, object]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", help="model directory (default: the 135M-class random-weight model, built once)")
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=6)
@@ -142,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-venv", default=None, help=f"also vLLM's rows (e.g. {DEFAULT_VLLM_VENV})")
     ap.add_argument("--quick", action="store_true", help="8 conversations x 3 turns, 300-token system prompt, the demo model")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    exit_on_sigterm()
+    args, _ = begin(ap, argv)
     if args.quick:
         args.conversations, args.turns, args.system_tokens = 8, 3, 300
     model_dir = args.model

@@ -20,7 +20,6 @@ within 10% (Ray must not sit on the request path).
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 import sys
@@ -29,20 +28,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import begin, ensure_demo_model, fmt, load_average, machine_info, parser, ratio, render  # noqa: E402
 from benchmarks.load import LoadConfig  # noqa: E402
-from benchmarks.nodes import (  # noqa: E402
-    SERVED_MODEL,
-    DpNode,
-    Server,
-    ensure_demo_model,
-    exit_on_sigterm,
-    fmt,
-    load_average,
-    machine_info,
-    measure_sync,
-    ratio,
-    render,
-)
+from benchmarks.nodes import SERVED_MODEL, DpNode, Server, measure_sync  # noqa: E402
 from tests.raycluster import LOOPBACK_ENV, RayTestCluster  # noqa: E402
 from tests.server import free_port_run  # noqa: E402
 
@@ -119,15 +107,14 @@ def run_ray(model_dir: str, cluster: RayTestCluster, load: LoadConfig, api: int)
 
 
 def main() -> int:
-    exit_on_sigterm()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--api-server-count", type=int, default=2)
     ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
-    args = ap.parse_args()
+    args, _ = begin(ap, None)
     model_dir = args.model or ensure_demo_model()
     tmp = tempfile.mkdtemp(prefix="ray-bench-")
     key_file = os.path.join(tmp, "dp.key")

@@ -8,6 +8,10 @@ with their real configs through the child-config environment) plus
 No model and no torch anywhere: the API servers read only the demo
 tokenizer. `stop()` ends every process it started, by pid, even after a
 failure (use it as a context manager).
+
+As a script (with the venv's Python) it starts such a cluster, prints its URL,
+and serves until interrupted (or for --seconds):
+    .venv/bin/python benchmarks/simcluster.py --ranks 64 --api-servers 4
 """
 
 from __future__ import annotations
@@ -25,11 +29,17 @@ from pathlib import Path
 
 import msgspec
 import zmq
-from dpserve.daemons.config import ApiServerConfig, CoordinatorConfig
-from dpserve.daemons.supervisor.launcher import LauncherConfig, LaunchReply, LaunchRequest
-from dpserve.engine.common.procutil import CHILD_CONFIG_ENV, become_subreaper
-from dpserve.engine.common.protocol import ChildReady, Codec, ToSupervisor, config_fingerprint
-from dpserve.engine.testing.demo_model import write_tokenizer
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dpserve.daemons.config import ApiServerConfig, CoordinatorConfig  # noqa: E402
+from dpserve.daemons.supervisor.launcher import LauncherConfig, LaunchReply, LaunchRequest  # noqa: E402
+from dpserve.engine.common.procutil import CHILD_CONFIG_ENV, become_subreaper  # noqa: E402
+from dpserve.engine.common.protocol import ChildReady, Codec, ToSupervisor, config_fingerprint  # noqa: E402
+from dpserve.engine.testing.demo_model import write_tokenizer  # noqa: E402
+
+from benchmarks.common import begin, parser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -312,7 +322,7 @@ class SimCluster:
         """Children that reported ready to our stand-in supervisor socket."""
         while True:
             try:
-                msg = self._sup_codec.decode(self.supervisor.recv(zmq.NOBLOCK))
+                msg = self._sup_codec.decode_or_none(self.supervisor.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return self.ready
             if isinstance(msg, ChildReady):
@@ -363,3 +373,32 @@ class SimCluster:
             except OSError:
                 pass
         return total
+
+
+def main(argv=None) -> None:
+    p = parser(__doc__)
+    p.add_argument("--ranks", type=int, default=64)
+    p.add_argument("--api-servers", type=int, default=2)
+    p.add_argument("--ranks-per-process", type=int, default=64)
+    p.add_argument("--lb-policy", default="tokens")
+    p.add_argument("--decode-step-ms", type=float, default=10.0)
+    p.add_argument("--prefork", action="store_true", help="fork the API servers from dpserve's launcher, as `dpserve serve` does")
+    p.add_argument("--seconds", type=float, default=0.0, help="serve this long, then stop (0: until interrupted)")
+    args, run = begin(p, argv)
+    cluster = SimCluster(args.ranks, args.api_servers, args.ranks_per_process, lb_policy=args.lb_policy,
+                         decode_step_ms=args.decode_step_ms, prefork=args.prefork)
+    with cluster:
+        ready_s = cluster.wait_routable(args.ranks, timeout=120)
+        run.log(f"{args.ranks} simulated ranks behind {args.api_servers} API servers at {cluster.url} (routable in {ready_s:.1f} s)")
+        deadline = time.monotonic() + args.seconds if args.seconds else float("inf")
+        try:
+            while time.monotonic() < deadline:
+                cluster.check_alive()
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        except KeyboardInterrupt:
+            pass
+    run.log("stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -23,8 +23,6 @@ queue's. Figures are printed, never asserted.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import shutil
@@ -36,20 +34,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import begin, ensure_demo_model, fmt, load_average, parser, ratio, render  # noqa: E402
 from benchmarks.load import LoadConfig, make_prompts  # noqa: E402
-from benchmarks.nodes import (  # noqa: E402
-    DpNode,
-    Measured,
-    code_tree_env,
-    ensure_demo_model,
-    exit_on_sigterm,
-    fmt,
-    load_average,
-    machine_info,
-    measure_sync,
-    ratio,
-    render,
-)
+from benchmarks.nodes import DpNode, Measured, code_tree_env, measure_sync  # noqa: E402
 
 POLICIES = ("queue", "tokens", "round-robin")
 
@@ -81,8 +68,7 @@ def by_class(result, cut: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, model_dir=True, json=True)
     p.add_argument("--quick", action="store_true", help="1 round, 2 s warm-up + 10 s per policy")
     p.add_argument("--rounds", type=int, default=None, help="passes over the policies (default 2; quick 1)")
     p.add_argument("--duration", type=float, default=None, help="measured seconds per run (default 30; quick 10)")
@@ -97,17 +83,13 @@ def main(argv=None) -> int:
     p.add_argument("--long-tokens", type=int, default=1800)
     p.add_argument("--long-fraction", type=float, default=0.1, help="share of long prompts by count")
     p.add_argument("--omp-threads", default="1", help="OMP_NUM_THREADS for the node ('default': supervisor's choice)")
-    p.add_argument("--model-dir", default=None)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    exit_on_sigterm()
+    args, run = begin(p, argv)
     rounds = args.rounds or (1 if args.quick else 2)
     duration = args.duration or (10.0 if args.quick else 30.0)
     warmup = args.warmup if args.warmup is not None else (2.0 if args.quick else 5.0)
     policies = [x for x in args.policies.split(",") if x]
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
+    log = run.log
 
     model = ensure_demo_model(args.model_dir)
     max_len = json.loads(Path(model, "config.json").read_text())["max_position_embeddings"]
@@ -115,8 +97,7 @@ def main(argv=None) -> int:
     short_words, short_mean, short_max = words_for_tokens(model, args.short_tokens, max_len)
     mix = f"{short_words}:{1 - args.long_fraction},{long_words}:{args.long_fraction}"
     env = {} if args.omp_threads == "default" else {"OMP_NUM_THREADS": args.omp_threads}
-    info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "machine": machine_info(), "argv": sys.argv[1:], "model_dir": model, "prompt_mix_words": mix,
+    info = {**run.info(), "model_dir": model, "prompt_mix_words": mix,
             "short_tokens": {"mean": short_mean, "max": short_max},
             "long_tokens": {"mean": long_mean, "max": long_max}, "max_model_len": max_len,
             "dp": args.dp, "concurrency": args.concurrency, "max_tokens": args.max_tokens,

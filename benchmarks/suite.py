@@ -26,8 +26,6 @@ Figures are printed, never asserted.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -38,20 +36,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import begin, ensure_demo_model, fmt, load_average, parser, ratio, render  # noqa: E402
 from benchmarks.load import LoadConfig  # noqa: E402
-from benchmarks.nodes import (  # noqa: E402
-    BaselineNode,
-    DpNode,
-    Measured,
-    ensure_demo_model,
-    exit_on_sigterm,
-    fmt,
-    load_average,
-    machine_info,
-    measure_sync,
-    ratio,
-    render,
-)
+from benchmarks.nodes import BaselineNode, DpNode, Measured, measure_sync  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -236,8 +223,7 @@ def to_json(info: dict, entries: list[dict], baseline: dict | None, times: dict)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, model_dir=True)
     p.add_argument("--quick", action="store_true",
                    help="short windows (1 s warm-up + 3 s), dp1/api1 and dp1/api2, ready times for 1 and 8")
     p.add_argument("--configs", default=None, help="DP/API pairs, e.g. 1/1,1/2,2/2 (the default)")
@@ -254,11 +240,9 @@ def main(argv=None) -> int:
                    help="OMP_NUM_THREADS for dpserve's children (default 1, as vLLM's best CPU config; "
                         "'default' keeps the supervisor's own choice)")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `dpserve serve` argument (repeatable)")
-    p.add_argument("--model-dir", default=None, help="demo model dir (default: a cache dir; built if missing)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
-    args = p.parse_args(argv)
-    exit_on_sigterm()
+    args, run = begin(p, argv)
     quick = args.quick
     args.duration = args.duration or (3.0 if quick else 10.0)
     args.warmup = args.warmup if args.warmup is not None else (1.0 if quick else 2.0)
@@ -267,12 +251,10 @@ def main(argv=None) -> int:
     repeats = args.ready_repeats or (1 if quick else 2)
     wls = workloads([int(x) for x in args.stream_concurrency.split(",")])
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
+    log = run.log
 
     model = ensure_demo_model(args.model_dir)
-    info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "machine": machine_info(), "argv": sys.argv[1:], "model_dir": model,
+    info = {**run.info(), "model_dir": model,
             "omp_threads": args.omp_threads, "duration_s": args.duration, "warmup_s": args.warmup,
             "prompt_words": args.prompt_words}
     log(f"dpserve suite {info['date']}: {info['machine']['nproc']} CPUs ({info['machine']['cpu_model']}), "

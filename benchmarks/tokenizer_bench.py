@@ -1,6 +1,6 @@
 """Micro-benchmark of the API server's text hot paths: prompt encode, streaming detokenization.
 
-Usage: python benchmarks/tokenizer_bench.py [MODEL_DIR]
+Usage: .venv/bin/python benchmarks/tokenizer_bench.py [MODEL_DIR]
 Without MODEL_DIR a byte-level BPE tokenizer (4k vocab) is trained into a temp dir first.
 Prints microseconds per call / per token; nothing here imports torch or transformers.
 """
@@ -14,9 +14,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from dpserve.daemons.api.detokenizer import IncrementalDetokenizer, StopChecker
-from dpserve.daemons.api.tokenizer import TextTokenizer
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dpserve.daemons.api.detokenizer import IncrementalDetokenizer, StopChecker  # noqa: E402
+from dpserve.daemons.api.tokenizer import TextTokenizer  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+
+from benchmarks.common import begin, parser  # noqa: E402
 
 SHORT_PROMPT = "Write a haiku about the ocean at night, then translate it into French."
 STREAM_TEXT = (
@@ -59,9 +64,12 @@ def per_call_us(fn, calls: int) -> float:
     return best * 1e6
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    p = parser(__doc__)
+    p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR", help="a model folder with tokenizer.json (default: train one)")
+    args, _ = begin(p, argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else build_tokenizer_dir(Path(tmp))
+        model_dir = Path(args.model_dir) if args.model_dir else build_tokenizer_dir(Path(tmp))
         tok = TextTokenizer.from_dir(model_dir)
     stream = tok.encode(STREAM_TEXT, add_special_tokens=False)[:256]
     assert len(stream) == 256, len(stream)

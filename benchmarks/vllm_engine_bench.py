@@ -48,8 +48,6 @@ dpserve / vLLM are printed (issue 15's target: >= 1.2x at DP 2, never below
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import statistics
@@ -58,25 +56,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# ruff: noqa: E402 (the imports below need the path set first)
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.load import LoadConfig  # noqa: E402
-from benchmarks.nodes import (  # noqa: E402
-    DEFAULT_VLLM_VENV,
-    DpNode,
-    Server,
-    VllmNode,
-    ensure_demo_model,
-    exit_on_sigterm,
-    fmt,
-    load_average,
-    machine_info,
-    measure_sync,
-    ratio,
-    render,
-    vllm_python,
-)
+from benchmarks.common import begin, ensure_demo_model, fmt, load_average, parser, ratio, render, vllm_venv_or_say_why
+from benchmarks.load import LoadConfig
+from benchmarks.nodes import DpNode, Server, VllmNode, measure_sync
 
 MAX_MODEL_LEN = 512
 DTYPE = "bfloat16"
@@ -239,10 +225,7 @@ def to_json(info: dict, pairs: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--vllm-venv", default=None,
-                   help=f"venv with vLLM and dpserve (default: $DPSERVE_VLLM_VENV or {DEFAULT_VLLM_VENV})")
+    p = parser(__doc__, json=True, vllm_venv=True)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model only, 1 s warm-up + 4 s windows")
     p.add_argument("--models", default=None, help="tiny,small (default both; --quick: tiny)")
     p.add_argument("--dps", default="1,2", help="DP sizes (api-server-count equal) (default %(default)s)")
@@ -256,28 +239,20 @@ def main(argv=None) -> int:
     p.add_argument("--small-model", default=None, help="135M-class model dir (default: a cache dir; built if missing)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="per server start (s); vLLM compiles on first start")
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs (paths printed)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
-    args = p.parse_args(argv)
-    exit_on_sigterm()
+    args, run = begin(p, argv)
 
-    py = vllm_python(args.vllm_venv)
-    shown = args.vllm_venv or os.environ.get("DPSERVE_VLLM_VENV") or DEFAULT_VLLM_VENV
-    if py is None:
-        print(f"vLLM is not installed in {shown} (no bin/vllm, or `import vllm` fails): skipping. "
-              f"Install it with benchmarks/setup_vllm.sh {shown}, or pass --vllm-venv.")
+    venv = vllm_venv_or_say_why(args.vllm_venv)
+    if venv is None:
         return 0
-    venv = str(Path(py).parents[1])
     keys = (args.models or ("tiny" if args.quick else "tiny,small")).split(",")
     unknown = [k for k in keys if k not in MODELS]
     if unknown:
         p.error(f"--models: unknown {', '.join(unknown)} (tiny, small)")
     dps = [int(x) for x in args.dps.split(",")]
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
+    log = run.log
 
-    info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine_info(),
-            "argv": sys.argv[1:], "vllm_venv": venv, "rounds": args.rounds, "prompt_words": args.prompt_words,
+    info = {**run.info(), "vllm_venv": venv, "rounds": args.rounds, "prompt_words": args.prompt_words,
             "settings": {"max_model_len": MAX_MODEL_LEN, "dtype": DTYPE, "sched": SCHED_ARGS, "env": ENGINE_ENV,
                          "dpserve_kv_cache_memory_bytes_per_rank": KV_BYTES_PER_RANK}}
     log(f"dpserve --engine vllm vs vllm serve, {info['date']}: {info['machine']['nproc']} CPUs "

@@ -51,3 +51,12 @@ def test_a_stopped_test_server_leaves_no_temporary_folder_and_keeps_its_log(tmp_
     never = DpServer(str(tmp_path))
     never.stop()
     assert not os.path.exists(never.tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "benchmarks").glob("*.py") if p.name != "__init__.py"))
+def test_every_benchmark_answers_help(script):
+    """Run as the README says (the venv's Python, from the repository root)."""
+    result = subprocess.run([sys.executable, f"benchmarks/{script}", "--help"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("usage:"), result.stdout[:500]
