@@ -235,3 +235,29 @@ def test_each_child_gets_the_node_settings_it_shares_by_name(model_dir):
     assert (engine.engine.rank, engine.engine.local_rank, engine.engine.num_local_ranks, engine.log_level) == (1, 1, 2, "debug")
     coord = msgspec.json.decode(children["coordinator"].config_json, type=CoordinatorConfig)
     assert (coord.data_parallel_size, coord.stale_after_s, coord.heartbeat_interval_s) == (2, 15.0, 0.5)
+
+
+def test_the_readme_options_table_matches_serve_help():
+    """Every flag of the README's table is a visible `dpserve serve` option, and its default column is what --help shows."""
+    from pathlib import Path
+
+    from dpserve.daemons.cli.main import main
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("| option | default | meaning |"):].split("\n\n")[0].splitlines()[2:]
+    serve = main.commands["serve"]
+    ctx = serve.make_context("serve", [], resilient_parsing=True)
+    by_flag = {opt: param for param in serve.params for opt in param.opts}
+    assert len(table) > 30
+    for row in table:
+        flags, default = row.split(" | ")[0:2]
+        flag = flags.strip("| ").split(",")[0].strip("`")
+        param = by_flag[flag]
+        assert not param.hidden, flag
+        shows = param.show_default if isinstance(param.show_default, str) else param.get_default(ctx)
+        if shows is None or shows == "":
+            assert default == "none", (flag, default)
+        elif isinstance(shows, (int, float)) and not isinstance(shows, bool):
+            assert float(default) == shows, (flag, default, shows)
+        else:
+            assert default == str(shows), (flag, default, shows)
