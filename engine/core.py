@@ -55,6 +55,8 @@ class EngineCore:
     stop_token_id None); the API server decides whether to show it.
     """
 
+    on_progress: Callable[[], None] | None = None  # called from inside long steps (liveness)
+
     def __init__(self, config: EngineConfig) -> None:
         self._setup(config, load_model(config))
 
@@ -102,7 +104,7 @@ class EngineCore:
         self.sampler = Sampler(loaded.eos_token_ids, generator)
         self._requests: dict[str, Sequence] = {}
         self._last_step_ms = 0.0
-        self.on_progress: Callable[[], None] | None = None  # called from inside long steps (liveness)
+        self.on_progress = None
         self.num_step_errors = 0
         # llguidance's view of the vocabulary, built in the background from the
         # start: built on a structured-output request's arrival it held the

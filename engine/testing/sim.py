@@ -6,10 +6,11 @@ control-plane tests and the cluster-size benchmark can run hundreds of ranks
 on two cores (`dpserve sim-engine`, benchmarks/cluster_bench.py). It must
 never import torch or transformers.
 
-What is real: every socket and message an engine rank uses (EngineRegister
--> RegisterReply, ApiServerList, PleaseRegister, EngineReady, LoadReports on
-change and as heartbeats, EngineHello on every API-server (re)connection,
-AddRequest / AbortRequests / Ping in, EngineOutputs / Pong / EngineDead out).
+What is real: every socket and message an engine rank uses, through the real
+rank's own RankIO (engine/rank/io.py): EngineRegister -> RegisterReply,
+ApiServerList, PleaseRegister, EngineReady, LoadReports on change and as
+heartbeats, EngineHello on every API-server (re)connection, AddRequest /
+AbortRequests / Ping in, EngineOutputs / Pong / EngineDead out.
 What is simulated: the model. Each rank keeps a FIFO waiting queue and up to
 `max_num_seqs` running sequences; a step every `decode_step_ms` prefills up
 to prefill_tokens_per_s x step of waiting prompts (a prompt's first token
@@ -18,51 +19,28 @@ token; a sequence ends at max_tokens ("length") or on one of its
 stop_token_ids ("stop"). Ranks in one process share one poll loop and one
 step clock (all busy ranks step together), and send their periodic reports
 together, so that a process of 32 idle ranks x 32 API servers wakes ~10 times
-a second; a rank's sockets are its own, as in a real rank process.
+a second; a rank's sockets are its own, as in a real rank process. Each
+rank's model is a SimCore, a RankEngine like the real engines.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import socket
 import sys
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterable
 
 import msgspec
 import zmq
 from dpserve.engine.common.auth import CurveKeys
+from dpserve.engine.common.logs import setup_logging
 from dpserve.engine.common.procutil import die_with_parent, raise_fd_limit
-from dpserve.engine.common.protocol import (
-    FINISH_LENGTH,
-    FINISH_STOP,
-    AbortRequests,
-    AddRequest,
-    ApiServerList,
-    Codec,
-    CoordinatorInput,
-    CoordinatorToEngine,
-    EngineDead,
-    EngineHello,
-    EngineInput,
-    EngineOutputs,
-    EngineReady,
-    EngineRegister,
-    EngineToApi,
-    LoadReport,
-    Ping,
-    PleaseRegister,
-    Pong,
-    RegisterReply,
-    RequestOutput,
-)
-from dpserve.engine.common.sockets import make_socket
+from dpserve.engine.common.protocol import FINISH_LENGTH, FINISH_STOP, AbortRequests, AddRequest, RequestOutput
+from dpserve.engine.rank.io import COORDINATOR, LOAD_REPORT_MIN_INTERVAL_S, REFUSED, REGISTER_RETRY_S, WELCOMED, RankIO
 
-LOAD_REPORT_MIN_INTERVAL_S = 0.002  # as the real engine
-REGISTER_RETRY_S = 2.0
 GREET_CHECK_S = 1.0  # how often reconnections are looked for (a re-greeting's delay at most)
 
 
@@ -81,11 +59,10 @@ class SimConfig(msgspec.Struct, kw_only=True):
 
 
 class _Seq:
-    __slots__ = ("request_id", "owner", "prefill_left", "max_tokens", "num_generated", "stop_ids", "first")
+    __slots__ = ("request_id", "prefill_left", "max_tokens", "num_generated", "stop_ids", "first")
 
-    def __init__(self, req: AddRequest, owner: int) -> None:
+    def __init__(self, req: AddRequest) -> None:
         self.request_id = req.request_id
-        self.owner = owner
         self.prefill_left = len(req.prompt_token_ids)
         self.max_tokens = req.params.max_tokens
         self.num_generated = 0
@@ -93,126 +70,56 @@ class _Seq:
         self.first = req.prompt_token_ids[0] if req.prompt_token_ids else 0
 
 
-class SimRank:
-    """One simulated rank: its sockets, its queues, its load. Driven by SimEngine's loop.
+class SimCore:
+    """The simulated model of one rank, behind the RankEngine interface.
 
-    Invariant: every request in `waiting` or `running` came from API server
-    `owner` and gets exactly one finishing output unless aborted.
+    Invariant: `by_id` holds exactly the sequences in `waiting` and `running`;
+    each gets exactly one finishing output unless aborted.
     """
 
-    def __init__(self, eng: SimEngine, rank: int) -> None:
-        self.eng = eng
-        self.cfg = eng.cfg
-        self.rank = rank
-        self.incarnation = uuid.uuid4().hex[:12]
-        ctx = eng.ctx
-        self.coordinator = make_socket(
-            ctx, zmq.DEALER, eng.keys, connect=self.cfg.coordinator_address,
-            identity=f"engine-{rank}-{self.incarnation}".encode(), reconnect_ms=(100, 2000),
-        )
-        eng.watch(self.coordinator, self, -1)
-        self.api: list[zmq.Socket] = []
-        self.api_addresses: list[str] = []
-        self.monitors: list[zmq.Socket] = []
-        self.registered = False
-        self.last_register = 0.0
+    on_progress = None  # a simulated step is never long
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.by_id: dict[str, _Seq] = {}
-        self.num_finished = 0
-        self.num_aborted = 0
-        self.last_report = 0.0
-        self.last_load: tuple = ()
-        self.load_dirty = False
-        self.num_reports = 0
+        self.load_round = 0  # with vary_load, the usage the load reports carry changes with it
 
-    # ---------------------------------------------------------------- membership
+    def describe(self) -> dict:
+        return {"engine": "simulated", "max_num_seqs": self.cfg.max_num_seqs}
 
-    def register(self, now: float) -> None:
-        self.last_register = now
-        msg = EngineRegister(self.rank, self.incarnation, self.cfg.fingerprint, os.getpid(), socket.gethostname(), self.cfg.node_rank)
-        self.to_coordinator(msg)
+    def add_request(self, req: AddRequest) -> RequestOutput | None:
+        seq = _Seq(req)
+        self.by_id[seq.request_id] = seq
+        self.waiting.append(seq)
+        return None
 
-    def connect_api_servers(self, addresses: list[str]) -> None:
-        for address in addresses:
-            if address in self.api_addresses:
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            seq = self.by_id.pop(rid, None)
+            if seq is None:
                 continue
-            sock = make_socket(
-                self.eng.ctx, zmq.DEALER, self.eng.keys, identity=str(self.rank).encode(), sndhwm=0, rcvhwm=0, reconnect_ms=(50, 1000)
-            )
-            self.monitors.append(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
-            sock.connect(address)
-            self.eng.watch(sock, self, len(self.api))
-            self.api.append(sock)
-            self.api_addresses.append(address)
-            # queued until the connection is up: no wait for the monitor's next check
-            self.send_api(len(self.api) - 1, EngineHello(self.rank, self.incarnation))
+            if seq in self.running:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
 
-    def greet_reconnections(self) -> None:
-        """EngineHello on every completed (re)connection, as the real engine does."""
-        for index, monitor in enumerate(self.monitors):
-            while True:
-                try:
-                    monitor.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self.send_api(index, EngineHello(self.rank, self.incarnation))
-
-    def on_coordinator(self, msg: object, now: float) -> None:
-        if isinstance(msg, RegisterReply):
-            if not msg.accepted:
-                self.eng.log(f"rank {self.rank}: coordinator refused registration: {msg.reason}")
-                self.eng.refused = True
-                return
-            self.connect_api_servers(msg.api_server_addresses)
-            self.registered = True
-            self.to_coordinator(EngineReady(self.rank, self.incarnation))
-            self.report_load(now, force=True)
-        elif isinstance(msg, ApiServerList):
-            self.connect_api_servers(msg.api_server_addresses)
-        elif isinstance(msg, PleaseRegister):
-            self.register(now)
-
-    # ---------------------------------------------------------------- requests
-
-    def on_api(self, index: int, msg: object, now: float) -> None:
-        if isinstance(msg, AddRequest):
-            seq = _Seq(msg, index)
-            self.by_id[seq.request_id] = seq
-            self.waiting.append(seq)
-            self.eng.busy.add(self)
-            self.mark_dirty()
-        elif isinstance(msg, AbortRequests):
-            for rid in msg.request_ids:
-                seq = self.by_id.pop(rid, None)
-                if seq is None:
-                    continue
-                self.num_aborted += 1
-                if seq in self.running:
-                    self.running.remove(seq)
-                else:
-                    self.waiting.remove(seq)
-            self.mark_dirty()
-        elif isinstance(msg, Ping):
-            self.send_api(index, Pong(self.rank, msg.nonce))
-
-    @property
-    def has_work(self) -> bool:
+    def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self, now: float) -> None:
+    def step(self) -> list[RequestOutput]:
         """One simulated scheduler step: prefill within the budget, one token per running sequence."""
         cfg = self.cfg
-        step_s = cfg.decode_step_ms / 1000
-        outs: dict[int, list[RequestOutput]] = {}
+        outs: list[RequestOutput] = []
         tokens = cfg.token_ids
         # 1. Decode: every sequence that already had its first token gets one more.
-        still = []
+        still: list[_Seq] = []
         for seq in self.running:
             self._emit(seq, tokens[(seq.first + seq.num_generated) % len(tokens)], outs, still)
         self.running = still
         # 2. Prefill: FIFO within the token budget; a finished prefill yields the first token.
-        budget = cfg.prefill_tokens_per_s * step_s
+        budget = cfg.prefill_tokens_per_s * cfg.decode_step_ms / 1000
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             used = min(budget, seq.prefill_left)
@@ -222,103 +129,119 @@ class SimRank:
                 break
             self.waiting.popleft()
             self._emit(seq, tokens[seq.first % len(tokens)], outs, self.running)
-        # 3. One message per API server with this step's outputs.
-        for index, batch in outs.items():
-            self.send_api(index, EngineOutputs(self.rank, batch, len(self.running), len(self.waiting)))
-        self.mark_dirty()
+        return outs
 
-    def _emit(self, seq: _Seq, token: int, outs: dict[int, list[RequestOutput]], keep: list[_Seq]) -> None:
+    def _emit(self, seq: _Seq, token: int, outs: list[RequestOutput], keep: list[_Seq]) -> None:
         seq.num_generated += 1
         if token in seq.stop_ids:
-            out = RequestOutput(seq.request_id, [token], FINISH_STOP, stop_token_id=token)
+            outs.append(RequestOutput(seq.request_id, [token], FINISH_STOP, stop_token_id=token))
         elif seq.num_generated >= seq.max_tokens:
-            out = RequestOutput(seq.request_id, [token], FINISH_LENGTH)
+            outs.append(RequestOutput(seq.request_id, [token], FINISH_LENGTH))
         else:
             keep.append(seq)
-            outs.setdefault(seq.owner, []).append(RequestOutput(seq.request_id, [token]))
+            outs.append(RequestOutput(seq.request_id, [token]))
             return
         del self.by_id[seq.request_id]
-        self.num_finished += 1
-        outs.setdefault(seq.owner, []).append(out)
 
-    # ---------------------------------------------------------------- load and sockets
+    # The load, as RankIO reports it.
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_waiting_prefill_tokens(self) -> int:
+        return int(sum(s.prefill_left for s in self.waiting))
+
+    @property
+    def num_remaining_decode_tokens(self) -> int:
+        return sum(s.max_tokens - s.num_generated for s in self.running)
+
+    @property
+    def slot_usage(self) -> float:
+        if self.cfg.vary_load:
+            return (self.load_round % 100) / 100
+        return len(self.running) / self.cfg.max_num_seqs
+
+    @property
+    def kv_usage(self) -> float:
+        return self.slot_usage
+
+    @property
+    def last_step_ms(self) -> float:
+        return self.cfg.decode_step_ms if self.running else 0.0
+
+    num_preemptions = num_prefix_queries = num_prefix_hits = 0
+
+
+class SimRank:
+    """One simulated rank: a SimCore and its RankIO, driven by SimEngine's loop."""
+
+    def __init__(self, eng: SimEngine, rank: int) -> None:
+        self.eng = eng
+        self.rank = rank
+        self.core = SimCore(eng.cfg)
+        cfg = eng.cfg
+        self.io = RankIO(
+            eng.ctx, eng.keys, rank=rank, incarnation=uuid.uuid4().hex[:12], fingerprint=cfg.fingerprint,
+            node_rank=cfg.node_rank, coordinator_address=cfg.coordinator_address, log=eng.log.bind(rank=rank),
+            watch=lambda sock: eng.watch(sock, self), watch_monitors=False,
+        )
+
+    def on_message(self, index: int, msg: object, now: float) -> None:
+        if index != COORDINATOR:
+            self.io.deliver(index, msg, self.core)
+            if isinstance(msg, (AddRequest, AbortRequests)):
+                if self.core.has_unfinished():
+                    self.eng.busy.add(self)
+                self.mark_dirty()
+            return
+        answer = self.io.on_coordinator(msg)
+        if answer == REFUSED:
+            self.eng.refused = True
+        elif answer == WELCOMED:
+            self.report_load(now, force=True)
+
+    def step(self) -> None:
+        outputs = self.core.step()
+        if outputs:
+            self.io.send_outputs(outputs, self.core)
+        self.mark_dirty()
 
     def mark_dirty(self) -> None:
-        self.load_dirty = True
         self.eng.dirty.add(self)
 
     def report_load(self, now: float, force: bool = False) -> None:
         """Report if forced, or if the load changed and the last report is 2 ms old;
         a change held back stays in the engine's dirty set."""
-        if not self.registered:
-            return
-        waiting_tokens = int(sum(s.prefill_left for s in self.waiting))
-        load = (len(self.running), len(self.waiting), waiting_tokens, self.num_finished, self.num_aborted)
-        changed = load != self.last_load
-        self.load_dirty = changed
-        if not (force or (changed and now - self.last_report >= LOAD_REPORT_MIN_INTERVAL_S)):
-            if changed:
-                self.eng.dirty.add(self)
-            return
-        self.load_dirty = False
-        self.last_load = load
-        self.last_report = now
-        remaining = sum(s.max_tokens - s.num_generated for s in self.running)
-        usage = len(self.running) / self.cfg.max_num_seqs
-        self.num_reports += 1
-        if self.cfg.vary_load:
-            usage = (self.num_reports % 100) / 100
-        self.to_coordinator(
-            LoadReport(self.rank, self.incarnation, load[0], load[1], waiting_tokens, remaining, usage,
-                       self.cfg.decode_step_ms if self.running else 0.0, self.num_finished, self.num_aborted, usage)
-        )
-
-    def to_coordinator(self, msg: object) -> None:
-        try:
-            self.coordinator.send(self.eng.coord_codec.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-
-    def send_api(self, index: int, msg: object) -> None:
-        try:
-            self.api[index].send(self.eng.out_codec.encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-
-    def announce_death(self, reason: str) -> None:
-        data = self.eng.out_codec.encode(EngineDead(self.rank, self.incarnation, reason))
-        for sock in self.api:
-            try:
-                sock.send(data, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        self.io.report_load(self.core, now, force=force)
+        if self.io.load_dirty:
+            self.eng.dirty.add(self)
 
 
 class SimEngine:
     """The process: one poll loop over every simulated rank's sockets."""
 
-    def __init__(self, cfg: SimConfig) -> None:
+    def __init__(self, cfg: SimConfig, log) -> None:
         self.cfg = cfg
+        self.log = log
         self.ctx = zmq.Context()
         # a rank holds 2 sockets per API server (channel and its monitor) plus one
         self.ctx.set(zmq.MAX_SOCKETS, 65536)
-        self.keys = CurveKeys.from_file(cfg.key_file, None) if cfg.key_file else None
-        self.in_codec = Codec(EngineInput, "requests")
-        self.out_codec = Codec(EngineToApi)
-        self.coord_codec = Codec(CoordinatorInput | CoordinatorToEngine, "coordinator")
+        self.keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
         self.poller = zmq.Poller()
-        self.owners: dict[zmq.Socket, tuple[SimRank, int]] = {}
+        self.owners: dict[zmq.Socket, SimRank] = {}
         self.busy: set[SimRank] = set()  # ranks with requests: they step on the next tick
         self.dirty: set[SimRank] = set()  # ranks whose load changed since their last report
         self.should_stop = False
         self.refused = False
         self.ranks = [SimRank(self, r) for r in cfg.ranks]
 
-    def log(self, text: str) -> None:
-        print(f"sim-engine[{os.getpid()}]: {text}", file=sys.stderr, flush=True)
-
-    def watch(self, sock: zmq.Socket, rank: SimRank, index: int) -> None:
-        self.owners[sock] = (rank, index)
+    def watch(self, sock: zmq.Socket, rank: SimRank) -> None:
+        self.owners[sock] = rank
         self.poller.register(sock, zmq.POLLIN)
 
     def run(self) -> int:
@@ -326,7 +249,7 @@ class SimEngine:
         step_s = self.cfg.decode_step_ms / 1000
         now = time.monotonic()
         for r in ranks:
-            r.register(now)
+            r.io.register()
         next_tick = next_report = next_greet = now
         while not self.should_stop and not self.refused:
             # 1. Wait for input, never past the next tick, report round or flush of a change.
@@ -342,8 +265,8 @@ class SimEngine:
             # 2. Tick: every busy rank steps (an idle process starts its clock at once).
             if self.busy and now >= next_tick:
                 for r in list(self.busy):
-                    r.step(now)
-                    if not r.has_work:
+                    r.step()
+                    if not r.core.has_unfinished():
                         self.busy.discard(r)
                 next_tick = max(next_tick + step_s, now)
             elif not self.busy:
@@ -353,8 +276,9 @@ class SimEngine:
                 next_report = now + self.cfg.report_interval_s
                 self.dirty.clear()
                 for r in ranks:
-                    if not r.registered and now - r.last_register >= REGISTER_RETRY_S:
-                        r.register(now)
+                    if not r.io.registered and now - r.io.last_register >= REGISTER_RETRY_S:
+                        r.io.register()
+                    r.core.load_round += 1
                     r.report_load(now, force=True)
             elif self.dirty:
                 dirty, self.dirty = self.dirty, set()
@@ -364,29 +288,19 @@ class SimEngine:
             if now >= next_greet:
                 next_greet = now + GREET_CHECK_S
                 for r in ranks:
-                    r.greet_reconnections()
+                    r.io.greet_reconnections()
         return 2 if self.refused else 0
 
     def _drain(self, sock: zmq.Socket) -> None:
-        rank, index = self.owners[sock]
+        rank = self.owners[sock]
         now = time.monotonic()
-        codec = self.coord_codec if index < 0 else self.in_codec
-        while True:
-            try:
-                data = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if (msg := codec.decode_or_none(data)) is None:
-                continue
-            if index < 0:
-                rank.on_coordinator(msg, now)
-            else:
-                rank.on_api(index, msg, now)
+        for index, msg in rank.io.read(sock):
+            rank.on_message(index, msg, now)
 
     def close(self, reason: str) -> None:
         for r in self.ranks:
-            if r.registered:
-                r.announce_death(reason)
+            if r.io.registered:
+                r.io.announce_death(reason)
         self.ctx.destroy(linger=0)
 
 
@@ -406,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         "(answers are meaningless token ids). Never a way to serve.",
     )
     ap.add_argument("--coordinator", required=True, help="the coordinator's engine address (ipc:// or tcp://)")
-    ap.add_argument("--fingerprint", required=True, help="the deployment's config fingerprint (the head logs it)")
+    ap.add_argument(
+        "--fingerprint", required=True,
+        help="the deployment's config fingerprint (dpserve.engine.common.protocol.config_fingerprint); a wrong one is "
+        "refused, and this process logs the refusal, which names the head's",
+    )
     ap.add_argument("--ranks", required=True, help="ranks this process simulates, e.g. 0-63 or 0,2,5-7")
     ap.add_argument("--node-rank", type=int, default=0)
     ap.add_argument("--key-file", default="")
@@ -432,14 +350,16 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.max_num_seqs,
         vary_load=args.vary_load,
     )
-    eng = SimEngine(cfg)
+    log = setup_logging("sim-engine")
+    eng = SimEngine(cfg, log)
 
     def stop(signum, _frame) -> None:
         eng.should_stop = True
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    eng.log(f"simulating ranks {args.ranks} (no model: a test and benchmark tool)")
+    log.info("simulating ranks (no model: a test and benchmark tool)", ranks=args.ranks, fingerprint=cfg.fingerprint,
+             coordinator=cfg.coordinator_address)
     code = 1
     try:
         code = eng.run()

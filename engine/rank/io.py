@@ -1,0 +1,308 @@
+"""One rank's side of the wire: its sockets, registration, greetings, request
+delivery, outputs and load reports. The rank process and the simulated engine
+both speak through RankIO, so a protocol change has one place to go.
+
+RankIO never polls and never owns a loop: its owner polls the sockets it is
+handed through `watch` (one poller per process; the simulated engine puts many
+ranks behind one) and gives each readable socket back to read(). It never
+blocks on a send: a gone API server must never stall a step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+
+import zmq
+from dpserve.engine.common.auth import CurveKeys
+from dpserve.engine.common.protocol import (
+    AbortRequests,
+    AddRequest,
+    ApiServerList,
+    Codec,
+    CoordinatorInput,
+    CoordinatorToEngine,
+    EngineDead,
+    EngineHello,
+    EngineInput,
+    EngineOutputs,
+    EngineReady,
+    EngineRegister,
+    EngineToApi,
+    LoadReport,
+    Ping,
+    PleaseRegister,
+    Pong,
+    RegisterReply,
+    RequestOutput,
+)
+from dpserve.engine.common.sockets import make_socket
+from dpserve.engine.interface import RankEngine
+from zmq.utils.monitor import recv_monitor_message
+
+COORDINATOR = -1  # read()'s index for a message from the coordinator
+LOAD_REPORT_MIN_INTERVAL_S = 0.002  # at most one report per 2 ms while load changes
+REGISTER_RETRY_S = 2.0
+
+# What on_coordinator() reports about a registration.
+WELCOMED = "welcomed"
+REFUSED = "refused"
+
+
+class RankIO:
+    """The ZeroMQ sockets of one rank: a DEALER to the coordinator, one DEALER per API server.
+
+    Invariants: `owner[request_id]` is the index of the API-server socket that
+    sent the request, for every request the engine still holds. `num_finished`
+    and `num_aborted` count this incarnation's requests, as the load report says.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        keys: CurveKeys | None,
+        *,
+        rank: int,
+        incarnation: str,
+        fingerprint: str,
+        node_rank: int,
+        coordinator_address: str,
+        log,
+        watch: Callable[[zmq.Socket], None],
+        watch_monitors: bool = True,
+    ) -> None:
+        """`watch(sock)` is called for every socket the owner must poll and hand to
+        read(). With `watch_monitors` False the owner does not poll the connection
+        monitors: a new connection is greeted at once and reconnections when the
+        owner calls greet_reconnections()."""
+        self.ctx = ctx
+        self.keys = keys
+        self.rank = rank
+        self.incarnation = incarnation
+        self.fingerprint = fingerprint
+        self.node_rank = node_rank
+        self.coordinator_address = coordinator_address
+        self.log = log
+        self.watch = watch
+        self.watch_monitors = watch_monitors
+        self.in_codec = Codec(EngineInput, "requests")
+        self.out_codec = Codec(EngineToApi)
+        self.coord_codec = Codec(CoordinatorInput | CoordinatorToEngine, "coordinator")
+        self.coordinator = make_socket(
+            ctx, zmq.DEALER, keys, connect=coordinator_address,
+            identity=f"engine-{rank}-{incarnation}".encode(), reconnect_ms=(100, 2000),
+        )
+        watch(self.coordinator)
+        self.api: list[zmq.Socket] = []
+        self.api_addresses: list[str] = []
+        self.monitors: dict[zmq.Socket, int] = {}  # monitor -> index of the API socket it watches
+        self._index: dict[zmq.Socket, int] = {self.coordinator: COORDINATOR}
+        self.owner: dict[str, int] = {}
+        self.registered = False
+        self.last_register = -math.inf
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.load_dirty = False  # the load changed since the last report
+        self._last_load: tuple = ()
+        self.last_report = -math.inf  # monotonic time of the last LoadReport
+
+    # ---------------------------------------------------------------- membership
+
+    def registration(self) -> EngineRegister:
+        return EngineRegister(self.rank, self.incarnation, self.fingerprint, os.getpid(), socket.gethostname(), self.node_rank)
+
+    def register(self) -> None:
+        """Send EngineRegister (HELLO); the coordinator answers with RegisterReply."""
+        self.last_register = time.monotonic()
+        self.report(self.registration())
+
+    def register_and_wait(self, should_stop: Callable[[], bool]) -> bool:
+        """HELLO every REGISTER_RETRY_S until the coordinator answers; False if it refused.
+        Returns True also when should_stop() ends the wait (the caller checks it)."""
+        started = time.monotonic()
+        while not should_stop():
+            self.register()
+            if self.coordinator.poll(REGISTER_RETRY_S * 1000):
+                for msg in self._coordinator_messages():
+                    if isinstance(msg, RegisterReply):
+                        return self.on_coordinator(msg) == WELCOMED
+                continue
+            waited = time.monotonic() - started
+            if int(waited) % 10 < REGISTER_RETRY_S:
+                self.log.info("waiting for the coordinator", address=self.coordinator_address, waited_s=round(waited, 1))
+        return True
+
+    def on_coordinator(self, msg: object) -> str | None:
+        """Membership changes: new API servers, a coordinator that lost us, its answer to a
+        registration (WELCOMED or REFUSED is returned for that; the owner then reports load)."""
+        if isinstance(msg, ApiServerList):
+            self.connect_api_servers(msg.api_server_addresses)
+        elif isinstance(msg, PleaseRegister):
+            self.log.warning("coordinator asks us to register again", reason=msg.reason)
+            self.register()
+        elif isinstance(msg, RegisterReply):
+            if not msg.accepted:
+                self.log.error("coordinator refused registration", reason=msg.reason)
+                return REFUSED
+            self.connect_api_servers(msg.api_server_addresses)
+            self.registered = True
+            self.report(EngineReady(self.rank, self.incarnation))
+            return WELCOMED
+        return None
+
+    def connect_api_servers(self, addresses: list[str]) -> None:
+        """One DEALER per API server, added as API servers appear (never removed:
+        a lost one is simply reconnected by ZeroMQ when it returns). Each
+        (re)connection is greeted with EngineHello, so an API server that
+        restarted learns this rank again without a new handshake."""
+        for address in addresses:
+            if address in self.api_addresses:
+                continue
+            sock = make_socket(
+                self.ctx, zmq.DEALER, self.keys, identity=str(self.rank).encode(), sndhwm=0, rcvhwm=0, reconnect_ms=(50, 1000)
+            )
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            sock.connect(address)
+            index = len(self.api)
+            self.monitors[monitor] = index
+            self._index[sock] = index
+            self.api.append(sock)
+            self.api_addresses.append(address)
+            self.watch(sock)
+            if self.watch_monitors:
+                self.watch(monitor)
+            else:  # queued until the connection is up: no wait for the owner's next greeting round
+                self.send_to(index, EngineHello(self.rank, self.incarnation))
+
+    def greet_reconnections(self, monitor: zmq.Socket | None = None) -> None:
+        """EngineHello on every completed (re)connection that `monitor` (default: every monitor) saw."""
+        for mon in (monitor,) if monitor is not None else self.monitors:
+            while True:
+                try:
+                    recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.send_to(self.monitors[mon], EngineHello(self.rank, self.incarnation))
+
+    # ---------------------------------------------------------------- in
+
+    def read(self, sock: zmq.Socket) -> list[tuple[int, object]]:
+        """Every message waiting on one of this rank's sockets, tagged with its
+        API-server index (COORDINATOR for the coordinator); a monitor is answered
+        with greetings and yields nothing. Undecodable messages are dropped by Codec."""
+        if sock in self.monitors:
+            self.greet_reconnections(sock)
+            return []
+        index = self._index[sock]
+        if index == COORDINATOR:
+            return [(COORDINATOR, msg) for msg in self._coordinator_messages()]
+        got = []
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return got
+            if (msg := self.in_codec.decode_or_none(frame.buffer)) is not None:
+                got.append((index, msg))
+
+    def _coordinator_messages(self) -> list[object]:
+        got = []
+        while True:
+            try:
+                data = self.coordinator.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return got
+            if (msg := self.coord_codec.decode_or_none(data)) is not None:
+                got.append(msg)
+
+    def deliver(self, index: int, msg: object, engine: RankEngine) -> None:
+        """An API server's message to `engine`: a request, an abort, or a ping."""
+        if isinstance(msg, AddRequest):
+            self.owner[msg.request_id] = index
+            rejected = engine.add_request(msg)
+            if rejected is not None:
+                self.send_outputs([rejected], engine)
+        elif isinstance(msg, AbortRequests):
+            engine.abort_requests(msg.request_ids)
+            for rid in msg.request_ids:
+                if self.owner.pop(rid, None) is not None:
+                    self.num_aborted += 1
+        elif isinstance(msg, Ping):
+            self.send_to(index, Pong(self.rank, msg.nonce))
+
+    # ---------------------------------------------------------------- out
+
+    def send_outputs(self, outputs: list[RequestOutput], engine: RankEngine) -> None:
+        """Every API server its share of `outputs`, in one message each."""
+        by_owner: dict[int, list[RequestOutput]] = {}
+        owner = self.owner
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.num_finished += 1
+            index = owner.get(out.request_id)
+            if index is None:
+                continue  # aborted while in flight: the API server forgot it too
+            by_owner.setdefault(index, []).append(out)
+            if out.finish_reason is not None:
+                del owner[out.request_id]
+        for index, outs in by_owner.items():
+            msg = EngineOutputs(self.rank, outs, engine.num_running, engine.num_waiting)
+            self._send(self.api[index], self.out_codec.encode(msg))
+
+    def send_to(self, index: int, msg: object) -> None:
+        self._send(self.api[index], self.out_codec.encode(msg))
+
+    def broadcast(self, msg: object) -> None:
+        data = self.out_codec.encode(msg)
+        for sock in self.api:
+            self._send(sock, data)
+
+    def announce_death(self, reason: str, linger_s: float | None = None) -> None:
+        """EngineDead to every API server; with `linger_s`, the API sockets are closed
+        with that linger so that the news leaves before the process does."""
+        self.broadcast(EngineDead(self.rank, self.incarnation, reason))
+        if linger_s is not None:
+            for sock in self.api:
+                sock.close(linger=int(linger_s * 1000))
+
+    def report(self, msg: object) -> None:
+        """A message to the coordinator (dropped if it cannot be queued: the next report follows)."""
+        try:
+            self.coordinator.send(self.coord_codec.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def report_load(self, engine: RankEngine, now: float, *, force: bool = False, every_s: float = math.inf) -> bool:
+        """A LoadReport if forced, if the last is `every_s` old (the heartbeat), or if the
+        load changed and the last is LOAD_REPORT_MIN_INTERVAL_S old; a change held back
+        leaves `load_dirty` set. Nothing before registration. Returns whether one went."""
+        if not self.registered:
+            return False
+        load = (engine.num_running, engine.num_waiting, engine.num_waiting_prefill_tokens, self.num_finished,
+                self.num_aborted, round(engine.kv_usage, 3))
+        changed = load != self._last_load
+        since = now - self.last_report
+        self.load_dirty = changed
+        if not (force or since >= every_s or (changed and since >= LOAD_REPORT_MIN_INTERVAL_S)):
+            return False
+        self.load_dirty = False
+        self._last_load = load
+        self.last_report = now
+        self.report(
+            LoadReport(
+                self.rank, self.incarnation, engine.num_running, engine.num_waiting, engine.num_waiting_prefill_tokens,
+                engine.num_remaining_decode_tokens, engine.slot_usage, engine.last_step_ms, self.num_finished,
+                self.num_aborted, engine.kv_usage, engine.num_preemptions, engine.num_prefix_queries, engine.num_prefix_hits,
+            )
+        )
+        return True
+
+    @staticmethod
+    def _send(sock: zmq.Socket, data: bytes) -> None:
+        try:
+            sock.send(data, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            pass  # closed for the death announcement, or the peer is gone for good
