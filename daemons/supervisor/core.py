@@ -65,6 +65,7 @@ class Supervisor:
         self.launcher: Launcher | None = None
         self.zctx = zmq.asyncio.Context()
         self.coord_link = None
+        self.node_address = ""  # this node's address towards the head (boot.prepare)
         self.coord_codec = Codec(CoordinatorInput)
         self.all_ranks_routable = False
         self.num_alive_ranks = 0  # as the API servers see the cluster (coordinator's table)
@@ -349,7 +350,7 @@ class Supervisor:
     def say_where(self) -> None:
         """NodeHello: every node's /status names the address of this node's ranks
         (a one-node serve's too, so that `dpserve status` shows an address, not a hostname)."""
-        if self.coord_link is None:
+        if self.coord_link is None or not self.node_address:
             return  # not set up yet (or a test's supervisor without sockets)
         try:
             self.coord_link.send(self.coord_codec.encode(NodeHello(self.cfg.data_parallel_start_rank, self.node_address)), zmq.NOBLOCK)
