@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from dpserve.engine.attention import DecodeGroup, PrefillChunk, StepMetadata, step_metadata
@@ -63,27 +64,44 @@ class ModelRunner:
     def execute(
         self, scheduled: list[tuple[Sequence, int]], on_layer: Callable[[], None] | None = None
     ) -> tuple[torch.Tensor | None, list[Sequence]]:
-        bs = self.block_size
         decodes = sorted((s for s, n in scheduled if n == 1), key=lambda s: s.num_computed_tokens)
         prefills = [(s, n) for s, n in scheduled if n > 1]
-
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        keep: list[int] = []  # packed rows whose logits are sampled
-        sampled: list[Sequence] = []
-
+        step = _PackedStep()
         # 1. Decodes first, ascending context length, so similar lengths are neighbours.
+        groups = self._pack_decodes(decodes, step)
+        # 2. Prefill chunks after them, one causal block each.
+        chunks = self._pack_prefills(prefills, step)
+        # 3. One forward over the packed row.
+        meta = StepMetadata(self.kv, self._long(step.slots), groups, chunks, on_layer)
+        logits = self._forward(step, meta)
+        # 4. Prompt positions' logits go aside; the rest are sampled.
+        self.last_prompt_logits = []
+        if step.prompt_rows:
+            is_prompt = torch.zeros(len(step.keep), dtype=torch.bool, device=self.device)
+            for seq, first, row, count in step.prompt_rows:
+                self.last_prompt_logits.append((seq, first, logits[row : row + count]))
+                is_prompt[row : row + count] = True
+            logits = logits[~is_prompt]
+        if not step.sampled:
+            return None, []
+        return logits, step.sampled
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _pack_decodes(self, decodes: list[Sequence], step: _PackedStep) -> list[DecodeGroup]:
+        """One row per decoding sequence; batched attention groups of similar length."""
+        bs = self.block_size
         lengths = []
         for seq in decodes:
             pos = seq.num_computed_tokens
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            step.input_ids.append(seq.token_ids[pos])
+            step.positions.append(pos)
+            step.slots.append(seq.block_table[pos // bs] * bs + pos % bs)
             lengths.append(pos + 1)
             if pos + 1 == seq.num_tokens:
-                keep.append(len(input_ids) - 1)
-                sampled.append(seq)
+                step.keep.append(len(step.input_ids) - 1)
+                step.sampled.append(seq)
         groups = []
         for start, end in group_decodes(lengths, self.decode_pad_cells):
             width = -(-lengths[end - 1] // bs)
@@ -92,61 +110,54 @@ class ModelRunner:
                 table = seq.block_table[:width]
                 flat.extend(table)
                 flat.extend([0] * (width - len(table)))
-            groups.append(
-                DecodeGroup(
-                    start,
-                    end,
-                    torch.tensor(flat, dtype=torch.long, device=self.device),
-                    torch.tensor(lengths[start:end], dtype=torch.long, device=self.device),
-                )
-            )
+            groups.append(DecodeGroup(start, end, self._long(flat), self._long(lengths[start:end])))
+        return groups
 
-        # 2. Prefill chunks after them, one causal block each.
+    def _pack_prefills(self, prefills: list[tuple[Sequence, int]], step: _PackedStep) -> list[PrefillChunk]:
+        """n rows per prefilling sequence; the rows whose logits are kept (prompt logprobs, the last)."""
+        bs = self.block_size
         chunks = []
-        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # (seq, first position, first kept row, rows)
         for seq, n in prefills:
             first = seq.num_computed_tokens
-            start = len(input_ids)
-            input_ids.extend(seq.token_ids[first : first + n])
-            positions.extend(range(first, first + n))
+            start = len(step.input_ids)
+            step.input_ids.extend(seq.token_ids[first : first + n])
+            step.positions.extend(range(first, first + n))
             table = seq.block_table[: -(-(first + n) // bs)]
-            slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + n))
-            chunks.append(PrefillChunk(start, start + n, first, torch.tensor(table, dtype=torch.long, device=self.device)))
+            step.slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + n))
+            chunks.append(PrefillChunk(start, start + n, first, self._long(table)))
             # Prompt logprobs: position p's logits score prompt token p + 1.
             wanted = min(first + n, seq.num_prompt_tokens - 1) - first
             if seq.prompt_logprobs is not None and wanted > 0 and first + wanted > len(seq.prompt_logprobs):
-                prompt_rows.append((seq, first, len(keep), wanted))
-                keep.extend(range(start, start + wanted))
+                step.prompt_rows.append((seq, first, len(step.keep), wanted))
+                step.keep.extend(range(start, start + wanted))
             if first + n == seq.num_tokens:
-                keep.append(len(input_ids) - 1)
-                sampled.append(seq)
+                step.keep.append(len(step.input_ids) - 1)
+                step.sampled.append(seq)
+        return chunks
 
-        meta = StepMetadata(
-            self.kv,
-            torch.tensor(slots, dtype=torch.long, device=self.device),
-            groups,
-            chunks,
-            on_layer,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device).unsqueeze(0)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)
+    def _forward(self, step: _PackedStep, meta: StepMetadata) -> torch.Tensor:
+        """The model over the packed row; the logits of the kept rows, in order."""
+        ids = self._long(step.input_ids).unsqueeze(0)
+        pos = self._long(step.positions).unsqueeze(0)
         kwargs = {}
         if self._has_logits_to_keep:
             # The lm_head over every packed position would be wasted work.
-            kwargs["logits_to_keep"] = torch.tensor(keep or [0], dtype=torch.long, device=self.device)
+            kwargs["logits_to_keep"] = self._long(step.keep or [0])
         with step_metadata(meta):
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
         logits = out.logits[0]
         if not self._has_logits_to_keep:
-            logits = logits[torch.tensor(keep, device=self.device)]
-        self.last_prompt_logits = []
-        if prompt_rows:
-            # Split the kept rows: prompt positions go aside, the rest are sampled.
-            is_prompt = torch.zeros(len(keep), dtype=torch.bool, device=self.device)
-            for seq, first, row, count in prompt_rows:
-                self.last_prompt_logits.append((seq, first, logits[row : row + count]))
-                is_prompt[row : row + count] = True
-            logits = logits[~is_prompt]
-        if not sampled:
-            return None, []
-        return logits, sampled
+            logits = logits[torch.tensor(step.keep, device=self.device)]
+        return logits
+
+
+@dataclass(slots=True)
+class _PackedStep:
+    """The step's packed row as it is built: one entry per scheduled token, in row order."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)  # packed rows whose logits are kept
+    sampled: list[Sequence] = field(default_factory=list)  # who gets a token, in the order of the kept rows
+    prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # (seq, first position, first kept row, rows)
