@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from dpserve.engine import hf_compat
 from dpserve.engine.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "dpserve_paged"
@@ -119,17 +120,15 @@ def paged_attention(
     if meta is None:
         # Outside an engine step (generate() in tests and tools): transformers'
         # SDPA on unpadded batches; no mask is built for this implementation.
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         q_len, kv_len = query.shape[2], key.shape[2]
         if attention_mask is None and sliding_window is not None and kv_len > sliding_window:
             q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device).unsqueeze(1)
             k_pos = torch.arange(kv_len, device=query.device).unsqueeze(0)
             attention_mask = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return hf_compat.sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit softcapping is not supported by the paged attention path")
-    layer = module.layer_idx
+    layer = hf_compat.layer_index(module)
     k_cache, v_cache = meta.kv.keys[layer], meta.kv.values[layer]
     _, heads, n_tokens, dim = query.shape
     kv_heads = key.shape[1]
@@ -176,7 +175,5 @@ def paged_attention(
 
 def register() -> str:
     """Make ATTN_IMPLEMENTATION known to transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    hf_compat.register_attention(ATTN_IMPLEMENTATION, paged_attention)
     return ATTN_IMPLEMENTATION

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from dpserve.engine import hf_compat
 from dpserve.engine.common.config import EngineConfig, resolve_max_model_len
 from dpserve.engine.kv_cache import KVShape
 
@@ -162,7 +163,7 @@ def _from_pretrained(model_dir: str, dtype: torch.dtype, device: torch.device):
             model_dir, dtype=dtype, attn_implementation=register(), local_files_only=True, **placement
         )
     except (ValueError, ImportError) as e:
-        if "attn_implementation" not in str(e) and "attention" not in str(e):
+        if not hf_compat.is_attention_refusal(e):
             raise  # not about attention: a real loading error
         raise RuntimeError(
             f"{model_dir}: this architecture does not route attention through transformers' attention "
