@@ -5,9 +5,10 @@ pins upper bounds; raise them only with this file green).
 aiohttp: ApiAppRunner overrides AppRunner._make_server (BaseRunner's undocumented hook)
 and swaps the class of each protocol handler (RequestHandler, same __slots__), the
 ConnectionGuard sets two of its private slots, and SSE responses turn off
-StreamResponse._send_headers_immediately. transformers: the engine registers its
-paged attention through AttentionInterface and falls back to transformers' SDPA
-function outside an engine step. The round trips below run the real code on loopback.
+StreamResponse._send_headers_immediately. transformers: every use lives in
+engine/hf_compat.py (registering the paged attention, a module's layer_idx, the
+SDPA fallback outside an engine step, reading a refused attention implementation
+from the error's text); each has a test below. The round trips run the real code.
 """
 
 from __future__ import annotations
@@ -105,22 +106,81 @@ def test_guarded_runner_caps_connections_and_answers_bad_http_in_json():
     asyncio.run(main())
 
 
-TRANSFORMERS_HINT = "transformers changed an API that the engine uses (engine/attention.py)"
+TRANSFORMERS_HINT = "transformers changed an internal that the engine uses (engine/hf_compat.py)"
+
+
+def _tiny_llama(num_layers: int = 3):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=num_layers,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
 
 
 def test_transformers_attention_registration():
+    """hf_compat.register_attention makes the paged attention the one a model loaded under its name calls."""
     try:
-        from transformers import AttentionInterface
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     except ImportError as exc:
         pytest.fail(f"{TRANSFORMERS_HINT}: {exc}")
     from dpserve.engine.attention import paged_attention, register
 
-    assert callable(sdpa_attention_forward) and hasattr(AttentionInterface, "register"), TRANSFORMERS_HINT
     name = register()
     assert ALL_ATTENTION_FUNCTIONS[name] is paged_attention, (
         f"{TRANSFORMERS_HINT}: AttentionInterface.register no longer makes {name!r} known to models")
+
+
+def test_transformers_attention_modules_carry_their_layer_index():
+    """hf_compat.layer_index: every attention call of a forward comes from a module whose
+    index is its layer's, in order (the paged cache's tensors are found by it)."""
+    import torch
+    from dpserve.engine import hf_compat
+    from transformers import AutoModelForCausalLM
+
+    seen: list[int] = []
+
+    def recording(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        try:
+            seen.append(hf_compat.layer_index(module))
+        except AttributeError as exc:
+            pytest.fail(f"{TRANSFORMERS_HINT}: attention modules lost layer_idx ({exc})")
+        return hf_compat.sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+    hf_compat.register_attention("dpserve_test_recording", recording)
+    model = AutoModelForCausalLM.from_config(_tiny_llama(3), attn_implementation="dpserve_test_recording")
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert seen == [0, 1, 2], f"{TRANSFORMERS_HINT}: layer_idx is not the layer's index: {seen}"
+
+
+def test_transformers_sdpa_fallback_is_causal_attention():
+    """hf_compat.sdpa_attention (transformers.integrations.sdpa_attention) computes plain
+    causal attention for an unpadded batch, as the paged path does outside a step."""
+    import torch
+    import torch.nn.functional as F
+    from dpserve.engine import hf_compat
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = True
+    try:
+        out, _ = hf_compat.sdpa_attention(module, q, k, v, None, 0.0, 8 ** -0.5)
+    except (ImportError, TypeError) as exc:
+        pytest.fail(f"{TRANSFORMERS_HINT}: {exc}")
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=8 ** -0.5).transpose(1, 2)
+    assert torch.allclose(out, want, atol=1e-6), f"{TRANSFORMERS_HINT}: sdpa_attention_forward changed its result or layout"
+
+
+def test_transformers_refusing_an_attention_implementation_is_recognised():
+    """hf_compat.is_attention_refusal reads transformers' refusal from its text; the loader
+    turns it into "this architecture does not route attention through the interface"."""
+    from dpserve.engine import hf_compat
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises((ValueError, ImportError)) as info:
+        AutoModelForCausalLM.from_config(_tiny_llama(1), attn_implementation="dpserve_no_such_attention")
+    assert hf_compat.is_attention_refusal(info.value), f"{TRANSFORMERS_HINT}: the refusal now reads {info.value}"
+    assert not hf_compat.is_attention_refusal(ValueError("config.json is not valid JSON"))
 
 
 def test_tokenizers_decode_stream_takes_a_prefill_and_lists(tmp_path):
