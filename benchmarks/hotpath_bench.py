@@ -51,14 +51,17 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-words", type=int, default=8)
     args = p.parse_args(argv)
 
-    import dpserve.daemons.api.serving as serving_mod
     import msgspec
     from aiohttp import streams
     from aiohttp.test_utils import make_mocked_request
     from dpserve.daemons.api.engine_client import RequestState
     from dpserve.daemons.api.metrics import ApiMetrics
     from dpserve.daemons.api.router import Router
-    from dpserve.daemons.api.serving import OpenAIServing
+    try:
+        import dpserve.daemons.api.endpoints as serving_mod
+    except ImportError:  # --code: a tree from before the endpoints were split out of serving.py
+        import dpserve.daemons.api.serving as serving_mod
+    OpenAIServing = serving_mod.OpenAIServing
     from dpserve.daemons.api.tokenizer import TextTokenizer
     from dpserve.engine.common.protocol import LoadTable, RankLoad, RequestOutput
 

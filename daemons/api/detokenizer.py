@@ -44,7 +44,7 @@ def prompt_context(tokenizer: TextTokenizer, prompt_ids: Sequence[int] | None,
     prompt's. (Where output bytes turn a byte-fallback run that began in the prompt
     invalid, the whole prompt would be needed to match; such text is garbage anyway.)
     """
-    return _prompt_context(tokenizer._tok, prompt_ids, skip_special_tokens)[0]
+    return _prompt_context(tokenizer.backend, prompt_ids, skip_special_tokens)[0]
 
 
 def _prompt_context(backend: Tokenizer, prompt_ids: Sequence[int] | None,
@@ -71,7 +71,7 @@ def decode_continuation(tokenizer: TextTokenizer, prompt_ids: Sequence[int] | No
                         skip_special_tokens: bool = True) -> str:
     """decode(prompt + ids) minus decode(prompt), through prompt_context: a whole answer's
     text in one go, the same text IncrementalDetokenizer gives piece by piece."""
-    backend = tokenizer._tok
+    backend = tokenizer.backend
     context, head = _prompt_context(backend, prompt_ids, skip_special_tokens)
     if not context:
         return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -99,7 +99,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int] | None = None,
                  skip_special_tokens: bool = True) -> None:
-        self._backend = tokenizer._tok
+        self._backend = tokenizer.backend
         self._skip_special_tokens = skip_special_tokens
         self._tail = _prompt_context(self._backend, prompt_ids, skip_special_tokens)[0]
         self._held: list[int] = []

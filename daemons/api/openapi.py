@@ -1,7 +1,7 @@
 """The OpenAPI 3.1 document of this API server's own endpoints, served at /openapi.json.
 
 Request schemas are generated from the very Structs that decode requests
-(openai_types), so the document cannot drift from what the server accepts;
+(openai_types; UNSUPPORTED from request_checks), so the document cannot drift from what the server accepts;
 only what a type cannot say (the served model's name, token ids below the
 vocabulary size, context length, unsupported parameters' defaults) is added
 here. Built once per process; nothing here runs per request.
@@ -15,7 +15,6 @@ import msgspec
 import msgspec.structs
 from dpserve.daemons.api.openai_types import (
     MAX_CHOICES,
-    UNSUPPORTED,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -23,6 +22,7 @@ from dpserve.daemons.api.openai_types import (
     ErrorResponse,
     ModelList,
 )
+from dpserve.daemons.api.request_checks import UNSUPPORTED
 
 _REF = "#/components/schemas/{name}"
 ROLES = ["system", "developer", "user", "assistant", "tool"]

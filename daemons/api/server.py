@@ -20,15 +20,15 @@ from http import HTTPStatus
 import zmq
 import zmq.asyncio
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from dpserve.daemons.aiohttp_compat import HttpProcessingError, JsonErrorRunner
+from dpserve.daemons.api.endpoints import OpenAIServing
 from dpserve.daemons.api.engine_client import EngineClient
 from dpserve.daemons.api.http_limits import ConnectionGuard, connection_limits
 from dpserve.daemons.api.metrics import ApiMetrics
 from dpserve.daemons.api.openai_types import ApiError, encode, error_body
 from dpserve.daemons.api.openapi import build_openapi
 from dpserve.daemons.api.router import Router
-from dpserve.daemons.api.serving import OpenAIServing
+from dpserve.daemons.api.serving import auth_middleware
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.daemons.config import ApiServerConfig
 from dpserve.engine.common.auth import CurveKeys, start_authenticator
@@ -82,12 +82,12 @@ async def openai_errors(request: web.Request, handler):
         if exc.status < 400:
             raise
         return error_response(_http_error(exc.status, request, exc))
-    except (RequestPayloadError, HttpProcessingError) as exc:
+    except (web.RequestPayloadError, HttpProcessingError) as exc:
         # A body aiohttp could not read (Content-Encoding: gzip on a body that is not,
         # broken chunking): the connection's stream is broken, so answer and close it.
         # Marking the body read stops aiohttp from reading it again after the answer,
         # which would raise once more and log a traceback at error level.
-        cause = exc.__cause__ if isinstance(exc, RequestPayloadError) else exc
+        cause = exc.__cause__ if isinstance(exc, web.RequestPayloadError) else exc
         detail = cause.message if isinstance(cause, HttpProcessingError) else str(exc)
         request.content.feed_eof()
         resp = error_response(ApiError(400, f"Could not read the request body: {' '.join(str(detail).split())}"))
@@ -123,49 +123,17 @@ def _http_error(status: int, request: web.BaseRequest, exc: BaseException | None
     return ApiError(status, message, type=kind, headers=headers)
 
 
-
-class _JsonErrorHandler(RequestHandler):
-    """aiohttp's protocol handler, but its own error answers (bad request line, too many
-    headers, no Host, handler timeout) are OpenAI-style JSON like every other error.
-    Logging stays aiohttp's (engine.logs rate-limits it)."""
-
-    __slots__ = ()
-
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
-        super().handle_error(request, status, exc, message)  # logs; raises if a response already started
-        resp = error_response(_http_error(status, request, exc, message))
-        resp.force_close()
-        return resp
+def _protocol_error_response(request: web.BaseRequest, status: int, exc: BaseException | None, message: str | None) -> web.Response:
+    return error_response(_http_error(status, request, exc, message))
 
 
-class _JsonErrorServer(web.Server):
-    guard: ConnectionGuard | None = None
-
-    def __call__(self) -> RequestHandler:
-        handler = super().__call__()
-        handler.__class__ = _JsonErrorHandler  # same slots: aiohttp offers no handler-class option
-        if self.guard is not None:
-            self.guard.adopt(handler)
-        return handler
-
-
-class ApiAppRunner(web.AppRunner):
-    """An AppRunner whose connections answer protocol errors in JSON (see _JsonErrorHandler)
-    and pass through a ConnectionGuard, whatever public site serves them.
-
-    _make_server is aiohttp's runner hook (BaseRunner's abstract method, not documented):
-    tests/unit/test_dependency_internals.py fails by name if a release renames it.
-    """
+class ApiAppRunner(JsonErrorRunner):
+    """An AppRunner whose connections answer protocol errors (bad request line, too many
+    headers, no Host, handler timeout) in OpenAI-style JSON like every other error, and
+    pass through a ConnectionGuard, whatever public site serves them."""
 
     def __init__(self, app: web.Application, guard: ConnectionGuard | None = None, **kwargs) -> None:
-        super().__init__(app, **kwargs)
-        self._guard = guard
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        server.__class__ = _JsonErrorServer
-        server.guard = self._guard
-        return server
+        super().__init__(app, _protocol_error_response, guard.adopt if guard is not None else None, **kwargs)
 
 
 class ApiServer:
@@ -208,7 +176,9 @@ class ApiServer:
         self._openapi: bytes | None = None  # built on first ask
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_request_body_bytes, middlewares=[openai_errors])
+        auth = auth_middleware(self.cfg.api_key)
+        middlewares = [openai_errors] if auth is None else [openai_errors, auth]
+        app = web.Application(client_max_size=self.cfg.max_request_body_bytes, middlewares=middlewares)
         app[CFG] = self.cfg
         app[SERVING] = self.serving
         app[LOG] = self.log

@@ -1,8 +1,12 @@
-"""The OpenAI endpoints: request -> validated struct -> token ids -> rank -> response.
+"""What every OpenAI endpoint shares: from a validated request to a rank and back.
 
-Hot path habits: one JSON decode straight into a Struct, one ZeroMQ send per
-request, incremental detokenization, SSE events from prebuilt byte templates,
-no logging per request. Errors leave as OpenAI-style bodies (see ApiError).
+Owns auth (as aiohttp middleware), rank pinning (X-data-parallel-rank), sending
+with a bounded wait for a rank, engine failures, and the one wrapper around a
+request's life that counts it, times it and aborts what is left of it. The
+endpoints (completions.py, chat.py) build on ServingBase; it must never know a
+response body's shape. Hot path habits: one JSON decode straight into a Struct,
+one ZeroMQ send per engine request, no logging per request; errors leave as
+OpenAI-style bodies (see ApiError).
 """
 
 from __future__ import annotations
@@ -12,51 +16,23 @@ import hmac
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import msgspec
 import zmq
 from aiohttp import web
-from dpserve.daemons.api.choices import ChoicesServing
-from dpserve.daemons.api.detokenizer import IncrementalDetokenizer, StopChecker, decode_continuation
 from dpserve.daemons.api.engine_client import EngineClient, RequestState
+from dpserve.daemons.api.generation import EngineFailure, Generation
 from dpserve.daemons.api.metrics import ApiMetrics
-from dpserve.daemons.api.openai_types import (
-    ApiError,
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    Delta,
-    ErrorBody,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    PromptTokensDetails,
-    Usage,
-    chat_messages,
-    check_unsupported,
-    completion_prompt,
-    decode_request,
-    encode,
-    stop_strings,
-    uses_extras,
-)
+from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse, ModelCard, ModelList, encode
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.daemons.config import ApiServerConfig
-from dpserve.engine.common.protocol import FINISH_ERROR, AddRequest, SamplingParams
+from dpserve.engine.common.protocol import AddRequest, SamplingParams
 
-_json_str = msgspec.json.encode
-_DONE = b"data: [DONE]\n\n"
+RANK_HEADER = "X-data-parallel-rank"
+DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_RANK_HEADER = "X-data-parallel-rank"
 # Bodies up to this size are tokenized on the event loop: the thread hop costs
 # ~0.13 ms of CPU (measured), four times a short prompt's tokenization, while 8 KiB
 # stalls the loop ~3 ms at most (the demo tokenizer, a slow one). Larger bodies go
@@ -67,22 +43,7 @@ _TOKENIZE_THREADS = 2
 _MAX_UNKNOWN_LOGGED = 32
 
 
-class _EventStream(web.StreamResponse):
-    """An SSE response whose headers leave with its first event: one socket write, not two.
-
-    (aiohttp's own Response uses the same switch; the bytes on the wire are unchanged.)
-    """
-
-    _send_headers_immediately = False
-
-
-class EngineFailure(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _failure_kind(status: int) -> tuple[str, str | None]:
+def failure_kind(status: int) -> tuple[str, str | None]:
     """(error type, code) of an engine-side failure: the rank failed (503), it never
     answered (504), or it refused the request (4xx)."""
     if status == 503:
@@ -90,6 +51,18 @@ def _failure_kind(status: int) -> tuple[str, str | None]:
     if status == 504:
         return "server_error", "first_token_timeout"
     return "invalid_request_error", None
+
+
+def failure_error(exc: EngineFailure) -> ApiError:
+    """An engine failure before the response started: an error response."""
+    kind, code = failure_kind(exc.status)
+    return ApiError(exc.status, str(exc), type=kind, code=code)
+
+
+def failure_event(exc: EngineFailure) -> bytes:
+    """An engine failure after a stream started: its last event, then [DONE]."""
+    kind, code = failure_kind(exc.status)
+    return b"data: " + encode(ErrorResponse(ErrorBody(str(exc), kind, None, code or "engine_error"))) + b"\n\n" + DONE
 
 
 def parse_rank_header(value: str | None, size: int) -> int | None:
@@ -136,21 +109,31 @@ def routing_error(exc: RoutingError) -> ApiError:
     return ApiError(503, "No engine rank is serving right now.", type="service_unavailable", code="no_rank_available", headers=retry)
 
 
-def _take_outputs(state: RequestState) -> tuple[list[int], str | None]:
-    """The token ids that arrived and the finish reason, if any; raises EngineFailure.
+def auth_middleware(api_key: str | None):
+    """Middleware that asks every /v1/ route for `Authorization: Bearer <api_key>`, or None
+    without a key. A path no route serves keeps its 404 (or 405) without a key."""
+    if not api_key:
+        return None
+    expected = f"Bearer {api_key}".encode()
 
-    A stop token ends the text: it is counted in usage, not shown.
-    """
-    ids = state.take()
-    finished = state.finish_reason
-    if finished == FINISH_ERROR:
-        raise EngineFailure(state.error_status, state.error or "engine error")
-    if finished and state.stop_token_id is not None and ids and ids[-1] == state.stop_token_id:
-        ids = ids[:-1]
-    return ids, finished
+    @web.middleware
+    async def check_api_key(request: web.Request, handler):
+        if request.path.startswith("/v1/") and request.match_info.http_exception is None:
+            # aiohttp keeps undecodable header bytes as surrogates: turn them back into
+            # the bytes that came, so any header compares instead of raising.
+            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(got, expected):
+                raise ApiError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>').",
+                               type="authentication_error", code="invalid_api_key")
+        return await handler(request)
+
+    return check_api_key
 
 
-class OpenAIServing:
+class ServingBase:
+    """State and steps every endpoint shares. The endpoints' requests are counted in
+    `num_active` from before their first send until their response is complete."""
+
     def __init__(self, cfg: ApiServerConfig, tokenizer: TextTokenizer, client: EngineClient, metrics: ApiMetrics, log) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -165,70 +148,35 @@ class OpenAIServing:
         self.num_active = 0  # requests between routing and their response (the drain waits on them)
         self.idle = asyncio.Event()  # set while num_active == 0
         self.idle.set()
-        self._auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
         self._unknown_fields: set[str] = set()
         self._id_prefix = f"{cfg.index:x}{os.urandom(4).hex()}"
         self._ids = itertools.count()
         self._created = int(time.time())
         # Response headers per serving rank, built once: aiohttp copies them per response anyway.
-        self._json_headers = [{"Content-Type": "application/json", _RANK_HEADER: str(r)} for r in range(self.router.size)]
-        self._sse_headers = [{**_SSE_HEADERS, _RANK_HEADER: str(r)} for r in range(self.router.size)]
+        self.json_headers = [{"Content-Type": "application/json", RANK_HEADER: str(r)} for r in range(self.router.size)]
+        self.sse_headers = [{**_SSE_HEADERS, RANK_HEADER: str(r)} for r in range(self.router.size)]
         self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
-        self._choices = ChoicesServing(self)  # n, logprobs, echo, penalties... (issue 14)
         # A prompt longer than this many bytes needs more than max_model_len tokens
         # whatever it says, so it is refused without tokenizing (None: no such bound).
         per_token = tokenizer.max_bytes_per_token
         self.max_prompt_bytes = self.max_model_len * per_token if per_token else None
 
-    # ---------------------------------------------------------------- endpoints
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.perf_counter()
-        self._check_auth(request)
-        req = decode_request(await self._read_body(request), CompletionRequest, self._note_unknown_field)
-        check_unsupported(req)
-        self._check_model(req.model)
-        if uses_extras(req):
-            return await self._choices.completions(request, req, t0)
-        prompt = completion_prompt(req)
-        if isinstance(prompt, str):
-            ids = await self._tokenize(request, self._prompt_ids, prompt)
-        else:
-            ids = prompt
-            if min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise ApiError(400, f"Token ids must be in [0, {self.vocab_size}).", param="prompt")
-        return await self._generate(request, req, ids, req.max_tokens or 16, chat=False, t0=t0)
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.perf_counter()
-        self._check_auth(request)
-        req = decode_request(await self._read_body(request), ChatCompletionRequest, self._note_unknown_field)
-        check_unsupported(req)
-        self._check_model(req.model)
-        if uses_extras(req):
-            return await self._choices.chat_completions(request, req, t0)
-        messages = chat_messages(req)
-        ids = await self._tokenize(request, self._chat_ids, messages, req.add_generation_prompt)
-        max_tokens = req.max_completion_tokens or req.max_tokens or max(self.max_model_len - len(ids), 1)
-        return await self._generate(request, req, ids, max_tokens, chat=True, t0=t0)
-
     async def models(self, request: web.Request) -> web.Response:
-        self._check_auth(request)
         card = ModelCard(self.model_name, self._created, max_model_len=self.max_model_len, root=self.model_name)  # never the local path
         return web.Response(body=encode(ModelList([card])), content_type="application/json")
 
+    def new_request_id(self) -> str:
+        return f"{self._id_prefix}-{next(self._ids):x}"
+
+    def finish_response(self, resp: web.StreamResponse) -> web.StreamResponse:
+        """A response about to be sent: while draining, its connection closes after it."""
+        if self.draining:
+            resp.force_close()
+        return resp
+
     # ---------------------------------------------------------------- checks
 
-    def _check_auth(self, request: web.Request) -> None:
-        if self._auth is None:
-            return
-        # aiohttp keeps undecodable header bytes as surrogates: turn them back into
-        # the bytes that came, so any header compares instead of raising.
-        got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(got, self._auth):
-            raise ApiError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>').", type="authentication_error", code="invalid_api_key")
-
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def read_body(self, request: web.Request) -> bytes:
         if request.content_type != "application/json":
             # Also keeps browsers' cross-site "simple" POSTs (form or text/plain bodies) out.
             got = request.headers.get("Content-Type")
@@ -249,7 +197,7 @@ class OpenAIServing:
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large") from None
 
-    def _note_unknown_field(self, name: str) -> None:
+    def note_unknown_field(self, name: str) -> None:
         """Unknown fields are ignored, as vLLM does; each name is logged once, and at
         most _MAX_UNKNOWN_LOGGED names, so random names cannot flood the log."""
         if name in self._unknown_fields or len(self._unknown_fields) >= _MAX_UNKNOWN_LOGGED:
@@ -258,13 +206,20 @@ class OpenAIServing:
         more = " (no further names will be logged)" if len(self._unknown_fields) == _MAX_UNKNOWN_LOGGED else ""
         self.log.warning(f"ignoring an unknown request field; logged once per name{more}", field=name[:80])
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is None:
             raise ApiError(400, "model is required.", param="model")
         if model != self.model_name:
             raise ApiError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}.", param="model", code="model_not_found")
 
-    def _sampling(self, req, num_prompt: int, max_tokens: int) -> SamplingParams:
+    def check_token_ids(self, ids: list[int]) -> list[int]:
+        """A prompt given as token ids: each must be in the vocabulary."""
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ApiError(400, f"Token ids must be in [0, {self.vocab_size}).", param="prompt")
+        return ids
+
+    def sampling(self, req, num_prompt: int, max_tokens: int) -> SamplingParams:
+        """The parameters every request has, checked against the model's limits."""
         limit = self.max_model_len
         if num_prompt == 0:
             raise ApiError(400, "The prompt is empty.", param="prompt")
@@ -295,7 +250,7 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- tokenization
 
-    async def _tokenize(self, request: web.Request, fn, *args) -> list[int]:
+    async def tokenize(self, request: web.Request, fn, *args) -> list[int]:
         """fn(*args) inline for small bodies, else on the tokenizer threads.
 
         The tokenizer releases the GIL while it works (TextTokenizer), so the
@@ -322,11 +277,11 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    def _prompt_ids(self, prompt: str) -> list[int]:
+    def prompt_ids(self, prompt: str) -> list[int]:
         self._check_prompt_size(prompt, "prompt")
         return self.tokenizer.encode(prompt)
 
-    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         tok = self.tokenizer
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
@@ -335,44 +290,44 @@ class OpenAIServing:
         self._check_prompt_size(text, "messages")
         return tok.encode_chat_prompt(text)
 
-    # ---------------------------------------------------------------- generation
+    # ---------------------------------------------------------------- a request's life
 
-    async def _generate(self, request, req, ids: list[int], max_tokens: int, *, chat: bool, t0: float) -> web.StreamResponse:
-        endpoint = "chat" if chat else "completions"
-        params = self._sampling(req, len(ids), max_tokens)
-        stops = stop_strings(req)
-        pinned = parse_rank_header(request.headers.get(_RANK_HEADER), self.router.size)
+    def pinned_rank(self, request: web.Request) -> int | None:
+        """The rank X-data-parallel-rank pins the request to (checked), or None."""
+        pinned = parse_rank_header(request.headers.get(RANK_HEADER), self.router.size)
         if pinned is not None:
             try:
                 self.router.check_pin(pinned)
             except RankNotEligible as exc:
                 raise routing_error(exc) from None
-        request_id = f"{self._id_prefix}-{next(self._ids):x}"
-        state = RequestState(request_id, len(ids), max_tokens)
-        add = AddRequest(request_id, ids, params, time.time())
-        rank = await self._send(state, add, pinned)
-        self.metrics.routed_to(rank)
+        return pinned
+
+    async def run(self, endpoint: str, t0: float, gens: Sequence[Generation], pinned: int | None,
+                  respond: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Send `gens`, then answer with `respond()`; counts, times and cleans up.
+
+        The one `finally` of every request: whatever ends it (the answer, an engine
+        failure, the client leaving, a stop string), an engine request that has not
+        finished is aborted, so its rank stops working for nobody.
+        """
+        sent: list[RequestState] = []
         self.request_began()
         try:
-            if req.stream:
-                include_usage = req.stream_options is not None and req.stream_options.include_usage
-                resp = await self._stream(request, state, self._events(state, stops, ids), len(ids), chat, include_usage)
-            elif stops:
-                text, reason = await self._join(self._events(state, stops, ids))
-                resp = self._complete(state, text, reason, len(ids), chat)
-            else:
-                text, reason = await self._collect(state, ids)
-                resp = self._complete(state, text, reason, len(ids), chat)
+            for gen in gens:
+                rank = await self.send(gen, pinned)
+                sent.append(gen.state)
+                self.metrics.routed_to(rank)
+            resp = await respond()
             self.metrics.observe(endpoint, resp.status, time.perf_counter() - t0)
             return resp
         except EngineFailure as exc:
             self.metrics.observe(endpoint, exc.status)
-            kind, code = _failure_kind(exc.status)
-            raise ApiError(exc.status, str(exc), type=kind, code=code) from None
+            raise failure_error(exc) from None
         finally:
             self.request_ended()
-            if not state.is_finished:
-                self.client.abort(state)  # client went away, or a stop string ended it early
+            for state in sent:
+                if not state.is_finished:
+                    self.client.abort(state)  # client went away, or a stop string ended it early
 
     def request_began(self) -> None:
         self.num_active += 1
@@ -383,13 +338,14 @@ class OpenAIServing:
         if not self.num_active:
             self.idle.set()
 
-    async def _send(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
+    async def send(self, gen: Generation, pinned: int | None) -> int:
         """Send to the best rank, waiting (bounded) while none can take it.
 
         Before any rank is ready (the node starts) or while the ranks restart, a
         request waits up to --wait-for-engine-s for one instead of failing at
         once, as clients of a server whose port opens only when it serves expect.
         """
+        state, add = gen.state, gen.add_request()
         try:
             return self._send_once(state, add, pinned)
         except NoRankAvailable as exc:
@@ -428,111 +384,3 @@ class OpenAIServing:
                 if pinned is not None:
                     break
         raise NoRankAvailable(unreachable=True)
-
-    async def _events(self, state: RequestState, stops: list[str], prompt_ids: list[int]) -> AsyncIterator[tuple[str, str | None]]:
-        """(new text, finish_reason or None) as outputs arrive; raises EngineFailure.
-        The text continues the prompt's (see prompt_context)."""
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        stopper = StopChecker(stops) if stops else None
-        while True:
-            if not state.pending and not state.is_finished:
-                await state.event.wait()
-            ids, finished = _take_outputs(state)
-            text = detok.step(ids) if ids else ""
-            if finished:
-                text += detok.flush()
-            if stopper is not None:
-                text, hit = stopper.feed(text)
-                if hit:
-                    self.client.abort(state)
-                    state.finish_reason = "stop"
-                    yield text, "stop"
-                    return
-                if finished:
-                    text += stopper.flush()
-            if finished:
-                yield text, finished
-                return
-            if text:
-                yield text, None
-
-    async def _collect(self, state: RequestState, prompt_ids: list[int]) -> tuple[str, str]:
-        """A whole answer without stop strings: wait for the end, then decode once.
-
-        The same text as _events: the incremental detokenizer exists to reproduce
-        exactly this one decode piece by piece, which a whole answer does not need.
-        """
-        ids: list[int] = []
-        while True:
-            if not state.pending and not state.is_finished:
-                await state.event.wait()
-            last, finished = _take_outputs(state)
-            ids += last
-            if finished:
-                text = decode_continuation(self.tokenizer, prompt_ids, ids) if ids else ""
-                return text, finished
-
-    @staticmethod
-    async def _join(events) -> tuple[str, str]:
-        parts = []
-        reason = "stop"
-        async for text, fin in events:
-            parts.append(text)
-            if fin:
-                reason = fin
-        return "".join(parts), reason
-
-    def _complete(self, state: RequestState, text: str, reason: str, num_prompt: int, chat: bool) -> web.Response:
-        usage = Usage(num_prompt, state.num_output_tokens, num_prompt + state.num_output_tokens, PromptTokensDetails(state.num_cached_tokens))
-        rid = state.request_id
-        if chat:
-            body = ChatCompletionResponse(f"chatcmpl-{rid}", int(time.time()), self.model_name, [ChatChoice(0, AssistantMessage(text), None, reason)], usage=usage)
-        else:
-            body = CompletionResponse(f"cmpl-{rid}", int(time.time()), self.model_name, [CompletionChoice(0, text, None, reason)], usage=usage)
-        resp = web.Response(body=encode(body), headers=self._json_headers[state.rank])
-        if self.draining:
-            resp.force_close()
-        return resp
-
-    async def _stream(self, request, state: RequestState, events, num_prompt: int, chat: bool, include_usage: bool) -> web.StreamResponse:
-        created = int(time.time())
-        rid = f"chatcmpl-{state.request_id}" if chat else f"cmpl-{state.request_id}"
-        head = encode({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": self.model_name})[:-1]
-        if chat:
-            prefix = b"data: " + head + b',"choices":[{"index":0,"delta":{"content":'
-            suffix_open = b'},"logprobs":null,"finish_reason":null}]}\n\n'
-        else:
-            prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
-            suffix_open = b',"logprobs":null,"finish_reason":null}]}\n\n'
-        resp = _EventStream(status=200, headers=self._sse_headers[state.rank])
-        if self.draining:
-            resp.force_close()
-        await resp.prepare(request)
-        if chat:
-            first = ChatCompletionChunk(rid, created, self.model_name, [ChatChunkChoice(0, Delta(role="assistant", content=""), None, None)])
-            await resp.write(b"data: " + encode(first) + b"\n\n")
-        # The last event, the usage chunk, [DONE] and the end of the chunked body
-        # leave in one write: nothing is awaited between them anyway.
-        tail = b""
-        try:
-            async for text, fin in events:
-                if fin is None:
-                    await resp.write(prefix + _json_str(text) + suffix_open)
-                    continue
-                if chat:
-                    last = ChatCompletionChunk(rid, created, self.model_name, [ChatChunkChoice(0, Delta(content=text or None), None, fin)])
-                else:
-                    last = CompletionResponse(rid, created, self.model_name, [CompletionChoice(0, text, None, fin)])
-                tail = b"data: " + encode(last) + b"\n\n"
-        except EngineFailure as exc:
-            kind, code = _failure_kind(exc.status)
-            err = ErrorResponse(ErrorBody(str(exc), kind, None, code or "engine_error"))
-            await resp.write_eof(b"data: " + encode(err) + b"\n\n" + _DONE)
-            self.metrics.observe("stream", exc.status)
-            return resp
-        if include_usage:
-            usage = Usage(num_prompt, state.num_output_tokens, num_prompt + state.num_output_tokens, PromptTokensDetails(state.num_cached_tokens))
-            tail_cls = ChatCompletionChunk if chat else CompletionResponse
-            tail += b"data: " + encode(tail_cls(rid, created, self.model_name, [], usage=usage)) + b"\n\n"
-        await resp.write_eof(tail + _DONE)
-        return resp

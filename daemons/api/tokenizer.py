@@ -238,6 +238,11 @@ class TextTokenizer:
                    model_name or model_dir.resolve().name)
 
     @property
+    def backend(self) -> Tokenizer:
+        """The `tokenizers` Tokenizer underneath (the detokenizer steps it directly)."""
+        return self._tok
+
+    @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 

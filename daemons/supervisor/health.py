@@ -113,7 +113,7 @@ class HealthServer:
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, reuse_port=False)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self.runner.addresses[0][1]
         return self.port
 
     async def stop(self) -> None:

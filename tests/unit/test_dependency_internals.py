@@ -2,13 +2,11 @@
 name so that an upgrade which drops one fails here with a clear message (pyproject.toml
 pins upper bounds; raise them only with this file green).
 
-aiohttp: ApiAppRunner overrides AppRunner._make_server (BaseRunner's undocumented hook)
-and swaps the class of each protocol handler (RequestHandler, same __slots__), the
-ConnectionGuard sets two of its private slots, and SSE responses turn off
-StreamResponse._send_headers_immediately. transformers: every use lives in
-engine/hf_compat.py (registering the paged attention, a module's layer_idx, the
-SDPA fallback outside an engine step, reading a refused attention implementation
-from the error's text); each has a test below. The round trips run the real code.
+aiohttp: every use lives in daemons/aiohttp_compat.py (its docstring says what each
+internal is and why); each has a test below, and the round trips run the real code
+on loopback. transformers: every use lives in engine/hf_compat.py (registering the
+paged attention, a module's layer_idx, the SDPA fallback outside an engine step, reading
+a refused attention implementation from the error's text); each has a test below.
 """
 
 from __future__ import annotations
@@ -20,34 +18,50 @@ import socket
 
 import pytest
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 
-AIOHTTP_HINT = "aiohttp changed an internal that dpserve uses (daemons/api_server.py, daemons/http_limits.py)"
+AIOHTTP_HINT = "aiohttp changed an internal that dpserve uses (daemons/aiohttp_compat.py)"
+
+
+class _Log:
+    def warning(self, *args, **kwargs) -> None:
+        pass
 
 
 def test_aiohttp_defers_headers_through_the_class_switch_we_set():
-    """serving.py's (and choices.py's) _EventStream sets StreamResponse._send_headers_immediately
-    = False so an SSE response's headers leave with its first event (one write, not two).
-    aiohttp has no public switch; if it drops this one, ours silently does nothing."""
-    import inspect
-
+    """aiohttp_compat.EventStream sets StreamResponse._send_headers_immediately = False so an
+    SSE response's headers leave with its first event (one write, not two). aiohttp has
+    no public switch; if it drops this one, ours silently does nothing."""
     assert getattr(web.StreamResponse, "_send_headers_immediately", None) is True, (
         f"{AIOHTTP_HINT}: StreamResponse._send_headers_immediately is gone")
     assert "self._send_headers_immediately" in inspect.getsource(web.StreamResponse), (
         f"{AIOHTTP_HINT}: StreamResponse no longer reads _send_headers_immediately")
-    from dpserve.daemons.api.serving import _EventStream
+    from dpserve.daemons.aiohttp_compat import EventStream
 
-    assert _EventStream._send_headers_immediately is False
+    assert EventStream._send_headers_immediately is False
 
 
-def test_aiohttp_internals_exist():
+def test_aiohttp_runner_hook_and_handler_slots_exist():
+    """JsonErrorRunner overrides AppRunner._make_server; handler_subclass relies on
+    RequestHandler's __slots__; answer_requests_with and cap_keepalive set two of them;
+    json_error_handler_class overrides handle_error(request, status, exc, message)."""
     make_server = getattr(web.AppRunner, "_make_server", None)
     assert make_server is not None and inspect.iscoroutinefunction(make_server), (
         f"{AIOHTTP_HINT}: web.AppRunner._make_server is gone or no longer a coroutine")
-    slots = getattr(RequestHandler, "__slots__", None)
+    slots = getattr(web.RequestHandler, "__slots__", None)
     assert slots is not None, f"{AIOHTTP_HINT}: RequestHandler has no __slots__ (class swap relies on them)"
     for name in ("_request_handler", "_keepalive_timeout"):
         assert name in slots, f"{AIOHTTP_HINT}: RequestHandler.{name} is gone"
+    params = list(inspect.signature(web.RequestHandler.handle_error).parameters)
+    assert params[:5] == ["self", "request", "status", "exc", "message"], (
+        f"{AIOHTTP_HINT}: RequestHandler.handle_error takes {params}")
+
+
+def test_aiohttp_http_processing_error_carries_the_parser_message():
+    """server.py shows HttpProcessingError.message in a 400 (aiohttp_compat re-exports it)."""
+    from dpserve.daemons.aiohttp_compat import HttpProcessingError
+
+    assert HttpProcessingError(message="bad line").message == "bad line", (
+        f"{AIOHTTP_HINT}: aiohttp.http_exceptions.HttpProcessingError lost its message")
 
 
 def _request(port: int, raw: bytes) -> tuple[int, dict]:
@@ -60,46 +74,87 @@ def _request(port: int, raw: bytes) -> tuple[int, dict]:
     return int(head.split()[1]), json.loads(body)
 
 
+async def _serve(runner: web.AppRunner) -> int:
+    """Start `runner` on a public SockSite over a loopback socket; its port."""
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    site = web.SockSite(runner, sock)
+    await site.start()
+    port = runner.addresses[0][1]  # the public way (health.py) to learn a bound port
+    assert port == sock.getsockname()[1], f"{AIOHTTP_HINT}: runner.addresses does not list the site's socket"
+    return port
+
+
+def _ok_app() -> web.Application:
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_get("/ok", ok)
+    return app
+
+
+GET = b"GET /ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
 def test_guarded_runner_caps_connections_and_answers_bad_http_in_json():
     """ApiAppRunner on a public SockSite: over the cap a request gets the guard's 503,
     a malformed request line gets OpenAI-style JSON, and under the cap it is served."""
     from dpserve.daemons.api.http_limits import ConnectionGuard
     from dpserve.daemons.api.server import ApiAppRunner
 
-    class Log:
-        def warning(self, *args, **kwargs) -> None:
-            pass
-
     async def main() -> None:
-        async def ok(request: web.Request) -> web.Response:
-            return web.json_response({"ok": True})
-
-        app = web.Application()
-        app.router.add_get("/ok", ok)
-        guard = ConnectionGuard(1, 8, b'{"error": {"message": "busy"}}', Log())
-        runner = ApiAppRunner(app, guard, access_log=None)
-        await runner.setup()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        port = sock.getsockname()[1]
-        site = web.SockSite(runner, sock)
-        await site.start()
+        guard = ConnectionGuard(1, 8, b'{"error": {"message": "busy"}}', _Log())
+        runner = ApiAppRunner(_ok_app(), guard, access_log=None)
+        port = await _serve(runner)
         try:
-            get = b"GET /ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-            assert await asyncio.to_thread(_request, port, get) == (200, {"ok": True})
+            assert await asyncio.to_thread(_request, port, GET) == (200, {"ok": True})
             status, body = await asyncio.to_thread(_request, port, b"NOT HTTP AT ALL\r\n\r\n")
             assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+            assert body["error"]["message"].startswith("Bad request: "), body  # HttpProcessingError.message
             holder = socket.create_connection(("127.0.0.1", port))  # takes the one slot
             try:
                 for _ in range(100):
                     if guard.open:
                         break
                     await asyncio.sleep(0.01)
-                assert await asyncio.to_thread(_request, port, get) == (503, {"error": {"message": "busy"}})
+                assert await asyncio.to_thread(_request, port, GET) == (503, {"error": {"message": "busy"}})
                 assert guard.num_rejected_total == 1
             finally:
                 holder.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_adopted_connections_can_be_answered_elsewhere_and_capped():
+    """answer_requests_with and cap_keepalive on each handler a JsonErrorRunner adopts:
+    every request goes to the other handler, and an idle connection closes early."""
+    from dpserve.daemons.aiohttp_compat import JsonErrorRunner, answer_requests_with, cap_keepalive
+
+    async def elsewhere(request: web.BaseRequest) -> web.Response:
+        return web.json_response({"elsewhere": True}, status=503)
+
+    def adopt(handler: web.RequestHandler) -> None:
+        answer_requests_with(handler, elsewhere)
+        cap_keepalive(handler, 0.2)
+
+    def answer(request, status, exc, message) -> web.Response:
+        return web.json_response({"status": status}, status=status)
+
+    async def main() -> None:
+        runner = JsonErrorRunner(_ok_app(), answer, adopt, access_log=None, keepalive_timeout=30)
+        port = await _serve(runner)
+        try:
+            assert await asyncio.to_thread(_request, port, GET) == (503, {"elsewhere": True})
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                assert await asyncio.to_thread(idle.recv, 1) == b""  # closed by the server, not by us
+                assert loop.time() - started < 10, f"{AIOHTTP_HINT}: _keepalive_timeout no longer closes an idle connection"
         finally:
             await runner.cleanup()
 

@@ -5,12 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from dpserve.daemons.api.openai_types import (
-    INT32_MAX,
+from dpserve.daemons.api.openai_types import INT32_MAX, ApiError, ChatCompletionRequest, CompletionRequest
+from dpserve.daemons.api.request_checks import (
     UNSUPPORTED,
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
     chat_messages,
     check_unsupported,
     completion_prompt,

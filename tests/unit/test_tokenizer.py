@@ -83,7 +83,7 @@ def tok(tmp_path_factory, tokenizer_json) -> TextTokenizer:
 @pytest.fixture(scope="session")
 def byte_id(tok) -> dict[int, int]:
     """Raw byte -> the id of the single-byte token, for building broken UTF-8 on purpose."""
-    return {b: tok._tok.token_to_id(c) for b, c in _gpt2_byte_chars().items()}
+    return {b: tok.backend.token_to_id(c) for b, c in _gpt2_byte_chars().items()}
 
 
 def _detok_all(tok, ids, chunk_sizes, skip=True) -> tuple[list[str], str]:
@@ -110,7 +110,7 @@ def test_round_trip_and_single_bos(tok):
 
 def test_metadata(tok, tokenizer_json):
     assert tok.vocab_size == Tokenizer.from_file(str(tokenizer_json)).get_vocab_size() > 256
-    assert tok.eos_token_ids == {tok._tok.token_to_id(EOS)}
+    assert tok.eos_token_ids == {tok.backend.token_to_id(EOS)}
     assert tok.model_name.startswith("model") and tok.adds_bos
 
 
@@ -185,7 +185,7 @@ def test_incremental_equals_full_decode_for_mostly_broken_utf8(tok, byte_id):
 
 @pytest.mark.parametrize("layout", [["E6", "97", "sp", "sp", "sp", "A5"], ["E6", "sp", "97", "sp", "A5"]])
 def test_forced_release_never_splits_an_open_character(tok, byte_id, layout):
-    im_start = tok._tok.token_to_id(IM_START)
+    im_start = tok.backend.token_to_id(IM_START)
     # Held long enough to force a release while "日" (E6 97 A5) is open, split by
     # skipped special tokens: a release inside the character would lose it.
     ids = [byte_id[0x80]] * 15 + [im_start if x == "sp" else byte_id[int(x, 16)] for x in layout]
@@ -219,7 +219,7 @@ def test_invalid_bytes_are_released_mid_stream_and_window_stays_short(tok, byte_
 
 
 def test_skipped_special_tokens_do_not_grow_the_window(tok, monkeypatch):
-    im_start = tok._tok.token_to_id(IM_START)
+    im_start = tok.backend.token_to_id(IM_START)
     ids = tok.encode("hello", add_special_tokens=False) + [im_start] * 100 + tok.encode(" wörld")
     detok = IncrementalDetokenizer(tok)
     sizes = _recording_decoder(monkeypatch)
@@ -231,7 +231,7 @@ def test_long_stream_decodes_a_bounded_window(tok, monkeypatch):
     ids = tok.encode(" ".join(SAMPLES) * 30, add_special_tokens=False)
     assert len(ids) > 1000
     sizes = _recording_decoder(monkeypatch)
-    window = _WindowDetokenizer(tok._tok, True, [])
+    window = _WindowDetokenizer(tok.backend, True, [])
     text = window.step(ids)
     assert len(window._ids) <= 300  # consumed ids are dropped: memory is bounded too
     assert text + window.flush() == tok.decode(ids)
@@ -324,7 +324,7 @@ def test_chat_template_roles_parts_and_generation_prompt(tok):
     assert prompt == body + "<|im_start|>assistant\n"
     ids = tok.encode_chat_prompt(prompt)
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
-    assert ids.count(tok._tok.token_to_id(IM_START)) == 4  # parsed as special tokens
+    assert ids.count(tok.backend.token_to_id(IM_START)) == 4  # parsed as special tokens
 
 
 def test_template_that_writes_bos_gets_no_second_bos(tmp_path, tokenizer_json):

@@ -1,0 +1,114 @@
+"""Logprobs: the engine's numbers kept per request, and rendered as OpenAI and vLLM show them.
+
+Completions get OpenAI's legacy arrays (tokens, token_logprobs, top_logprobs,
+text_offset), chat gets `content` entries with bytes, and prompt_logprobs takes
+vLLM's shape. A token is shown as that one token decoded, specials included.
+Pure functions over a tokenizer: nothing here sends or waits.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+from dpserve.daemons.api.engine_client import RequestState
+from dpserve.daemons.api.tokenizer import TextTokenizer
+from dpserve.engine.common.protocol import RequestOutput, TokenLogprobs
+
+
+class ScoredRequestState(RequestState):
+    """A RequestState that also keeps the logprobs the engine sends, and counts its outputs."""
+
+    __slots__ = ("logprobs", "prompt_logprobs", "num_outputs")
+
+    def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
+        super().__init__(request_id, prompt_tokens, max_tokens)
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
+        self.num_outputs = 0
+
+    def _push(self, out: RequestOutput) -> None:
+        # (engine_client delivers every output through RequestState._push)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.num_outputs += 1
+        super()._push(out)
+
+    def take_logprobs(self) -> list[TokenLogprobs]:
+        got, self.logprobs = self.logprobs, []
+        return got
+
+    async def wait_first_output(self) -> None:
+        while not self.num_outputs and not self.is_finished:
+            self.event.clear()
+            await self.event.wait()
+
+
+class TokenTexts:
+    """Each token's text as shown in logprobs, decoded once per tokenizer and id."""
+
+    _by_tokenizer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        texts = self._by_tokenizer.get(tokenizer)
+        if texts is None:
+            texts = self._by_tokenizer[tokenizer] = {}
+        self.texts: dict[int, str] = texts
+
+    def __getitem__(self, token_id: int) -> str:
+        text = self.texts.get(token_id)
+        if text is None:
+            text = self.texts[token_id] = self.tokenizer.decode((token_id,), skip_special_tokens=False)
+        return text
+
+
+def chat_logprobs(texts: TokenTexts, positions: Sequence[TokenLogprobs | int], num_top: int) -> dict:
+    """Chat's logprobs object: one `content` entry per generated token."""
+    content = []
+    for pos in positions:
+        if isinstance(pos, int):
+            continue
+        token = texts[pos.token_id]
+        tops = [
+            {"token": (t := texts[i]), "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+            for i, lp in zip(pos.top_ids[:num_top], pos.top_logprobs)
+        ]
+        content.append({"token": token, "logprob": pos.logprob, "bytes": list(token.encode("utf-8", "replace")), "top_logprobs": tops})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(texts: TokenTexts, positions: Sequence[TokenLogprobs | int], num_top: int,
+                        offset: int) -> tuple[dict, int]:
+    """Completions' logprobs object for these positions, and the text offset after them.
+    An int position (an echoed prompt's first token) has no logprob: null."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for pos in positions:
+        token_id = pos if isinstance(pos, int) else pos.token_id
+        token = texts[token_id]
+        tokens.append(token)
+        text_offset.append(offset)
+        offset += len(token)
+        if isinstance(pos, int):
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(pos.logprob)
+        # vLLM's dict: the top alternatives, and the chosen token (even outside them).
+        tops = {texts[i]: lp for i, lp in zip(pos.top_ids[:num_top], pos.top_logprobs)}
+        tops.setdefault(token, pos.logprob)
+        top_logprobs.append(tops)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}, offset
+
+
+def prompt_logprobs(texts: TokenTexts, positions: Sequence[TokenLogprobs] | None) -> list:
+    """vLLM's prompt_logprobs: null for the first token, then {id: {logprob, rank, decoded_token}}."""
+    out: list = [None]
+    for pos in positions or ():
+        entry = {str(pos.token_id): {"logprob": pos.logprob, "rank": pos.rank, "decoded_token": texts[pos.token_id]}}
+        for rank, (i, lp) in enumerate(zip(pos.top_ids, pos.top_logprobs), start=1):
+            entry.setdefault(str(i), {"logprob": lp, "rank": rank, "decoded_token": texts[i]})
+        out.append(entry)
+    return out

@@ -1,0 +1,245 @@
+"""Responses of requests that use the extras: n, batched prompts, logprobs, echo,
+structured output, prompt_logprobs, penalties / min_p / logit_bias,
+include_stop_str_in_output and skip_special_tokens.
+
+Each choice (prompt i, sample j; OpenAI's index i x n + j) is its own engine
+request, routed like any other: the n samples of a prompt do not share its
+prefill. With a seed, choice j samples with seed + j (vLLM's rule), so each is
+reproducible alone. A plain request never comes here (see one_choice.py): it
+pays only for the scan that would send it here (openai_types.uses_extras).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+from dpserve.daemons.aiohttp_compat import EventStream
+from dpserve.daemons.api.generation import EngineFailure, Generation, Piece, TextOptions, join_pieces, text_pieces
+from dpserve.daemons.api.logprobs import (
+    ScoredRequestState,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
+from dpserve.daemons.api.openai_types import ApiError, encode
+from dpserve.daemons.api.request_checks import stop_strings
+from dpserve.daemons.api.serving import DONE, ServingBase, failure_event
+from dpserve.engine.common.protocol import FINISH_ERROR, FINISH_LENGTH
+
+_INT64 = 2**64
+
+
+@dataclass(slots=True)
+class Choice:
+    gen: Generation  # its state is a ScoredRequestState
+    echo_text: str | None = None  # the prompt's text, when echoed
+    score_only: bool = False  # max_tokens 0 with echo: the engine's one token is dropped
+
+
+@dataclass(slots=True)
+class ChoiceOptions:
+    chat: bool
+    text: TextOptions
+    num_top: int | None  # completions: logprobs; chat: top_logprobs (None: no logprobs)
+    prompt_logprobs: int | None  # vLLM's extra, reported as such
+    echo: bool = False
+
+
+def text_options(req, logprobs: bool) -> TextOptions:
+    """The text rules the extras can change."""
+    return TextOptions(stop_strings(req), bool(req.include_stop_str_in_output), req.skip_special_tokens is not False, logprobs)
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    """Sample j's seed: seed + j, wrapped into int64 (vLLM's rule)."""
+    if seed is None or j == 0:
+        return seed
+    wrapped = (seed + j) % _INT64
+    return wrapped - _INT64 if wrapped >= 2**63 else wrapped
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
+            raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab_size}); got {key[:20]!r}.", param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+class ManyChoicesServing(ServingBase):
+    def new_choice(self, req, index: int, ids: list[int], max_tokens: int, j: int, logprobs: int | None,
+                   prompt_logprobs: int | None, echo_text: str | None, grammar: str | None) -> Choice:
+        """Choice `index`, sample j of prompt `ids`, with every extra sampling parameter."""
+        score_only = max_tokens == 0
+        engine_max = 1 if score_only else max_tokens  # vLLM's way: one token, dropped
+        base = self.sampling(req, len(ids), engine_max)
+        params = msgspec.structs.replace(
+            base,
+            seed=choice_seed(base.seed, j),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0,
+            logit_bias=logit_bias(req.logit_bias, self.vocab_size),
+            logprobs=None if score_only else logprobs,
+            prompt_logprobs=prompt_logprobs,
+            guided_grammar=grammar,
+        )
+        gen = Generation(self.new_request_id(), ids, params, index, ScoredRequestState)
+        return Choice(gen, echo_text, score_only)
+
+    async def generate_many(self, request: web.Request, req, choices: list[Choice], opts: ChoiceOptions,
+                            num_prompt: int, t0: float) -> web.StreamResponse:
+        pinned = self.pinned_rank(request)
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            respond = lambda: self._stream_many(request, choices, opts, num_prompt, include_usage)  # noqa: E731
+        else:
+            respond = lambda: self._whole_many(choices, opts, num_prompt)  # noqa: E731
+        return await self.run("chat" if opts.chat else "completions", t0, [c.gen for c in choices], pinned, respond)
+
+    async def _pieces(self, choice: Choice, opts: ChoiceOptions):
+        """A choice's pieces as its outputs arrive: echo first, the finish last; raises EngineFailure."""
+        gen = choice.gen
+        state: ScoredRequestState = gen.state
+        if choice.echo_text is not None:
+            positions: list = []
+            if opts.num_top is not None:
+                await state.wait_first_output()
+                positions = [gen.prompt_ids[0], *(state.prompt_logprobs or ())]
+            yield Piece(choice.echo_text, positions)
+        if not choice.score_only:
+            async for piece in text_pieces(gen, self.tokenizer, self.client, opts.text):
+                yield piece
+            return
+        while not state.is_finished:
+            await state.wait_first_output()
+            if state.finish_reason == FINISH_ERROR:
+                break
+            if state.num_outputs:
+                self.client.abort(state)
+                state.finish_reason = FINISH_LENGTH
+        if state.finish_reason == FINISH_ERROR:
+            raise EngineFailure(state.error_status, state.error or "engine error")
+        yield Piece("", [], FINISH_LENGTH)
+
+    # ------------------------------------------------------------ rendering
+
+    def _logprobs(self, texts: TokenTexts, positions, opts: ChoiceOptions, offset: int) -> tuple[dict | None, int]:
+        """The choice's logprobs object for these positions, and the text offset after them."""
+        if opts.num_top is None:
+            return None, offset
+        if opts.chat:
+            return chat_logprobs(texts, positions, opts.num_top), offset
+        return completion_logprobs(texts, positions, opts.num_top, offset)
+
+    @staticmethod
+    def _usage(choices: list[Choice], num_prompt: int) -> dict:
+        completion = sum(0 if c.score_only else c.gen.state.num_output_tokens for c in choices)
+        # Counted once per prompt, like prompt_tokens: its first choice's (the n choices
+        # of one prompt share its ids list; vLLM reports the first output's too).
+        firsts = {id(c.gen.prompt_ids): c for c in reversed(choices)}.values()
+        cached = sum(c.gen.state.num_cached_tokens for c in firsts)
+        return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def _whole_many(self, choices: list[Choice], opts: ChoiceOptions, num_prompt: int) -> web.Response:
+        tasks = [asyncio.ensure_future(join_pieces(self._pieces(c, opts))) for c in choices]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # one choice failed (or the client left): the others stop waiting too
+                task.cancel()
+        texts = TokenTexts(self.tokenizer)
+        out = []
+        for choice, (text, positions, finish) in zip(choices, results):
+            logprobs, _ = self._logprobs(texts, positions, opts, 0)
+            index = choice.gen.index
+            if opts.chat:
+                item = {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+                        "logprobs": logprobs, "finish_reason": finish}
+            else:
+                item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                if opts.prompt_logprobs is not None:
+                    item["prompt_logprobs"] = prompt_logprobs(texts, choice.gen.state.prompt_logprobs)
+            out.append(item)
+        first = choices[0].gen.state
+        body = {"id": f"{'chatcmpl' if opts.chat else 'cmpl'}-{first.request_id}", "object": "chat.completion" if opts.chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": out, "usage": self._usage(choices, num_prompt)}
+        if opts.chat and opts.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs(texts, first.prompt_logprobs)  # vLLM: top level for chat
+        return self.finish_response(web.Response(body=encode(body), headers=self.json_headers[first.rank]))
+
+    async def _stream_many(self, request, choices: list[Choice], opts: ChoiceOptions, num_prompt: int,
+                           include_usage: bool) -> web.StreamResponse:
+        """Every choice's pieces as they come, one chunk per piece, each naming its choice's index."""
+        created = int(time.time())
+        first = choices[0].gen.state
+        rid = f"{'chatcmpl' if opts.chat else 'cmpl'}-{first.request_id}"
+        kind = "chat.completion.chunk" if opts.chat else "text_completion"
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for piece in self._pieces(choice, opts):
+                    queue.put_nowait((choice, piece))
+            except EngineFailure as exc:
+                queue.put_nowait((choice, exc))
+
+        def chunk(items: list[dict], usage: dict | None = None) -> bytes:
+            body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": items}
+            if usage is not None:
+                body["usage"] = usage
+            return b"data: " + encode(body) + b"\n\n"
+
+        resp = self.finish_response(EventStream(status=200, headers=self.sse_headers[first.rank]))
+        await resp.prepare(request)
+        if opts.chat:
+            await resp.write(b"".join(
+                chunk([{"index": c.gen.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+                for c in choices))
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        try:
+            if not await self._pump_events(resp, queue, choices, opts, chunk):
+                return resp
+        finally:
+            for task in tasks:
+                task.cancel()
+        tail = chunk([], self._usage(choices, num_prompt)) if include_usage else b""
+        await resp.write_eof(tail + DONE)
+        return resp
+
+    async def _pump_events(self, resp: web.StreamResponse, queue: asyncio.Queue, choices: list[Choice],
+                           opts: ChoiceOptions, chunk) -> bool:
+        """Write each choice's pieces as they come until all finished (True) or one failed
+        (False: the failure event ended the stream)."""
+        texts = TokenTexts(self.tokenizer)
+        offsets = {c.gen.index: 0 for c in choices}
+        remaining = len(choices)
+        while remaining:
+            choice, piece = await queue.get()
+            if isinstance(piece, EngineFailure):
+                await resp.write_eof(failure_event(piece))
+                self.metrics.observe("stream", piece.status)
+                return False
+            index = choice.gen.index
+            logprobs, offsets[index] = self._logprobs(texts, piece.positions, opts, offsets[index])
+            if opts.chat:
+                delta = {"content": piece.text} if piece.text or piece.finish is None else {}
+                item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish}
+            else:
+                item = {"index": index, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish}
+                if opts.prompt_logprobs is not None and piece.finish is not None:
+                    item["prompt_logprobs"] = prompt_logprobs(texts, choice.gen.state.prompt_logprobs)
+            await resp.write(chunk([item]))
+            if piece.finish is not None:
+                remaining -= 1
+        return True

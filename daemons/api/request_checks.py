@@ -1,0 +1,227 @@
+"""Request checks: a JSON body decoded into its Struct, validated, and read out.
+
+Every failure is a 400 ApiError naming the field. Parameters we know but do not
+implement get a 400 when set to anything but their default (UNSUPPORTED); unknown
+fields are ignored (as vLLM does) and reported to a callback. The types themselves
+live in openai_types.py. Nothing here touches sockets or engines.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from dpserve.daemons.api.openai_types import (
+    MAX_CHOICES,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from msgspec import Struct
+
+
+# Top-level twins that refuse unknown fields: decoding tries them first, so a
+# request without unknown fields (nearly all) is decoded once, and one with
+# them names the first for the caller's log before the tolerant decode.
+class _StrictCompletionRequest(CompletionRequest, forbid_unknown_fields=True):
+    pass
+
+
+class _StrictChatCompletionRequest(ChatCompletionRequest, forbid_unknown_fields=True):
+    pass
+
+
+_STRICT: dict[type, type] = {CompletionRequest: _StrictCompletionRequest, ChatCompletionRequest: _StrictChatCompletionRequest}
+_ERR_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `([^`]*)`$")
+_DECODERS: dict[type, msgspec.json.Decoder] = {}
+
+
+def _decoder(kind: type) -> msgspec.json.Decoder:
+    # A Decoder per type: msgspec.json.decode(type=...) looks the type up on every call.
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        decoder = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    return decoder
+
+
+def decode_request(body: bytes, kind: type[Struct], on_unknown: Callable[[str], None] | None = None) -> Any:
+    """Decode a JSON body into `kind`, turning every failure into a 400 ApiError.
+
+    `on_unknown` hears the name of an unknown top-level field (the first one
+    only); the field itself is ignored.
+    """
+    strict = _STRICT.get(kind) if on_unknown is not None else None
+    try:
+        if strict is not None:
+            try:
+                return _decoder(strict).decode(body)
+            except msgspec.ValidationError as exc:
+                unknown = _UNKNOWN_FIELD.match(str(exc))
+                if unknown is None:
+                    raise
+                on_unknown(unknown.group(1))
+        return _decoder(kind).decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _ERR_PATH.search(text)
+        # A dict's value is at `$.field[...]`: name the field itself.
+        param = match.group(1).replace("[...]", "") if match else None
+        raise ApiError(400, f"Invalid request: {text}", param=param or None) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"Malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "Malformed JSON body: nested too deeply.") from None
+
+
+# Known parameters we do not implement: name -> the values that mean "not used"
+# (null always does). Anything else is a 400 naming the parameter, never a
+# silent no-op. The OpenAPI document derives these fields' schemas from here.
+# Tools are checked before tool_choice, so "auto" there means "no tools".
+UNSUPPORTED: dict[str, tuple] = {
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "audio": (),
+    "modalities": (["text"],),
+    "web_search_options": (),
+}
+
+
+# What the 400 adds for a few of them, so a user knows it is a gap, not a typo.
+_UNSUPPORTED_WHY = {
+    "tools": " yet: tool calling is not implemented",
+    "tool_choice": " yet: tool calling is not implemented",
+    "functions": " yet: tool calling is not implemented",
+    "function_call": " yet: tool calling is not implemented",
+    **dict.fromkeys(
+        ("guided_grammar", "structured_outputs"),
+        " yet (structured output takes response_format, guided_json, guided_regex or guided_choice)",
+    ),
+}
+
+
+def check_unsupported(req: SamplingFields) -> None:
+    """Reject parameters we would otherwise silently ignore."""
+    for name, accepted in UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        if value is not None and not any(type(value) is type(a) and value == a for a in accepted):
+            why = _UNSUPPORTED_WHY.get(name, "")
+            raise ApiError(400, f"{name} is not supported by this server{why} (got {_short(value)}).", param=name)
+
+
+# Set to anything (even its default), these send a request down the full path
+# of the serving module; a request with none of them takes the plain path, which
+# pays only for this one scan.
+_EXTRA_FIELDS = (
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "include_stop_str_in_output",
+    "min_p", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "logprobs",
+    "response_format", "guided_json", "guided_regex", "guided_choice",
+)
+
+
+def uses_extras(req: SamplingFields) -> bool:
+    """True when the request needs the n / logprobs / echo / processors path."""
+    for name in _EXTRA_FIELDS:
+        if getattr(req, name) is not None:
+            return True
+    if isinstance(req, CompletionRequest):
+        return req.echo is not None or req.max_tokens == 0 or (isinstance(req.prompt, list) and len(req.prompt) > 1
+                                                              and not isinstance(req.prompt[0], int))
+    return req.top_logprobs is not None
+
+
+def _short(value: Any) -> str:
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def stop_strings(req: SamplingFields) -> list[str]:
+    """The non-empty stop strings (count and length are bounded by the type)."""
+    if req.stop is None:
+        return []
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop
+    return [s for s in stops if s]
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """Every prompt of a completion request (a batch is a list of strings or of
+    token-id lists), each text or token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or not prompt or type(prompt[0]) is int:
+        return [completion_prompt(req)]
+    if len(prompt) * (req.n or 1) > MAX_CHOICES:
+        raise ApiError(400, f"At most {MAX_CHOICES} choices per request (prompts x n); got {len(prompt)} x {req.n or 1}.", param="prompt")
+    out: list[str | list[int]] = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list) and item and all(type(t) is int for t in item):
+            out.append(item)
+        else:
+            raise ApiError(400, f"prompt[{i}] must be a string or a non-empty list of token ids.", param="prompt")
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completion request: text or token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+    if prompt and all(type(t) is int for t in prompt):
+        return prompt
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty.", param="prompt")
+    if all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, "Batched prompts are not supported; send one prompt per request.", param="prompt")
+    raise ApiError(400, "prompt must be a string or a list of token ids.", param="prompt")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """Messages as plain dicts for the chat template; text parts joined."""
+    if not req.messages:
+        raise ApiError(400, "messages must not be empty.", param="messages")
+    out = []
+    for i, msg in enumerate(req.messages):
+        if msg.role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ApiError(400, f"Unknown role {msg.role!r}.", param=f"messages[{i}].role")
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise ApiError(
+                        400,
+                        f"Content part type {part.type!r} is not supported; only 'text'.",
+                        param=f"messages[{i}].content[{j}].type",
+                    )
+                if part.text is None:
+                    raise ApiError(
+                        400,
+                        f"messages[{i}].content[{j}] is a text part without 'text': it needs a string field 'text'.",
+                        param=f"messages[{i}].content[{j}].text",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        item = {"role": "system" if msg.role == "developer" else msg.role, "content": content or ""}
+        if msg.name:
+            item["name"] = msg.name
+        out.append(item)
+    return out
+
