@@ -77,7 +77,7 @@ class EngineCore:
         self.vocab_size = loaded.vocab_size
         shape = kv_shape(loaded)
         block_size = config.block_size or DEFAULT_BLOCK_SIZE
-        num_blocks, self.kv_budget_bytes = plan_num_blocks(
+        num_blocks = plan_num_blocks(
             shape,
             loaded.device,
             block_size=block_size,

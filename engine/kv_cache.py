@@ -44,8 +44,8 @@ def plan_num_blocks(
     gpu_memory_utilization: float,
     num_local_ranks: int,
     max_useful_tokens: int,
-) -> tuple[int, int]:
-    """(number of blocks, the budget in bytes they came from).
+) -> int:
+    """How many blocks this rank's KV cache gets.
 
     budget_bytes > 0 is taken as given. Otherwise on CUDA: the share
     gpu_memory_utilization of the device's memory, less what is in use after
@@ -68,7 +68,7 @@ def plan_num_blocks(
         else:
             budget_bytes = cpu_kv_budget_bytes(available_memory_bytes(), num_local_ranks)
     num_blocks = min(budget_bytes // per_block, math.ceil(max_useful_tokens / block_size))
-    return int(num_blocks), int(budget_bytes)
+    return int(num_blocks)
 
 
 def hash_block(parent: bytes, token_ids) -> bytes:

@@ -130,10 +130,6 @@ class Sequence:
         return max(0, self.params.max_tokens - self.num_output_tokens)
 
     @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -27,11 +27,10 @@ PROTOCOL_VERSION = 1
 # At most one 'undecodable message dropped' warning per channel per this many seconds.
 UNDECODABLE_LOG_INTERVAL_S = 10.0
 
-# Finish reasons as they appear in OpenAI responses, plus the two internal ones
-# that the API server turns into errors.
+# Finish reasons as they appear in OpenAI responses, plus the internal one
+# that the API server turns into an error.
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
-FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
 
 

@@ -1,4 +1,4 @@
-"""64 simulated ranks behind the real coordinator and API servers (issue 19).
+"""64 simulated ranks behind the real coordinator and API servers.
 
 The ranks are dpserve.engine.testing.sim processes (32 ranks each, no model): they
 speak the real protocol, so these tests exercise registration, load tables,

@@ -481,7 +481,7 @@ def test_malformed_request_fails_alone_and_any_int_seed_is_accepted(loaded_demo_
 
 
 def test_top_k_beyond_int64_fails_alone_and_the_engine_serves_on(loaded_demo_model, reference):
-    """The request that crashed a rank (issue 12): top_k = 2^64 - 1 reaching the sampler."""
+    """The request that once crashed a rank: top_k = 2^64 - 1 reaching the sampler."""
     engine = make_engine(loaded_demo_model)
     out = engine.add_request(request("bad", [5, 6], temperature=1.0, top_k=2**64 - 1, max_tokens=2))
     assert out is not None and out.finish_reason == FINISH_ERROR and "top_k" in out.error

@@ -1,4 +1,4 @@
-"""An engine's death announcement is sure to leave (issue 13 #4).
+"""An engine's death announcement is sure to leave.
 
 EngineDead goes out NOBLOCK on sockets that linger 0 while serving; the
 process then destroys its ZeroMQ context and exits. Here the API server binds

@@ -1,4 +1,4 @@
-"""The sampler's processors (issue 14) against reference computations in torch,
+"""The sampler's logits processors against reference computations in torch,
 and the engine's logprobs against the demo model's own logits."""
 
 from __future__ import annotations
