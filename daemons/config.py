@@ -276,7 +276,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: {native} runs one device per rank; use --engine vllm")
             return
         # vLLM: installed, a supported version (package metadata only: importing vLLM takes seconds)
-        from dpserve.engine.backends.vllm.core import check_vllm_version, vllm_version
+        from dpserve.engine.backends.vllm.args import check_vllm_version, vllm_version
 
         problem = check_vllm_version(vllm_version())
         if problem:

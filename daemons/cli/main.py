@@ -21,7 +21,7 @@ import click
 from click.core import ParameterSource
 from dpserve.daemons.cli.options import FIELDS, FLAG_OF, HEAD, RAY, SERVE, WORKER, given, options
 from dpserve.daemons.config import ServeConfig
-from dpserve.engine.backends.vllm.core import parse_engine_args
+from dpserve.engine.backends.vllm.args import parse_engine_args
 from dpserve.engine.common.procutil import EXIT_CONFIG, die_with_parent, raise_fd_limit, set_process_name
 
 DEMO_MODEL_NAME = "dpserve-demo"
