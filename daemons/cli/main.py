@@ -19,7 +19,7 @@ import urllib.request
 
 import click
 from click.core import ParameterSource
-from dpserve.daemons.cli.options import FIELDS, FLAG_OF, HEAD, RAY, SERVE, WORKER, given, options
+from dpserve.daemons.cli.options import DEFAULTS, FIELDS, FLAG_OF, HEAD, RAY, SERVE, WORKER, given, options
 from dpserve.daemons.config import ServeConfig
 from dpserve.engine.backends.vllm.args import parse_engine_args
 from dpserve.engine.common.procutil import EXIT_CONFIG, die_with_parent, raise_fd_limit, set_process_name
@@ -194,7 +194,7 @@ def sim_engine(ctx) -> None:
 
 
 @main.command()
-@click.argument("url", required=False, default="http://127.0.0.1:9256")
+@click.argument("url", required=False, default=f"http://{DEFAULTS['supervisor_host']}:{DEFAULTS['supervisor_port']}")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw /status JSON.")
 @click.option("--watch", "-w", is_flag=True, help="Refresh in place until Ctrl-C (for a rollout).")
 @click.option("--interval-s", "interval", default=2.0, type=click.FloatRange(0.2), show_default=True, help="Seconds between refreshes with --watch.")

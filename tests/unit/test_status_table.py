@@ -277,3 +277,11 @@ def test_ray_ranks_show_their_ray_node_and_actor():
     assert rows[1].endswith("ray node 58ddc6bd9530 (10.0.0.2), actor 28e5, pid 16491")
     assert rows[2].endswith("dpserve-c7d15037-vm-16420")
     assert rows[3].endswith("s  "), "a local rank's own ready detail says nothing new"
+
+
+def test_status_interval_old_spelling_still_works_with_a_note():
+    """--interval (seconds without -s) is a hidden alias of --interval-s for one release."""
+    help_text = CliRunner().invoke(cli, ["status", "--help"]).output
+    assert "--interval-s" in help_text and "--interval " not in help_text
+    result = CliRunner().invoke(cli, ["status", "--interval", "0.5", "http://127.0.0.1:9/"])
+    assert result.exit_code == 1 and "--interval is deprecated" in result.output and "use --interval-s" in result.output
