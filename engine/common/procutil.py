@@ -48,6 +48,15 @@ def child_config_from_env(kind):
     return msgspec.json.decode(raw.encode(), type=kind)
 
 
+def start_child(kind, process_name):
+    """What every child does first: its typed config from the environment, death with
+    its parent, and its process name (`process_name`, or `process_name(config)`)."""
+    cfg = child_config_from_env(kind)
+    die_with_parent(cfg.parent_pid)
+    set_process_name(process_name(cfg) if callable(process_name) else process_name)
+    return cfg
+
+
 def _prctl(option: int, arg) -> bool:
     """prctl(2) on Linux; False elsewhere or when the kernel refuses."""
     if not sys.platform.startswith("linux"):

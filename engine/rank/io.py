@@ -78,16 +78,11 @@ class RankIO:
         read(). With `watch_monitors` False the owner does not poll the connection
         monitors: a new connection is greeted at once and reconnections when the
         owner calls greet_reconnections()."""
-        self.ctx = ctx
-        self.keys = keys
-        self.rank = rank
-        self.incarnation = incarnation
-        self.fingerprint = fingerprint
-        self.node_rank = node_rank
+        self.ctx, self.keys, self.log = ctx, keys, log
+        self.rank, self.incarnation = rank, incarnation
+        self._registration = EngineRegister(rank, incarnation, fingerprint, os.getpid(), socket.gethostname(), node_rank)
         self.coordinator_address = coordinator_address
-        self.log = log
-        self.watch = watch
-        self.watch_monitors = watch_monitors
+        self.watch, self.watch_monitors = watch, watch_monitors
         self.in_codec = Codec(EngineInput, "requests")
         self.out_codec = Codec(EngineToApi)
         self.coord_codec = Codec(CoordinatorInput | CoordinatorToEngine, "coordinator")
@@ -111,13 +106,10 @@ class RankIO:
 
     # ---------------------------------------------------------------- membership
 
-    def registration(self) -> EngineRegister:
-        return EngineRegister(self.rank, self.incarnation, self.fingerprint, os.getpid(), socket.gethostname(), self.node_rank)
-
     def register(self) -> None:
         """Send EngineRegister (HELLO); the coordinator answers with RegisterReply."""
         self.last_register = time.monotonic()
-        self.report(self.registration())
+        self.report(self._registration)
 
     def register_and_wait(self, should_stop: Callable[[], bool]) -> bool:
         """HELLO every REGISTER_RETRY_S until the coordinator answers; False if it refused.

@@ -18,16 +18,7 @@ import uuid
 import zmq
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.config import EngineProcessConfig
-from dpserve.engine.common.procutil import (
-    EXIT_CONFIG,
-    EXIT_ERROR,
-    EXIT_OK,
-    EXIT_STARTUP,
-    SupervisorLink,
-    child_config_from_env,
-    die_with_parent,
-    set_process_name,
-)
+from dpserve.engine.common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_STARTUP, SupervisorLink, start_child
 from dpserve.engine.interface import RankEngine
 from dpserve.engine.rank.io import COORDINATOR, LOAD_REPORT_MIN_INTERVAL_S, WELCOMED, RankIO
 
@@ -190,9 +181,7 @@ def serve(proc: EngineProcess, log) -> int:
 
 
 def main() -> None:
-    cfg = child_config_from_env(EngineProcessConfig)
-    die_with_parent(cfg.parent_pid)
-    set_process_name(f"dpserve-dp{cfg.engine.rank}")
+    cfg = start_child(EngineProcessConfig, lambda cfg: f"dpserve-dp{cfg.engine.rank}")
     from dpserve.engine.common.logs import setup_logging
 
     log = setup_logging(cfg.name, cfg.log_level).bind(rank=cfg.engine.rank)

@@ -146,10 +146,12 @@ class SimCore:
     # The load, as RankIO reports it.
     @property
     def num_running(self) -> int:
+        """Sequences past their prompt: one token each per step."""
         return len(self.running)
 
     @property
     def num_waiting(self) -> int:
+        """Prompts in the FIFO, the first possibly part-prefilled."""
         return len(self.waiting)
 
     @property
@@ -158,6 +160,7 @@ class SimCore:
 
     @property
     def num_remaining_decode_tokens(self) -> int:
+        """Tokens the running sequences may still produce (waiting ones are not counted)."""
         return sum(s.max_tokens - s.num_generated for s in self.running)
 
     @property

@@ -31,15 +31,7 @@ import threading
 import time
 
 import msgspec
-from dpserve.engine.common.procutil import (
-    EXIT_CONFIG,
-    EXIT_OK,
-    EXIT_STARTUP,
-    SupervisorLink,
-    child_config_from_env,
-    die_with_parent,
-    set_process_name,
-)
+from dpserve.engine.common.procutil import EXIT_CONFIG, EXIT_OK, EXIT_STARTUP, SupervisorLink, start_child
 
 RAY_REQUIREMENT = "ray>=2.60,<3"
 INSTALL_HINT = "pip install 'dpserve[ray]'"
@@ -272,9 +264,7 @@ def hold_placement(cfg: RayPlacement, log) -> int:
 
 
 def main() -> None:
-    cfg = child_config_from_env(RayPlacement)
-    die_with_parent(cfg.parent_pid)
-    set_process_name("dpserve-raypg")
+    cfg = start_child(RayPlacement, "dpserve-raypg")
     from dpserve.engine.common.logs import setup_logging
 
     log = setup_logging(cfg.name, cfg.log_level).bind(component=cfg.name)  # bound: Ray calls back on threads of its own

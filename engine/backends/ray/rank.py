@@ -33,15 +33,7 @@ import msgspec
 from dpserve.engine.backends.ray.placement import NAMESPACE, connect_bounded
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.config import EngineProcessConfig
-from dpserve.engine.common.procutil import (
-    EXIT_CONFIG,
-    EXIT_ERROR,
-    EXIT_OK,
-    SupervisorLink,
-    child_config_from_env,
-    die_with_parent,
-    set_process_name,
-)
+from dpserve.engine.common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, SupervisorLink, start_child
 
 STATUS_INTERVAL_S = 0.25
 FIND_GROUP_POLL_S = 0.1
@@ -254,9 +246,7 @@ class RankProxy:
 
 
 def main() -> None:
-    cfg = child_config_from_env(RayRank)
-    die_with_parent(cfg.parent_pid)
-    set_process_name(f"dpserve-dp{cfg.engine.engine.rank}")
+    cfg = start_child(RayRank, lambda cfg: f"dpserve-dp{cfg.engine.engine.rank}")
     from dpserve.engine.common.logs import setup_logging
 
     log = setup_logging(cfg.engine.name, cfg.log_level).bind(component=cfg.engine.name, rank=cfg.engine.engine.rank, backend="ray")
