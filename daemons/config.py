@@ -15,6 +15,7 @@ import os
 from typing import Any, TypeVar
 
 import msgspec
+from dpserve.daemons.coordinator.routing import is_node_local
 from dpserve.engine.common.config import ENGINES, EngineConfig
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -170,7 +171,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
 
     def eligible_ranks(self) -> list[int]:
         """Ranks this node's API servers route to (per API server in external mode: see api_ranks)."""
-        if self.lb_mode in ("hybrid", "external"):
+        if is_node_local(self.lb_mode):
             return list(self.local_ranks)
         return list(range(self.data_parallel_size))
 
