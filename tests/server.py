@@ -134,7 +134,7 @@ class DpServer:
             self.python, "-m", "dpserve.daemons.cli.main", "serve", self.model_dir,
             *(["--served-model-name", self.model] if self.model else []),
             "--port", "0",
-            "--supervisor-port", "0",
+            "--data-parallel-supervisor-port", "0",
             "--ports-file", self.ports_file,
             *self.args,
         ]

@@ -32,9 +32,9 @@ class Node:
             python or sys.executable, "-m", "dpserve.daemons.cli.main", role, model, "--served-model-name", "demo",
             "--data-parallel-size", "2", "--data-parallel-size-local", "1",
             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc),
-            "--data-parallel-key-file", key, "--port", "0", "--supervisor-port", "0",
+            "--data-parallel-key-file", key, "--port", "0", "--data-parallel-supervisor-port", "0",
             "--api-server-count", "1", "--ports-file", str(self.ports_file), "--kill-grace-s", "1",
-            "--supervisor-probe-interval-s", "0.5", "--supervisor-probe-timeout-s", "0.5",
+            "--dp-supervisor-probe-interval-s", "0.5", "--dp-supervisor-probe-timeout-s", "0.5",
             *extra,
         ]
         with open(self.log_path, "wb") as log:

@@ -68,9 +68,9 @@ def test_a_long_step_is_busy_not_dead_and_a_stopped_engine_is_caught(small_model
         "--max-num-batched-tokens", "4096",
         "--kv-cache-memory-bytes", str(KV_BUDGET_TOKENS * KV_BYTES_PER_TOKEN_FP32),
         "--dtype", "float32",
-        "--supervisor-probe-interval-s", str(interval),
-        "--supervisor-probe-timeout-s", str(interval),
-        "--supervisor-probe-failure-threshold", str(threshold),
+        "--dp-supervisor-probe-interval-s", str(interval),
+        "--dp-supervisor-probe-timeout-s", str(interval),
+        "--dp-supervisor-probe-failure-threshold", str(threshold),
     ) as server, openai_client(server) as client:
         pid = engine_pid(server)
         started = time.monotonic()

@@ -30,9 +30,9 @@ def node(demo_model_dir):
         demo_model_dir,
         "--data-parallel-size", "2",
         "--api-server-count", "2",
-        "--supervisor-probe-interval-s", str(PROBE_INTERVAL),
-        "--supervisor-probe-timeout-s", "0.5",
-        "--supervisor-probe-failure-threshold", str(THRESHOLD),
+        "--dp-supervisor-probe-interval-s", str(PROBE_INTERVAL),
+        "--dp-supervisor-probe-timeout-s", "0.5",
+        "--dp-supervisor-probe-failure-threshold", str(THRESHOLD),
         "--kill-grace-s", "1",
     )
     try:

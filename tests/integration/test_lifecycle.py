@@ -125,7 +125,7 @@ def test_second_instance_on_the_same_port_fails_clearly(demo_model_dir, tmp_path
     port = holder.getsockname()[1]
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "dpserve.daemons.cli.main", "serve", demo_model_dir, "--port", str(port), "--supervisor-port", "0"],
+            [sys.executable, "-m", "dpserve.daemons.cli.main", "serve", demo_model_dir, "--port", str(port), "--data-parallel-supervisor-port", "0"],
             capture_output=True,
             timeout=60,
         )

@@ -63,7 +63,7 @@ def rank_details(server: DpServer) -> dict[int, tuple[str, str, str, int]]:
 @pytest.fixture(scope="module")
 def ray_node(demo_model_dir, ray_cluster):
     server = ray_server(demo_model_dir, ray_cluster, "-dp", "2", "--ray-placement", "strict-spread",
-                        "--supervisor-probe-interval-s", "0.5", "--supervisor-probe-timeout-s", "1")
+                        "--dp-supervisor-probe-interval-s", "0.5", "--dp-supervisor-probe-timeout-s", "1")
     with server:
         yield server
 
@@ -188,7 +188,7 @@ def test_stopping_the_node_leaves_nothing_on_the_cluster(ray_node, ray_cluster):
 def run_serve(demo_model_dir: str, *args: str, timeout: float = 90) -> tuple[int, str, float]:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "dpserve.daemons.cli.main", "serve", demo_model_dir, "--port", "0", "--supervisor-port", "0",
+        [sys.executable, "-m", "dpserve.daemons.cli.main", "serve", demo_model_dir, "--port", "0", "--data-parallel-supervisor-port", "0",
          "--data-parallel-backend", "ray", *args],
         capture_output=True, text=True, timeout=timeout, env={**__import__("os").environ, **LOOPBACK_ENV},
     )

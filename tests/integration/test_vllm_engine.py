@@ -107,7 +107,7 @@ def node(venv, demo_model_dir, vllm_reference):
         demo_model_dir, "--engine", "vllm", "--data-parallel-size", "2", "--api-server-count", "2", *SETTINGS,
         "--kv-cache-memory-bytes", str(1 << 30),
         # vLLM's first step after a restart can be slow on 2 busy cores: probes are lenient
-        "--supervisor-probe-interval-s", "2", "--supervisor-probe-failure-threshold", "5",
+        "--dp-supervisor-probe-interval-s", "2", "--dp-supervisor-probe-failure-threshold", "5",
         python=os.path.join(venv, "bin", "python"), env=VLLM_ENV,
     )
     try:
@@ -230,8 +230,8 @@ def test_multi_node_head_and_headless_worker_with_vllm_ranks(venv, demo_model_di
     key.chmod(0o600)
     rpc = free_port_run(4)
     python = os.path.join(venv, "bin", "python")
-    common = [*SETTINGS, "--supervisor-probe-interval-s", "2", "--supervisor-probe-timeout-s", "2",
-              "--supervisor-probe-failure-threshold", "5"]
+    common = [*SETTINGS, "--dp-supervisor-probe-interval-s", "2", "--dp-supervisor-probe-timeout-s", "2",
+              "--dp-supervisor-probe-failure-threshold", "5"]
     vllm = ["--engine", "vllm", "--kv-cache-memory-bytes", str(512 << 20), *common]
     started = []
     try:

@@ -20,9 +20,9 @@ RPC_PORT = 29550
 API_PORT = 8000
 HEALTH_PORT = 9256
 FAST_PROBES = [
-    "--supervisor-probe-interval-s", "0.5",
-    "--supervisor-probe-timeout-s", "0.5",
-    "--supervisor-probe-failure-threshold", "3",
+    "--dp-supervisor-probe-interval-s", "0.5",
+    "--dp-supervisor-probe-timeout-s", "0.5",
+    "--dp-supervisor-probe-failure-threshold", "3",
 ]
 
 
@@ -49,7 +49,7 @@ class Deployment:
             "--data-parallel-address", self.head.address, "--data-parallel-rpc-port", str(RPC_PORT),
             "--data-parallel-key-file", self.key_file,
             "--host", node.address, "--port", str(API_PORT),
-            "--supervisor-host", node.address, "--supervisor-port", str(HEALTH_PORT),
+            "--data-parallel-supervisor-host", node.address, "--data-parallel-supervisor-port", str(HEALTH_PORT),
             "--kill-grace-s", "1",
             *FAST_PROBES, *self.mode_flags, *extra,
         ]

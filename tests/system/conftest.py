@@ -141,14 +141,14 @@ def head_env() -> str:
         "DPSERVE_SERVED_MODEL_NAME=demo",
         "DPSERVE_HOST=0.0.0.0",
         f"DPSERVE_PORT={API_PORT}",
-        f"DPSERVE_SUPERVISOR_PORT={HEALTH_PORT}",
+        f"DPSERVE_DATA_PARALLEL_SUPERVISOR_PORT={HEALTH_PORT}",
         "DPSERVE_DATA_PARALLEL_SIZE=1",
         "DPSERVE_API_SERVER_COUNT=1",
         "DPSERVE_MAX_MODEL_LEN=2048",  # room for the drain test's long stream
-        "DPSERVE_SUPERVISOR_PROBE_INTERVAL_S=0.5",
-        "DPSERVE_SUPERVISOR_PROBE_TIMEOUT_S=2",
+        "DPSERVE_DP_SUPERVISOR_PROBE_INTERVAL_S=0.5",
+        "DPSERVE_DP_SUPERVISOR_PROBE_TIMEOUT_S=2",
         # longer than the test watchdog period, shorter than TimeoutStopSec
-        "DPSERVE_SHUTDOWN_TIMEOUT_S=12",
+        "DPSERVE_SHUTDOWN_TIMEOUT=12",
         # A deliberate warning at every API-server start, for the journal test.
         "DPSERVE_FAULT_API_STARTUP_DELAY_S=0.1",
         "",

@@ -130,7 +130,7 @@ def test_units_state_the_service_contract():
         assert "Unit.StartLimitIntervalSec" in one and "Unit.StartLimitBurst" in one
         assert one["Service.User"] == "dpserve" and one["Service.ExecReload"] == "/bin/kill -HUP $MAINPID"
         assert one["Service.ExecStart"].startswith(CANONICAL_BIN + " ")
-        # stop budget: drain (--shutdown-timeout-s, 30 s) + engine grace (--kill-grace-s, 5 s)
+        # stop budget: drain (--shutdown-timeout, 30 s) + engine grace (--kill-grace-s, 5 s)
         assert int(one["Service.TimeoutStopSec"]) > 30 + 5
         runtime = one["Service.RuntimeDirectory"]
         assert f"DPSERVE_RUN_DIR=%t/{runtime}" in s["Service.Environment"]
@@ -392,7 +392,7 @@ def test_stop_with_a_drain_longer_than_the_watchdog_period_ends_cleanly(head_nod
     """systemd stops watching at `stop`, but any WATCHDOG=1 that arrives afterwards re-arms it.
     Made deterministic: the supervisor is held (SIGSTOP) just past one ping interval, so its
     loop owes a ping when `systemctl stop` resumes it; a hung API server makes the drain run
-    its whole budget (--shutdown-timeout-s 12 s + --kill-grace-s 5 s), past WatchdogSec (10 s)."""
+    its whole budget (--shutdown-timeout 12 s + --kill-grace-s 5 s), past WatchdogSec (10 s)."""
     node = head_node
     pid = ensure_serving(node)
     api = next(c["pid"] for c in json.loads(node.http(f"http://127.0.0.1:{HEALTH_PORT}/status")[1])["children"]
@@ -416,7 +416,7 @@ def test_stop_with_a_drain_longer_than_the_watchdog_period_ends_cleanly(head_nod
 
 
 MN = "mn"  # the multi-node deployment: head instance on the head node, worker on a second node
-MN_PORTS = {"DPSERVE_PORT": "8100", "DPSERVE_SUPERVISOR_PORT": "9356", "DPSERVE_DATA_PARALLEL_RPC_PORT": "29650"}
+MN_PORTS = {"DPSERVE_PORT": "8100", "DPSERVE_DATA_PARALLEL_SUPERVISOR_PORT": "9356", "DPSERVE_DATA_PARALLEL_RPC_PORT": "29650"}
 
 
 @pytest.mark.system

@@ -107,13 +107,12 @@ def parse(command: str, argv: list[str]) -> tuple[dict, set[str], list[tuple[str
 
 
 RENAMED = [  # old spelling, new spelling, parameter, a value
-    ("--data-parallel-supervisor-port", "--supervisor-port", "supervisor_port", "9300"),
-    ("--data-parallel-supervisor-host", "--supervisor-host", "supervisor_host", "10.0.0.9"),
-    ("--dp-supervisor-probe-interval-s", "--supervisor-probe-interval-s", "probe_interval_s", "0.5"),
-    ("--dp-supervisor-probe-timeout-s", "--supervisor-probe-timeout-s", "probe_timeout_s", "0.7"),
-    ("--dp-supervisor-probe-failure-threshold", "--supervisor-probe-failure-threshold", "probe_failure_threshold", "9"),
-    ("--shutdown-timeout", "--shutdown-timeout-s", "shutdown_timeout_s", "12"),
+    ("--supervisor-host", "--data-parallel-supervisor-host", "supervisor_host", "10.0.0.9"),
+    ("--shutdown-timeout-s", "--shutdown-timeout", "shutdown_timeout_s", "12"),
 ]
+# vLLM's own spellings, kept as the primary names (they are what a vLLM user types).
+VLLM_NAMES = ["--data-parallel-supervisor-port", "--dp-supervisor-probe-interval-s", "--dp-supervisor-probe-timeout-s",
+              "--dp-supervisor-probe-failure-threshold", "--shutdown-timeout", "--data-parallel-size", "--api-server-count"]
 
 
 def env_name(flag: str) -> str:
@@ -150,19 +149,21 @@ def test_old_spellings_are_hidden_from_help():
         text = CliRunner().invoke(main, [command, "--help"], terminal_width=200).output
         for old, new, _, _ in RENAMED:
             assert new in text and f"{old} " not in text, (command, old)
+        for name in VLLM_NAMES:
+            assert f"{name} " in text, (command, name)
 
 
 def test_an_old_spelling_logs_a_deprecation_line_naming_the_new_flag(tmp_path):
     """The journal line (warning priority, <4>) is written before the configuration is checked."""
-    env = {**os.environ, "DPSERVE_DP_SUPERVISOR_PROBE_TIMEOUT_S": "2"}
+    env = {**os.environ, "DPSERVE_SUPERVISOR_HOST": "127.0.0.1"}
     run = subprocess.run(
-        [sys.executable, "-m", "dpserve.daemons.cli.main", "serve", str(tmp_path / "missing"), "--shutdown-timeout", "3"],
+        [sys.executable, "-m", "dpserve.daemons.cli.main", "serve", str(tmp_path / "missing"), "--shutdown-timeout-s", "3"],
         capture_output=True, text=True, timeout=60, env=env,
     )
     assert run.returncode == 2, run.stderr
     warnings = [line for line in run.stderr.splitlines() if line.startswith("<4>")]
-    assert any("--shutdown-timeout is deprecated" in w and "use --shutdown-timeout-s" in w for w in warnings), run.stderr
-    assert any("DPSERVE_DP_SUPERVISOR_PROBE_TIMEOUT_S is deprecated" in w and "DPSERVE_SUPERVISOR_PROBE_TIMEOUT_S" in w for w in warnings), run.stderr
+    assert any("--shutdown-timeout-s is deprecated" in w and "use --shutdown-timeout" in w for w in warnings), run.stderr
+    assert any("DPSERVE_SUPERVISOR_HOST is deprecated" in w and "DPSERVE_DATA_PARALLEL_SUPERVISOR_HOST" in w for w in warnings), run.stderr
 
 
 def test_only_what_the_user_gave_counts_as_given(clean_env):

@@ -394,7 +394,7 @@ def test_metrics_keep_the_names_labels_and_values_dashboards_use(sup):
 
 
 def test_engine_probes_allow_a_heartbeat_the_probe_timeout_late(sup):
-    """--supervisor-probe-timeout-s applies to engines: a heartbeat (every 1 s here) may be
+    """--dp-supervisor-probe-timeout-s applies to engines: a heartbeat (every 1 s here) may be
     up to the timeout late before the probe fails, whatever the probe interval (5 s here);
     the verdict goes to the loop as an event."""
     import time

@@ -145,12 +145,12 @@ def test_options_that_do_not_apply_to_the_native_engine_are_refused(tmp_path, op
 @pytest.mark.skipif(vllm_version() is not None, reason="vLLM is installed in this venv")
 def test_vllm_engine_without_vllm_exits_2_with_the_install_hint(demo_model_dir):
     out = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "serve", demo_model_dir, "--engine", "vllm", "--port", "0",
-                          "--supervisor-port", "0"], capture_output=True, text=True, timeout=60)
+                          "--data-parallel-supervisor-port", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stderr
     assert "pip install 'dpserve[vllm]'" in out.stderr + out.stdout
 
 
 def test_native_engine_with_an_engine_arg_exits_2(demo_model_dir):
     out = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "serve", demo_model_dir, "--engine-arg", "enforce_eager=true",
-                          "--port", "0", "--supervisor-port", "0"], capture_output=True, text=True, timeout=60)
+                          "--port", "0", "--data-parallel-supervisor-port", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--engine-arg" in out.stderr + out.stdout
