@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from dpserve.daemons.coordinator.routing import is_node_local
-from dpserve.engine.common.config import ENGINES, EngineConfig
+from dpserve.engine.common.config import ENGINES, NATIVE_ENGINE, EngineConfig
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -269,8 +269,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
-        if self.engine == "dpserve":
-            native = "the native engine (--engine dpserve)"
+        if self.engine == NATIVE_ENGINE:
+            native = "the native engine (--engine native)"
             if self.engine_args:
                 raise ValueError(f"--engine-arg passes options to vLLM's engine; {native} takes none: use --engine vllm")
             if self.tensor_parallel_size != 1:

@@ -118,7 +118,7 @@ class EngineCore:
     def describe(self) -> dict:
         """What the engine process logs once the model is loaded."""
         return {
-            "engine": "dpserve",
+            "engine": "native",
             "max_model_len": self.max_model_len,
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_tokens": self.kv_capacity_tokens,

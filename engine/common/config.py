@@ -12,8 +12,11 @@ import os
 import msgspec
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype's choices
-# dpserve: the native engine (this package); vllm: vLLM's LLMEngine in the rank process (engine/backends/vllm/core.py)
-ENGINES = ("dpserve", "vllm")
+# native: the engine of this package; vllm: vLLM's LLMEngine in the rank process (engine/backends/vllm/core.py)
+NATIVE_ENGINE = "native"
+ENGINES = (NATIVE_ENGINE, "vllm")
+# Older spellings still accepted, for one release: --engine dpserve meant the native engine.
+ENGINE_ALIASES = {"dpserve": NATIVE_ENGINE}
 
 
 # Token budget per step when none is configured. On a GPU a step's cost
@@ -36,7 +39,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str  # local Hugging Face model directory
     rank: int = 0
     local_rank: int = 0  # index among this node's ranks (device placement)
-    engine: str = "dpserve"  # one of ENGINES
+    engine: str = NATIVE_ENGINE  # one of ENGINES
     dtype: str = "auto"  # auto: bf16 where the device computes it fast (checkpoint's dtype if 16-bit), else float32
     device: str = "auto"  # auto: cuda:<rank mod visible GPUs> when CUDA is present, else cpu (loader.resolve_device)
     max_num_seqs: int = 256

@@ -368,15 +368,16 @@ class Codec:
             return None
 
 
-def config_fingerprint(model: str, dtype: str, max_model_len: int, data_parallel_size: int, engine: str = "dpserve") -> str:
+def config_fingerprint(model: str, dtype: str, max_model_len: int, data_parallel_size: int, engine: str = "native") -> str:
     """A short hash of everything two nodes of one deployment must agree on.
 
     `model` is the model's identity (its config.json content hash, not its
     path: nodes may keep the same model in different directories). `engine`:
     every rank of a deployment runs the same engine (answers must not depend
-    on the rank); the native engine's fingerprints are those of old.
+    on the rank); the native engine's fingerprints are those of old (before
+    it was named "native", it was "dpserve": both hash alike).
     """
     text = f"{PROTOCOL_VERSION}|{model}|{dtype}|{max_model_len}|{data_parallel_size}"
-    if engine != "dpserve":
+    if engine not in ("native", "dpserve"):
         text += f"|{engine}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
