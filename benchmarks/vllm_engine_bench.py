@@ -122,7 +122,7 @@ def run_pair(spec: ModelSpec, model: str, dp: int, venv: str, args, log) -> dict
     """One dpserve node and one vllm serve, both ready, every workload on each, alternating."""
     common = ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", DTYPE, *SCHED_ARGS]
     # The same cores for the engines on both sides: vllm serve's one engine is bound to
-    # every core; each of dpserve's dp ranks gets its share (engine/vllm_core.py binds
+    # every core; each of dpserve's dp ranks gets its share (engine/backends/vllm/args.py binds
     # rank r to cores r*k .. r*k+k-1 from OMP_NUM_THREADS=k). With OMP_NUM_THREADS=1
     # on both, vllm serve's auto binding still took every core while a DP 1 rank got one.
     cores = sorted(os.sched_getaffinity(0))

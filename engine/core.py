@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
-from dpserve.engine.common.config import EngineConfig, resolve_max_model_len, resolve_token_budget
+from dpserve.engine.common.config import DEFAULT_BLOCK_SIZE, EngineConfig, resolve_max_model_len, resolve_token_budget
 from dpserve.engine.common.protocol import (
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -24,7 +24,7 @@ from dpserve.engine.common.protocol import (
     RequestOutput,
     TokenLogprobs,
 )
-from dpserve.engine.kv_cache import DEFAULT_BLOCK_SIZE, BlockManager, KVCache, plan_num_blocks
+from dpserve.engine.kv_cache import BlockManager, KVCache, plan_num_blocks
 from dpserve.engine.loader import LoadedModel, kv_shape, load_model
 from dpserve.engine.logits_processors import token_logprobs
 from dpserve.engine.model_runner import ModelRunner

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import torch
 from dpserve.engine.memory import available_memory_bytes, cpu_kv_budget_bytes
 
-DEFAULT_BLOCK_SIZE = 16
-
 
 @dataclass(frozen=True, slots=True)
 class KVShape:

@@ -286,7 +286,9 @@ class EngineClient:
         elif type(msg) is EngineDead:
             if self.router.engine_dead(msg.rank, msg.incarnation):
                 n = self.fail_rank(msg.rank, msg.reason)
-                self.log.warning("engine announced its death", rank=msg.rank, reason=msg.reason, failed_requests=n)
+                # A stop that was asked for is news, not trouble: `journalctl -p warning` stays quiet.
+                say = self.log.info if msg.clean and not n else self.log.warning
+                say("engine announced its death", rank=msg.rank, reason=msg.reason, failed_requests=n)
 
     async def _read_table(self) -> None:
         now = zmq.Socket.shadow(self.table.underlying)

@@ -102,7 +102,7 @@ class Coordinator:
 
     def run(self) -> int:
         self.supervisor.ready("coordinator")
-        self.log.info("coordinator ready", data_parallel_size=self.cfg.data_parallel_size)
+        self.log.info("coordinator ready", data_parallel_size=self.cfg.data_parallel_size, fingerprint=self.cfg.fingerprint)
         while not self.should_stop:
             # 1. Wait for messages, but never past the next publish or heartbeat.
             ready = dict(self.poller.poll(self._poll_timeout_ms()))

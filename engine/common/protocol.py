@@ -161,11 +161,14 @@ class Pong(msgspec.Struct, tag="pong", array_like=True):
 
 
 class EngineDead(msgspec.Struct, tag="dead", array_like=True):
-    """Sent by a dying engine to every API server before it exits."""
+    """Sent by a dying engine to every API server before it exits. `clean`: the
+    stop was asked for (SIGTERM, a rolling restart), not a failure; trailing and
+    defaulted, so a peer without it still decodes the message."""
 
     rank: int
     incarnation: str
     reason: str
+    clean: bool = False
 
 
 EngineToApi = EngineOutputs | EngineHello | Pong | EngineDead

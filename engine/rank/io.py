@@ -252,10 +252,11 @@ class RankIO:
         for sock in self.api:
             self._send(sock, data)
 
-    def announce_death(self, reason: str, linger_s: float | None = None) -> None:
-        """EngineDead to every API server; with `linger_s`, the API sockets are closed
-        with that linger so that the news leaves before the process does."""
-        self.broadcast(EngineDead(self.rank, self.incarnation, reason))
+    def announce_death(self, reason: str, linger_s: float | None = None, clean: bool = False) -> None:
+        """EngineDead to every API server (`clean`: a stop that was asked for); with
+        `linger_s`, the API sockets are closed with that linger so that the news
+        leaves before the process does."""
+        self.broadcast(EngineDead(self.rank, self.incarnation, reason, clean))
         if linger_s is not None:
             for sock in self.api:
                 sock.close(linger=int(linger_s * 1000))

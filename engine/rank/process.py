@@ -142,7 +142,7 @@ class EngineProcess:
             self._last_heartbeat = now
             self.supervisor.heartbeat(core.num_running, core.num_waiting, core.kv_usage)
 
-    def announce_death(self, reason: str) -> None:
+    def announce_death(self, reason: str, clean: bool = False) -> None:
         """Tell every API server, and make sure the news leaves before the process does.
 
         The sockets keep LINGER 0 while serving (a gone API server must never
@@ -151,7 +151,7 @@ class EngineProcess:
         the context's destruction would drop it, and the API servers would
         learn of the death only from the supervisor, with another reason.
         """
-        self.io.announce_death(reason, linger_s=DEATH_LINGER_S)
+        self.io.announce_death(reason, linger_s=DEATH_LINGER_S, clean=clean)
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)  # already-closed sockets keep their own linger
@@ -167,7 +167,7 @@ def serve(proc: EngineProcess, log) -> int:
             code = EXIT_OK
         else:
             code = proc.run()
-            proc.announce_death("engine shut down")
+            proc.announce_death("engine shut down", clean=True)
             log.info("engine stopped")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else EXIT_ERROR

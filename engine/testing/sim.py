@@ -303,7 +303,7 @@ class SimEngine:
     def close(self, reason: str) -> None:
         for r in self.ranks:
             if r.io.registered:
-                r.io.announce_death(reason)
+                r.io.announce_death(reason, clean=True)
         self.ctx.destroy(linger=0)
 
 

@@ -59,3 +59,58 @@ def test_engine_dead_reaches_an_api_server_that_binds_after_the_close_began(tmp_
     msg = Codec(EngineToApi).decode(data)
     assert identity == b"3" and isinstance(msg, EngineDead)
     assert (msg.rank, msg.incarnation, msg.reason) == (3, proc.incarnation, "engine shut down")
+
+
+class _Log:
+    """Records (level, event) the way structlog's bound logger is called."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict]] = []
+
+    def __getattr__(self, level: str):
+        return lambda event, **kw: self.lines.append((level, event, kw))
+
+
+class _Frame:
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)
+
+
+def test_a_clean_stop_is_info_and_a_death_is_a_warning(tmp_path):
+    """`journalctl -p warning` stays quiet through a requested stop: an engine that
+    announces a clean stop with no request in flight is logged at info; a failure
+    (or a clean stop that still failed requests) stays a warning."""
+    import zmq.asyncio
+    from dpserve.daemons.api.engine_client import EngineClient
+    from dpserve.daemons.api.router import Router
+    from dpserve.engine.common.protocol import EngineHello
+
+    ctx = zmq.asyncio.Context()
+    log = _Log()
+    client = EngineClient(ctx, Router(2), f"ipc://{tmp_path}/engines", f"ipc://{tmp_path}/table", log)
+    codec = Codec(EngineToApi)
+    try:
+        for rank, clean, level in ((0, True, "info"), (1, False, "warning")):
+            client._handle_engine_message(_Frame(codec.encode(EngineHello(rank, f"inc{rank}"))), client.requests)
+            reason = "engine shut down" if clean else f"engine rank {rank} failed: boom"
+            client._handle_engine_message(_Frame(codec.encode(EngineDead(rank, f"inc{rank}", reason, clean))), client.requests)
+            deaths = [line for line in log.lines if line[1] == "engine announced its death" and line[2]["rank"] == rank]
+            assert [line[0] for line in deaths] == [level], log.lines
+        # a peer of the version before `clean` still decodes: the field is trailing and defaulted
+        old = msgspec_encode_without_clean(EngineDead(1, "x", "gone"))
+        assert codec.decode(old) == EngineDead(1, "x", "gone", False)
+    finally:
+        client.engines.close(0)
+        client.table.close(0)
+        ctx.term()
+
+
+def msgspec_encode_without_clean(msg: EngineDead) -> bytes:
+    import msgspec
+
+    class OldEngineDead(msgspec.Struct, tag="dead", array_like=True):
+        rank: int
+        incarnation: str
+        reason: str
+
+    return msgspec.msgpack.encode(OldEngineDead(msg.rank, msg.incarnation, msg.reason))

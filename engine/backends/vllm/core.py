@@ -35,7 +35,6 @@ from dpserve.engine.backends.vllm.args import (
     cpu_bind,
     engine_args_kwargs,
     local_devices,
-    parse_engine_args,
     sampling_kwargs,
     structured_outputs_kwargs,
     to_token_logprobs,
@@ -45,9 +44,6 @@ from dpserve.engine.backends.vllm.args import (
 from dpserve.engine.common.config import EngineConfig, resolve_max_model_len
 from dpserve.engine.common.protocol import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, AddRequest, RequestOutput
 from dpserve.engine.memory import available_memory_bytes
-
-# The CLI and the config validation import these from here.
-__all__ = ["VllmConfigError", "VllmCore", "check_vllm_version", "parse_engine_args", "vllm_version"]
 
 # A step longer than STEP_POLL_S reports progress (load, heartbeat) every STEP_POLL_S
 # while it runs, for at most STEP_LIVENESS_S: a 2,048-token step of a 135M model
