@@ -7,7 +7,7 @@ IO: requests come in and outputs go out through these verbs only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from typing import Protocol, runtime_checkable
 
 from dpserve.engine.common.protocol import AddRequest, RequestOutput
@@ -84,3 +84,21 @@ def missing_verbs(engine_class: type) -> list[str]:
     wanted = [name for name in vars(RankEngine) if not name.startswith("_")]
     wanted += list(RankEngine.__annotations__)
     return sorted({name for name in wanted if not hasattr(engine_class, name)})
+
+
+class QueueCounts:
+    """num_running and num_waiting, written once, for an engine (or its scheduler)
+    that keeps its sequences in `running` (past their prompt or prefilling) and
+    `waiting` (not yet admitted) collections."""
+
+    __slots__ = ()
+    running: Sized
+    waiting: Sized
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

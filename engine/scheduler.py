@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from dpserve.engine.interface import QueueCounts
 from dpserve.engine.kv_cache import BlockManager
 from dpserve.engine.sequence import Sequence, SequenceStatus
 
@@ -17,7 +18,7 @@ from dpserve.engine.sequence import Sequence, SequenceStatus
 ADMIT_WATERMARK = 0.01
 
 
-class Scheduler:
+class Scheduler(QueueCounts):
     """Chunked prefill under a token budget, paged KV admission, preemption by recompute.
 
     Invariants: `waiting` holds WAITING sequences, a preempted one ahead of
@@ -75,14 +76,6 @@ class Scheduler:
         self._watermark = int(blocks.num_blocks * ADMIT_WATERMARK)
 
     # ------------------------------------------------------------ counters
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
 
     @property
     def num_waiting_prefill_tokens(self) -> int:

@@ -31,22 +31,13 @@ HEAD_SILENCE_MIN_S = 3.0
 
 @dataclass(slots=True)
 class RankView:
+    """One rank as this node last heard of it: its state, since when, and the
+    coordinator's last entry for it (load, node, host, address), kept whole."""
+
     rank: int
+    load: RankLoad
     state: str = "absent"
     since: float = 0.0  # wall clock: the coordinator's state change (absent: this node's start)
-    node_rank: int = -1
-    host: str = ""
-    address: str = ""
-    incarnation: str = ""
-    down_reason: str = ""
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_prefill_tokens: int = 0
-    num_remaining_decode_tokens: int = 0
-    kv_usage: float = 0.0
-    num_requests_finished: int = 0
-    num_requests_aborted: int = 0
-    num_preemptions: int = 0
 
 
 def state_of(entry: RankLoad) -> str:
@@ -61,7 +52,7 @@ class ClusterState:
     def __init__(self, data_parallel_size: int, head_silence_s: float, wall: float) -> None:
         self.size = data_parallel_size
         self.head_silence_s = max(HEAD_SILENCE_MIN_S, head_silence_s)
-        self.ranks = [RankView(r, since=wall) for r in range(data_parallel_size)]
+        self.ranks = [RankView(r, RankLoad(r, "", False), since=wall) for r in range(data_parallel_size)]
         # Kept with every change: the STATUS= line and /readyz read them after
         # each wake of the loop, which must not cost a pass over 1,024 ranks.
         self.counts = {state: 0 for state in RANK_STATES}
@@ -86,11 +77,7 @@ class ClusterState:
                 r.state, r.since = state, wall
             if e.since:
                 r.since = e.since  # the coordinator's: every node shows the same time
-            r.node_rank, r.host, r.address, r.incarnation, r.down_reason = e.node_rank, e.host, e.address, e.incarnation, e.down_reason
-            r.num_running, r.num_waiting = e.num_running, e.num_waiting
-            r.num_waiting_prefill_tokens, r.num_remaining_decode_tokens = e.num_waiting_prefill_tokens, e.num_remaining_decode_tokens
-            r.kv_usage, r.num_preemptions = e.kv_usage, e.num_preemptions
-            r.num_requests_finished, r.num_requests_aborted = e.num_requests_finished, e.num_requests_aborted
+            r.load = e
 
     def check_head(self, mono: float, wall: float) -> bool:
         """A loop verb on every tick: True when the head just went silent."""

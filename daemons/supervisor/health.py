@@ -51,7 +51,7 @@ class NodeCollector:
         running = GaugeMetricFamily("dpserve_rank_running", "Running sequences per local rank.", labels=["rank"])
         waiting = GaugeMetricFamily("dpserve_rank_waiting", "Waiting requests per local rank.", labels=["rank"])
         kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage per rank of the cluster (1 = every block in use).", labels=["rank"])
-        kv_by_rank = {r.rank: r.kv_usage for r in view.cluster.ranks if r.state != "absent"}
+        kv_by_rank = {r.rank: r.load.kv_usage for r in view.cluster.ranks if r.state != "absent"}
         for c in view.children("engine"):
             running.add_metric([str(c.rank)], c.num_running)
             waiting.add_metric([str(c.rank)], c.num_waiting)
@@ -84,13 +84,13 @@ def cluster_metrics(view: NodeView):
     waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting on each rank of the cluster.", labels=labels)
     finished = CounterMetricFamily("dpserve_cluster_rank_requests_finished", "Requests finished by each rank (its current incarnation).", labels=labels)
     for r in cluster.ranks:
-        lv = [str(r.rank), str(r.node_rank) if r.node_rank >= 0 else ""]
+        lv = [str(r.rank), str(r.load.node_rank) if r.load.node_rank >= 0 else ""]
         for s in RANK_STATES:
             state.add_metric([*lv, s], int(r.state == s))
         state_s.add_metric(lv, round(max(0.0, wall - r.since), 1))
-        running.add_metric(lv, r.num_running)
-        waiting.add_metric(lv, r.num_waiting)
-        finished.add_metric(lv, r.num_requests_finished)
+        running.add_metric(lv, r.load.num_running)
+        waiting.add_metric(lv, r.load.num_waiting)
+        finished.add_metric(lv, r.load.num_requests_finished)
     yield from (state, state_s, running, waiting, finished)
 
 

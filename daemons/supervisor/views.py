@@ -127,25 +127,26 @@ class NodeView:
         local = set(self._sup.cfg.local_ranks)
         rows = []
         for r in self.cluster.ranks:
+            e = r.load
             rows.append({
                 "rank": r.rank,
-                "node": r.node_rank if r.node_rank >= 0 else None,
-                "host": r.host or None,
-                "address": r.address or None,
+                "node": e.node_rank if e.node_rank >= 0 else None,
+                "host": e.host or None,
+                "address": e.address or None,
                 "local": r.rank in local,
                 "state": r.state,
                 "since": round(r.since, 3),
                 "for_s": round(max(0.0, wall - r.since), 1),
-                "reason": r.down_reason if r.state == "lost" else "",
-                "running": r.num_running,
-                "waiting": r.num_waiting,
-                "waiting_prefill_tokens": r.num_waiting_prefill_tokens,
-                "remaining_decode_tokens": r.num_remaining_decode_tokens,
-                "kv_cache_usage_perc": round(r.kv_usage, 4),
-                "requests_finished": r.num_requests_finished,
-                "requests_aborted": r.num_requests_aborted,
-                "preemptions": r.num_preemptions,
-                "routed_by": routed_by(self._sup.cfg.lb_mode, r.rank, r.node_rank),
+                "reason": e.down_reason if r.state == "lost" else "",
+                "running": e.num_running,
+                "waiting": e.num_waiting,
+                "waiting_prefill_tokens": e.num_waiting_prefill_tokens,
+                "remaining_decode_tokens": e.num_remaining_decode_tokens,
+                "kv_cache_usage_perc": round(e.kv_usage, 4),
+                "requests_finished": e.num_requests_finished,
+                "requests_aborted": e.num_requests_aborted,
+                "preemptions": e.num_preemptions,
+                "routed_by": routed_by(self._sup.cfg.lb_mode, r.rank, e.node_rank),
             })
         return rows
 

@@ -39,6 +39,7 @@ from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.logs import setup_logging
 from dpserve.engine.common.procutil import die_with_parent, raise_fd_limit
 from dpserve.engine.common.protocol import FINISH_LENGTH, FINISH_STOP, AbortRequests, AddRequest, RequestOutput
+from dpserve.engine.interface import QueueCounts
 from dpserve.engine.rank.io import COORDINATOR, LOAD_REPORT_MIN_INTERVAL_S, REFUSED, REGISTER_RETRY_S, WELCOMED, RankIO
 
 GREET_CHECK_S = 1.0  # how often reconnections are looked for (a re-greeting's delay at most)
@@ -70,7 +71,7 @@ class _Seq:
         self.first = req.prompt_token_ids[0] if req.prompt_token_ids else 0
 
 
-class SimCore:
+class SimCore(QueueCounts):
     """The simulated model of one rank, behind the RankEngine interface.
 
     Invariant: `by_id` holds exactly the sequences in `waiting` and `running`;
@@ -144,16 +145,6 @@ class SimCore:
         del self.by_id[seq.request_id]
 
     # The load, as RankIO reports it.
-    @property
-    def num_running(self) -> int:
-        """Sequences past their prompt: one token each per step."""
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        """Prompts in the FIFO, the first possibly part-prefilled."""
-        return len(self.waiting)
-
     @property
     def num_waiting_prefill_tokens(self) -> int:
         return int(sum(s.prefill_left for s in self.waiting))
