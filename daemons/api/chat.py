@@ -14,15 +14,13 @@ from dpserve.daemons.api.guided import guided_grammar
 from dpserve.daemons.api.many_choices import ChoiceOptions, ManyChoicesServing, text_options
 from dpserve.daemons.api.one_choice import OneChoiceServing
 from dpserve.daemons.api.openai_types import ApiError, ChatCompletionRequest
-from dpserve.daemons.api.request_checks import chat_messages, check_unsupported, decode_request, uses_extras
+from dpserve.daemons.api.request_checks import chat_messages, uses_extras
 
 
 class ChatServing(OneChoiceServing, ManyChoicesServing):
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
-        req = decode_request(await self.read_body(request), ChatCompletionRequest, self.note_unknown_field)
-        check_unsupported(req)
-        self.check_model(req.model)
+        req = await self.read_request(request, ChatCompletionRequest)
         extras = uses_extras(req)
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")

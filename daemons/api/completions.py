@@ -13,21 +13,13 @@ from dpserve.daemons.api.guided import guided_grammar
 from dpserve.daemons.api.many_choices import ChoiceOptions, ManyChoicesServing, text_options
 from dpserve.daemons.api.one_choice import OneChoiceServing
 from dpserve.daemons.api.openai_types import ApiError, CompletionRequest
-from dpserve.daemons.api.request_checks import (
-    check_unsupported,
-    completion_prompt,
-    completion_prompts,
-    decode_request,
-    uses_extras,
-)
+from dpserve.daemons.api.request_checks import completion_prompt, completion_prompts, uses_extras
 
 
 class CompletionsServing(OneChoiceServing, ManyChoicesServing):
     async def completions(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
-        req = decode_request(await self.read_body(request), CompletionRequest, self.note_unknown_field)
-        check_unsupported(req)
-        self.check_model(req.model)
+        req = await self.read_request(request, CompletionRequest)
         if uses_extras(req):
             return await self._completions_with_extras(request, req, t0)
         prompt = completion_prompt(req)

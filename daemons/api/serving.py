@@ -25,6 +25,7 @@ from dpserve.daemons.api.engine_client import EngineClient, RequestState
 from dpserve.daemons.api.generation import EngineFailure, Generation
 from dpserve.daemons.api.metrics import ApiMetrics
 from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse, ModelCard, ModelList, encode
+from dpserve.daemons.api.request_checks import check_unsupported, decode_request
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.daemons.config import ApiServerConfig
@@ -175,6 +176,14 @@ class ServingBase:
         return resp
 
     # ---------------------------------------------------------------- checks
+
+    async def read_request(self, request: web.Request, kind: type):
+        """The body as a validated `kind` (CompletionRequest or ChatCompletionRequest) for
+        the served model, with no unsupported parameter set; else a 4xx ApiError."""
+        req = decode_request(await self.read_body(request), kind, self.note_unknown_field)
+        check_unsupported(req)
+        self.check_model(req.model)
+        return req
 
     async def read_body(self, request: web.Request) -> bytes:
         if request.content_type != "application/json":
