@@ -6,7 +6,7 @@ Each choice (prompt i, sample j; OpenAI's index i x n + j) is its own engine
 request, routed like any other: the n samples of a prompt do not share its
 prefill. With a seed, choice j samples with seed + j (vLLM's rule), so each is
 reproducible alone. A plain request never comes here (see one_choice.py): it
-pays only for the scan that would send it here (openai_types.uses_extras).
+pays only for the scan that would send it here (request_checks.uses_extras).
 """
 
 from __future__ import annotations

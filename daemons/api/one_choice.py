@@ -2,7 +2,7 @@
 
 The fast path: events from prebuilt byte templates, and a whole answer without
 stop strings decoded once at its end. A request that sets any extra (see
-openai_types.uses_extras) must never come here; it goes to many_choices.py.
+request_checks.uses_extras) must never come here; it goes to many_choices.py.
 """
 
 from __future__ import annotations
