@@ -50,7 +50,7 @@ def bench(kind: str) -> None:
         tok = TextTokenizer.from_dir(write_tokenizer(tmp, kind))
     prompt = tok.encode(PROMPT)
     output = tok.encode(" " + ANSWER, add_special_tokens=False)[:256]
-    backend = tok._tok
+    backend = tok.backend
     n = len(output)
 
     def before_stream(chunk: int) -> None:

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
             ids = add.prompt_token_ids
             n = self.tokens
             for i in range(n):
-                state._push(RequestOutput(state.request_id, [ids[i % len(ids)]], "length" if i == n - 1 else None))
+                state.push(RequestOutput(state.request_id, [ids[i % len(ids)]], "length" if i == n - 1 else None))
             router.on_finish(rank, state.remaining)
 
         def abort(self, state) -> None:

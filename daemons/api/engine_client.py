@@ -85,7 +85,7 @@ class RequestState:
         self.event.clear()
         return ids
 
-    def _push(self, out: RequestOutput) -> None:
+    def push(self, out: RequestOutput) -> None:
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
         self.pending.extend(out.new_token_ids)
@@ -277,7 +277,7 @@ class EngineClient:
                     done = min(done, state.remaining)
                     state.remaining -= done
                     self.router.on_progress(state.rank, done)
-                state._push(out)
+                state.push(out)
         elif type(msg) is EngineHello:
             if self.router.engine_hello(msg.rank, msg.incarnation):
                 self.fail_rank(msg.rank, f"engine rank {msg.rank} restarted")

@@ -17,6 +17,7 @@ import resource
 import time
 
 from aiohttp import web
+from dpserve.daemons.aiohttp_compat import answer_requests_with, cap_keepalive, handler_subclass, set_handler_class
 
 # File descriptors kept for everything but connections: ZeroMQ sockets (one per
 # engine connection), the probe socket, logs, the tokenizer threads' libraries.
@@ -83,13 +84,12 @@ class ConnectionGuard:
     def adopt(self, handler) -> None:
         """Count and cap `handler`, a protocol handler aiohttp's web.Server just made for a
         new connection (the API server's runner calls this from its Server's factory)."""
-        handler.__class__ = self._guarded(type(handler))
+        set_handler_class(handler, self._guarded(type(handler)))
 
     def _guarded(self, base: type) -> type:
-        """A subclass of aiohttp's handler class (whatever the runner made) with the same
-        slots, so that an instance can take it on; aiohttp offers no handler-class option.
-        It sets two of RequestHandler's private slots (_request_handler, _keepalive_timeout):
-        tests/unit/test_dependency_internals.py fails by name if an aiohttp release drops them."""
+        """A subclass of aiohttp's handler class (whatever the runner made) that counts its
+        connections and answers those over the cap with 503 (aiohttp offers no
+        handler-class option: the internals it takes are fenced in daemons/aiohttp_compat)."""
         cls = self._classes.get(base)
         if cls is not None:
             return cls
@@ -109,14 +109,14 @@ class ConnectionGuard:
                 guard.num_rejected += 1
                 guard.num_rejected_total += 1
                 guard._note()
-                self._request_handler = guard.reject
-                self._keepalive_timeout = min(self._keepalive_timeout, OVER_CAP_IDLE_S)
+                answer_requests_with(self, guard.reject)
+                cap_keepalive(self, OVER_CAP_IDLE_S)
             base.connection_made(self, transport)
 
         def connection_lost(self, exc: BaseException | None) -> None:
             guard.open.discard(self)
             base.connection_lost(self, exc)
 
-        cls = type(f"Guarded{base.__name__}", (base,), {"__slots__": (), "connection_made": connection_made, "connection_lost": connection_lost})
+        cls = handler_subclass(base, f"Guarded{base.__name__}", {"connection_made": connection_made, "connection_lost": connection_lost})
         self._classes[base] = cls
         return cls

@@ -27,14 +27,14 @@ class ScoredRequestState(RequestState):
         self.prompt_logprobs: list[TokenLogprobs] | None = None
         self.num_outputs = 0
 
-    def _push(self, out: RequestOutput) -> None:
-        # (engine_client delivers every output through RequestState._push)
+    def push(self, out: RequestOutput) -> None:
+        # (engine_client delivers every output through RequestState.push)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.num_outputs += 1
-        super()._push(out)
+        super().push(out)
 
     def take_logprobs(self) -> list[TokenLogprobs]:
         got, self.logprobs = self.logprobs, []
