@@ -5,6 +5,13 @@
 TCPConnector sized to the concurrency); each worker sends a request, waits for
 the full answer, records it and immediately sends the next one.
 
+Where it measures the same thing as vLLM's own client -- streamed throughput,
+TTFT and ITL against dpserve and ``vllm serve`` -- the comparisons use
+``vllm bench serve`` (benchmarks/vllm_bench.py; engine_realistic.py and
+vllm_engine_bench.py, ``--client``).  This generator stays for what that client
+cannot do: timed windows, non-streamed ``max_tokens=1`` req/s runs, per-rank
+pinning and skew, prompt mixes and prefix workloads.
+
 Window and counting
     The run starts, runs ``--warmup`` seconds whose completions are *not*
     counted, then measures.  A request is counted when it *finishes* inside the
