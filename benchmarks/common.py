@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_VLLM_VENV = "/work/vllm-venv"
+# what `make setup-vllm` builds (benchmarks/setup_vllm.sh)
+DEFAULT_VLLM_VENV = str(ROOT / ".venv-vllm")
 
 
 # ----------------------------------------------------------------- arguments

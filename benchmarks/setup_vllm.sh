@@ -3,10 +3,10 @@
 # repository, following ../shared/ANCHORS.md step by step. Idempotent: each
 # step checks whether it is already done. About 3.4 GB on disk.
 #
-#   benchmarks/setup_vllm.sh [VENV]     (default: $DPSERVE_VLLM_VENV or /work/vllm-venv)
+#   benchmarks/setup_vllm.sh [VENV]     (default: $DPSERVE_VLLM_VENV or the checkout's .venv-vllm)
 set -euo pipefail
 
-VENV="${1:-${DPSERVE_VLLM_VENV:-/work/vllm-venv}}"
+VENV="${1:-${DPSERVE_VLLM_VENV:-$(cd "$(dirname "$0")/.." && pwd)/.venv-vllm}}"
 PY="${PYTHON:-python3}"
 
 if [[ ! -x "$VENV/bin/python" ]]; then

@@ -7,7 +7,7 @@
     print(result.output_tok_per_s, result.ttft_ms["p50"], result.ok, result.error_count)
 
 It runs `vllm bench serve` from vLLM's venv (explicit, else $DPSERVE_VLLM_VENV,
-else common.DEFAULT_VLLM_VENV, else the repository's .venv-vllm that `make
+else common.DEFAULT_VLLM_VENV: the checkout's .venv-vllm that `make
 setup-vllm` builds) against an OpenAI-compatible base URL: the random dataset
 (--random-input-len / --random-output-len token ids, --random-range-ratio 0),
 streamed /v1/completions (backend `openai`) or chat (`openai-chat`),
@@ -44,7 +44,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import DEFAULT_VLLM_VENV, ROOT  # noqa: E402
+from benchmarks.common import DEFAULT_VLLM_VENV  # noqa: E402
 from benchmarks.load import LoadResult  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
@@ -62,7 +62,7 @@ class VllmBenchFailed(RuntimeError):
 def venv_candidates(venv: str | None = None) -> list[str]:
     if venv:
         return [venv]
-    found = [os.environ.get("DPSERVE_VLLM_VENV"), DEFAULT_VLLM_VENV, str(ROOT / ".venv-vllm")]
+    found = [os.environ.get("DPSERVE_VLLM_VENV"), DEFAULT_VLLM_VENV]
     return [v for v in dict.fromkeys(found) if v]
 
 
