@@ -46,6 +46,10 @@ class Scheduler(QueueCounts):
     registers its blocks. After every step, cache_computed_blocks registers
     the blocks that filled (engine.core calls it). A preempted sequence
     re-admitted later finds whatever of its own blocks survived eviction.
+    One prompt computation: a waiting sequence whose next uncached block a
+    running prefill is computing right now (same key) is held in place, and
+    later sequences may pass it, until that block is cached; so n copies of a
+    prompt (or concurrent requests sharing a prefix) compute it once.
     """
 
     def __init__(
@@ -153,10 +157,16 @@ class Scheduler(QueueCounts):
             prefilling = prefilling or n > 1
         budget = self.max_num_batched_tokens - sum(n for _, n in scheduled.values())
 
-        # 3. Admit from the waiting queue, in order, never past a sequence that does not fit.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        # 3. Admit from the waiting queue, in order, never past a sequence that does not fit;
+        # one whose next prefix block a prefill is computing now waits in place (held).
+        in_flight = self._blocks_in_flight()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
             hits = self._cached_prefix(seq)
+            if self._is_held(seq, len(hits), in_flight):
+                i += 1
+                continue
             seq.num_computed_tokens = len(hits) * self.blocks.block_size
             n = self._chunk(seq, budget, decoding, prefilling)
             missing = self.blocks.blocks_for(seq.num_computed_tokens + n) - len(hits)
@@ -165,7 +175,7 @@ class Scheduler(QueueCounts):
             if n == 0 or missing > self.blocks.num_free_blocks - self.blocks.num_evictable(hits) - reserve:
                 seq.num_computed_tokens = 0  # waiting sequences own nothing
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self._num_waiting_tokens -= seq.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -177,11 +187,42 @@ class Scheduler(QueueCounts):
                 self.num_prefix_queries += seq.num_tokens
                 self.num_prefix_hits += seq.num_computed_tokens
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            self._add_in_flight(seq, in_flight)
             scheduled[seq.request_id] = (seq, n)
             budget -= n
             decoding = decoding or n == 1
             prefilling = prefilling or n > 1
         return list(scheduled.values())
+
+    # ------------------------------------------------------------ one prompt computation
+
+    def _blocks_in_flight(self) -> set[bytes]:
+        """Keys of the full prompt blocks that running prefills have yet to compute."""
+        in_flight: set[bytes] = set()
+        if self.blocks.enable_caching:
+            for seq in self.running:
+                if seq.is_prefilling:
+                    self._add_in_flight(seq, in_flight)
+        return in_flight
+
+    def _add_in_flight(self, seq: Sequence, in_flight: set[bytes]) -> None:
+        if not self.blocks.enable_caching:
+            return
+        bs = self.blocks.block_size
+        full = seq.num_prompt_tokens // bs
+        self.blocks.extend_hashes(seq.block_hashes, seq.token_ids, full * bs)
+        in_flight.update(seq.block_hashes[seq.num_computed_tokens // bs : full])
+
+    def _is_held(self, seq: Sequence, num_hits: int, in_flight: set[bytes]) -> bool:
+        """Whether seq's first uncached block is being computed by a running prefill:
+        then seq waits (in place) for it to be cached instead of computing it again.
+        Never for good: the set is rebuilt every step from the running prefills, so a
+        holder that finishes, is aborted or preempted releases it, and one that runs
+        on caches the block, which seq then attaches."""
+        if not in_flight or seq.params.prompt_logprobs is not None:
+            return False
+        max_blocks = (seq.num_tokens - 1) // self.blocks.block_size
+        return num_hits < max_blocks and seq.block_hashes[num_hits] in in_flight
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks seq may start from (counted in the prefix-cache

@@ -112,3 +112,152 @@ def test_remove_and_finish_return_blocks():
 )
 def test_decode_groups_bound_padding(lengths, groups):
     assert group_decodes(lengths) == groups
+
+
+# ---------------------------------------------------------------- one prompt computation
+
+
+def cached_scheduler(budget: int = 1000, num_blocks: int = 256) -> Scheduler:
+    return Scheduler(32, budget, BlockManager(num_blocks, 4, enable_caching=True), long_prefill_token_threshold=budget)
+
+
+def step_and_cache(sched: Scheduler) -> list[tuple[str, int]]:
+    """A step as EngineCore runs it: advance, register full blocks, sample the caught-up, finish."""
+    plan = sched.schedule()
+    for s, n in plan:
+        s.num_computed_tokens += n
+    sched.cache_computed_blocks(plan)
+    done = []
+    for s, _ in plan:
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(9)
+            if s.num_output_tokens >= s.params.max_tokens:
+                done.append(s)
+    sched.finish(done)
+    return [(s.request_id, n) for s, n in plan]
+
+
+def prompt_tokens_computed(plan: list[tuple[str, int]], before: dict[str, int], seqs: dict[str, Sequence]) -> int:
+    return sum(min(n, max(0, seqs[r].num_prompt_tokens - before[r])) for r, n in plan)
+
+
+def check_shared(sched: Scheduler) -> None:
+    """With shared blocks: every reference count equals the tables holding the block."""
+    bm = sched.blocks
+    holders = [0] * bm.num_blocks
+    for s in sched.running:
+        for b in s.block_table:
+            holders[b] += 1
+    assert holders == bm.ref_count
+    assert all(not s.block_table and s.num_computed_tokens == 0 for s in sched.waiting)
+
+
+def run_counting(sched: Scheduler, seqs: dict[str, Sequence], limit: int = 500) -> int:
+    computed = 0
+    for _ in range(limit):
+        if not sched.has_unfinished:
+            return computed
+        before = {r: s.num_computed_tokens for r, s in seqs.items()}
+        computed += prompt_tokens_computed(step_and_cache(sched), before, seqs)
+        check_shared(sched)
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_n_copies_of_a_prompt_compute_it_once_in_chunks():
+    sched = cached_scheduler(budget=64)
+    prompt = list(range(100, 301))  # 201 tokens: 50 full blocks and one token
+    seqs = {f"c{j}": Sequence(f"c{j}", prompt, SamplingParams(max_tokens=3), 0.0, "cpu") for j in range(8)}
+    for s in seqs.values():
+        sched.add(s)
+    assert step_and_cache(sched) == [("c0", 64)]  # the copies wait for the blocks c0 is computing
+    computed = 64 + run_counting(sched, seqs)
+    # c0 computes the prompt; each copy only its last (partial) block: one token
+    assert computed == 201 + 7 * 1
+    assert all(s.status is SequenceStatus.FINISHED for s in seqs.values())
+
+
+def test_a_held_sequence_lets_others_pass_then_attaches_what_its_holder_computed():
+    sched = cached_scheduler(budget=32)
+    shared = list(range(500, 540))  # 10 full blocks
+    for rid, tail in (("a", [1]), ("b", [2])):
+        sched.add(Sequence(rid, shared + tail, SamplingParams(max_tokens=2), 0.0, "cpu"))
+    sched.add(Sequence("other", [3] * 5, SamplingParams(max_tokens=2), 0.0, "cpu"))
+    assert step_and_cache(sched) == [("a", 32)]
+    assert step_and_cache(sched) == [("a", 9), ("other", 5)]  # b is held in place; other passes it
+    assert step_and_cache(sched)[-1] == ("b", 1)  # b attaches the 10 blocks a cached
+    check_shared(sched)
+
+
+def test_a_held_sequence_is_released_when_its_holder_is_aborted():
+    sched = cached_scheduler(budget=16)
+    shared = list(range(500, 540))
+    for rid, tail in (("a", [1]), ("b", [2])):
+        sched.add(Sequence(rid, shared + tail, SamplingParams(max_tokens=2), 0.0, "cpu"))
+    assert step_and_cache(sched) == [("a", 16)]
+    assert step_and_cache(sched) == [("a", 16)]
+    sched.remove({"a"})
+    assert step_and_cache(sched) == [("b", 9)]  # the 8 blocks a cached, then the rest itself
+    assert sched.running[0].num_cached_tokens == 32
+    check_shared(sched)
+
+
+def test_without_caching_or_with_prompt_logprobs_nothing_is_held():
+    sched = Scheduler(32, 1000, BlockManager(256, 4))
+    for j in range(3):
+        sched.add(seq(f"p{j}", 40))
+    assert [r for r, _ in step_and_cache(sched)] == ["p0", "p1", "p2"]
+    sched = cached_scheduler()
+    sched.add(Sequence("x", list(range(40)), SamplingParams(max_tokens=2), 0.0, "cpu"))
+    sched.add(Sequence("y", list(range(40)), SamplingParams(max_tokens=2, prompt_logprobs=1), 0.0, "cpu"))
+    assert [r for r, _ in step_and_cache(sched)] == ["x", "y"]  # y needs every position's logits anyway
+
+
+@pytest.mark.timeout(300)
+def test_engine_n16_of_a_1000_token_prompt_prefills_it_once_with_greedy_answers_unchanged(loaded_demo_model):
+    """Sixteen copies of one prompt on the demo model cost at most 1.3x the prefill of
+    one, and each still answers what transformers' generate() does (float32, greedy)."""
+    import random
+
+    import torch
+    from dpserve.engine.common.config import EngineConfig
+    from dpserve.engine.common.protocol import AddRequest
+    from dpserve.engine.core import EngineCore
+    from dpserve.engine.testing import demo_model
+
+    rng = random.Random(24)
+    prompt = [rng.randrange(len(demo_model.SPECIAL_TOKENS), demo_model.VOCAB_SIZE) for _ in range(1000)]
+
+    def prefill_tokens(n: int) -> tuple[int, dict[str, list[int]]]:
+        config = EngineConfig(model=loaded_demo_model.model_dir, device="cpu", dtype="float32")
+        engine = EngineCore.from_loaded(config, loaded_demo_model)
+        plan_of = engine.scheduler.schedule
+        computed = 0
+
+        def counting_schedule():
+            nonlocal computed
+            plan = plan_of()
+            computed += sum(min(k, max(0, s.num_prompt_tokens - s.num_computed_tokens)) for s, k in plan)
+            return plan
+
+        engine.scheduler.schedule = counting_schedule
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        for j in range(n):
+            assert engine.add_request(AddRequest(f"c{j}", list(prompt), params, arrival_time=0.0)) is None
+        tokens: dict[str, list[int]] = {}
+        for _ in range(2000):
+            if not engine.has_unfinished():
+                return computed, tokens
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        raise AssertionError("the engine did not finish")
+
+    one, _ = prefill_tokens(1)
+    many, answers = prefill_tokens(16)
+    assert one == 1000
+    print("prefill tokens: n=1", one, "n=16", many)
+    assert many <= 1.3 * one, f"16 copies computed {many} prompt tokens, one computed {one}"
+    ids = torch.tensor([prompt])
+    model = loaded_demo_model.model
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                              min_new_tokens=3, pad_token_id=0)[0, len(prompt):].tolist()
+    assert len(answers) == 16 and all(got == expected for got in answers.values()), (expected, answers)
