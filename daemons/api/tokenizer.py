@@ -102,7 +102,10 @@ def _token_text(value: Any) -> str | None:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON, bad UTF-8
+        raise ValueError(f"cannot read {path}: {exc}") from None
     return data if isinstance(data, dict) else {}
 
 
@@ -219,7 +222,9 @@ class TextTokenizer:
     @classmethod
     def from_dir(cls, path: str | Path, model_name: str | None = None) -> TextTokenizer:
         """Load tokenizer.json, tokenizer_config.json, the chat template and the EOS ids
-        named by generation_config.json and config.json (all are stop tokens)."""
+        named by generation_config.json and config.json (all are stop tokens).
+        A missing tokenizer.json is FileNotFoundError, an unreadable file ValueError;
+        each names the file in one line."""
         model_dir = Path(path)
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -233,7 +238,11 @@ class TextTokenizer:
                           text_config.get("eos_token_id") if isinstance(text_config, dict) else None):
                 values = value if isinstance(value, list) else [value]
                 extra_eos += [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
-        return cls(Tokenizer.from_file(str(tokenizer_file)), tokenizer_config,
+        try:
+            backend = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the tokenizers library raises bare Exception on a bad file
+            raise ValueError(f"cannot load {tokenizer_file}: {exc}") from None
+        return cls(backend, tokenizer_config,
                    _pick_chat_template(model_dir, tokenizer_config), extra_eos,
                    model_name or model_dir.resolve().name)
 

@@ -76,6 +76,24 @@ def _model(model: str | None, served: str | None, log) -> tuple[str, str]:
     return model, served or os.path.basename(os.path.normpath(model)) or model
 
 
+def check_tokenizer(model: str) -> None:
+    """ValueError naming what is missing, before any child starts: an API server that
+    cannot load the tokenizer would fail only after the engines began loading, and
+    its exit would not say 'configuration'. (ServeConfig.validate checks the
+    directory and its config.json.)"""
+    from dpserve.daemons.api.tokenizer import TextTokenizer
+
+    try:
+        TextTokenizer.from_dir(model)
+    except FileNotFoundError:
+        raise ValueError(f"the model directory has no tokenizer.json (only fast tokenizers are supported): "
+                         f"{os.path.join(model, 'tokenizer.json')}") from None
+    except ValueError:
+        raise
+    except Exception as exc:  # e.g. a chat template that does not compile
+        raise ValueError(f"cannot load the tokenizer of {model}: {type(exc).__name__}: {exc}") from None
+
+
 # `dpserve serve` runs one node's own processes: without Ray, no inter-node traffic.
 _TCP_ONLY = ("data_parallel_address", "data_parallel_rpc_port", "data_parallel_api_rpc_port_base", "key_file")
 
@@ -93,10 +111,10 @@ def _refuse_without_ray(role: str, ray: bool, given: set[str]) -> None:
 
 
 def _api_key(opts: dict) -> str | None:
-    """--api-key, or the first line of --api-key-file (not both)."""
+    """--api-key, or the first line of --api-key-file (not both): printable ASCII."""
     key, path = opts["api_key"], opts.get("api_key_file")
     if not path:
-        return key
+        return _check_key(key, "--api-key")
     if key:
         raise ValueError("give --api-key or --api-key-file, not both")
     try:
@@ -106,6 +124,21 @@ def _api_key(opts: dict) -> str | None:
         raise ValueError(f"cannot read --api-key-file {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
     if not key:
         raise ValueError(f"--api-key-file {path!r} is empty")
+    return _check_key(key, f"--api-key-file {path!r}")
+
+
+def _check_key(key: str | None, source: str) -> str | None:
+    """Refused, not warned about: a key no client can send leaves every /v1/ route a 401.
+    HTTP header values are bytes that clients write as ASCII (httpx, and so the official
+    openai client, raises UnicodeEncodeError on anything else; RFC 9110 allows only
+    visible ASCII, space and tab in a field value), and a space would split the
+    'Bearer <key>' credential."""
+    if key is None:
+        return None
+    bad = next((ch for ch in key if not "!" <= ch <= "~"), None)
+    if bad is not None:
+        raise ValueError(f"{source}: the API key holds {bad!r} (U+{ord(bad):04X}); a key must be printable ASCII "
+                         "without spaces (clients send it in an HTTP header)")
     return key
 
 
@@ -132,6 +165,8 @@ def _run(role: str, model: str | None, opts: dict) -> None:
     try:
         cfg = _build_config(role, model, opts, user_gave, log)
         cfg.validate()
+        if cfg.runs_api_servers:  # a headless worker loads no tokenizer
+            check_tokenizer(cfg.model)
     except ValueError as exc:
         log.error("invalid configuration", error=str(exc))
         sys.exit(EXIT_CONFIG)
