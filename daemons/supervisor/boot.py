@@ -5,10 +5,14 @@ directory, its ZeroMQ sockets, the child table and the prefork launcher."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import stat
 import tempfile
 from typing import TYPE_CHECKING
 
 import msgspec
+import psutil
 import zmq
 from dpserve.daemons.config import Addresses
 from dpserve.daemons.supervisor.launcher import Launcher
@@ -29,6 +33,48 @@ if TYPE_CHECKING:
     from dpserve.daemons.supervisor.core import Supervisor
 
 _enc = msgspec.json.Encoder().encode
+# A private run directory is named after its supervisor's pid, so that the next start
+# can remove one whose owner died without cleaning up (SIGKILL, a power cut in a
+# persistent /tmp). Only names of this exact shape are ever touched.
+RUN_DIR_PREFIX = "dpserve-run-"
+_RUN_DIR = re.compile(re.escape(RUN_DIR_PREFIX) + r"([0-9]+)-[A-Za-z0-9_]{8}")
+
+
+def _owner_alive(pid: int, dir_ctime: float) -> bool:
+    """The directory's supervisor still runs: a process with its pid that started before
+    the directory last changed (a pid reused later is not the owner)."""
+    try:
+        return psutil.Process(pid).create_time() <= dir_ctime + 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # alive but unreadable: leave its directory
+        return True
+
+
+def sweep_run_dirs(tmp: str) -> list[str]:
+    """Remove run directories in `tmp` that this user owns and whose supervisor is gone;
+    returns their paths. A directory of a live supervisor, another user's, or a name of
+    any other shape is left as it is."""
+    removed = []
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return removed
+    for name in names:
+        match = _RUN_DIR.fullmatch(name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or _owner_alive(int(match.group(1)), st.st_ctime):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            removed.append(path)
+    return removed
 
 
 def prepare(sup: Supervisor) -> None:
@@ -39,7 +85,9 @@ def prepare(sup: Supervisor) -> None:
         os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
         sup.run_dir = cfg.run_dir
     else:
-        sup.run_dir = tempfile.mkdtemp(prefix="dpserve-")
+        for path in sweep_run_dirs(tempfile.gettempdir()):
+            sup.log.info("removed the run directory of a supervisor that is gone", path=path)
+        sup.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
         sup.own_run_dir = True
     ray = sup.ray_plan
     if ray is not None:

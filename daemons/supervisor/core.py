@@ -35,7 +35,7 @@ from dpserve.daemons.supervisor.producers import read_control, read_table, watch
 from dpserve.daemons.supervisor.rolling import RollingRestart
 from dpserve.daemons.supervisor.shutdown import shutdown
 from dpserve.daemons.supervisor.views import NodeView
-from dpserve.engine.common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_STARTUP, describe_exit
+from dpserve.engine.common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_STARTUP, OomRecord, describe_exit
 from dpserve.engine.common.protocol import Codec, CoordinatorInput, NodeHello, RankDown
 
 TICK_S = 0.1  # the loop runs its timers at least this often
@@ -55,6 +55,7 @@ class Supervisor:
         self.phase = "starting"  # starting -> serving -> stopping
         self.exit_code = EXIT_OK
         self.policy = RestartPolicy.from_config(cfg)
+        self.oom = OomRecord()  # the kernel's OOM-kill count, so a SIGKILL is named by its sender
         self.heartbeat_interval_s = min(1.0, cfg.probe_interval_s / 2)
         self.listen_socks: list[socket.socket] = []
         self.keys = None
@@ -243,6 +244,8 @@ class Supervisor:
     def stop(self, code: int) -> None:
         self.exit_code = code
         self.phase = "stopping"
+        if self.launcher is not None:
+            self.launcher.stopping = True  # what it says from now on is part of a stop
 
     def spawn(self, child: Child) -> None:
         """Start the child's process in a task; Spawned or SpawnFailed reports back."""
@@ -293,7 +296,9 @@ class Supervisor:
 
     def on_exit(self, child: Child, rc: int, how: str = "") -> None:
         """Reap: decode how it ended, take it out of routing, apply the restart decision."""
-        how = how or describe_exit(rc, killed_by_us=child.kill_requested)
+        if not how:
+            oom = rc == -signal.SIGKILL and not child.kill_requested and self.oom.killed_since_last()
+            how = describe_exit(rc, killed_by_us=child.kill_requested, oom_killed=oom)
         child.last_exit = how
         was = child.state
         child.proc = None

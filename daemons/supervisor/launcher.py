@@ -146,7 +146,10 @@ def main() -> None:
     die_with_parent(cfg.parent_pid)
     set_process_name("dpserve-launch")
     log = setup_logging("launcher", cfg.log_level)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us by closing the channel
+    # The supervisor stops us by closing the channel, after its API servers: a signal to
+    # the whole group (Ctrl-C, `kill -- -PGID`, KillMode=control-group) must not end us first.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     started = time.monotonic()
     for name in cfg.preload:
         try:
@@ -270,6 +273,7 @@ class Launcher:
         self._lock = asyncio.Lock()
         self.launches_in_flight = 0
         self.failed = False
+        self.stopping = False  # the node is stopping: losing the launcher is expected, not a warning
 
     @property
     def pid(self) -> int:
@@ -380,12 +384,15 @@ class Launcher:
         return self._give_up(why)
 
     def _give_up(self, why: str) -> None:
-        if not self.failed:
+        if self.stopping:
+            self.log.info("prefork launcher gone while the node stops", reason=why)
+        elif not self.failed:
             self.log.warning("prefork launcher unavailable; starting API servers with exec", reason=why)
         self.failed = True
         return None
 
     async def stop(self, timeout: float = 5.0) -> None:
+        self.stopping = True
         async with self._lock:  # never close the channel under a launch waiting for its reply
             sock, proc = self.sock, self.proc
             self.sock = self.proc = None
@@ -400,6 +407,7 @@ class Launcher:
 
     async def restart(self, log_stream) -> None:
         await self.stop()
+        self.stopping = False
         await self.start(log_stream)
 
 

@@ -110,11 +110,12 @@ def raise_fd_limit() -> tuple[int, int]:
     return soft, hard
 
 
-def describe_exit(returncode: int, killed_by_us: bool = False) -> str:
-    """'exit code 3 (startup failure)' or 'signal SIGKILL (out of memory?)'.
+def describe_exit(returncode: int, killed_by_us: bool = False, oom_killed: bool = False) -> str:
+    """'exit code 3 (startup failure)' or 'signal SIGKILL (killed by the OOM killer)'.
 
-    A SIGKILL hints at the kernel's OOM killer only when the caller did not
-    send it itself (killed_by_us: a child that did not stop in time)."""
+    A SIGKILL names the OOM killer only when the kernel's record says so
+    (oom_killed: OomRecord.killed_since_last); one the caller did not send and the
+    record does not explain is said to come from outside dpserve."""
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
@@ -122,10 +123,67 @@ def describe_exit(returncode: int, killed_by_us: bool = False) -> str:
             name = f"signal {-returncode}"
         hint = ""
         if -returncode == signal.SIGKILL:
-            hint = " (killed by the supervisor: it did not stop in time)" if killed_by_us else " (out of memory?)"
+            if killed_by_us:
+                hint = " (killed by the supervisor: it did not stop in time)"
+            elif oom_killed:
+                hint = " (killed by the OOM killer)"
+            else:
+                hint = " (not sent by dpserve)"
         return f"signal {name}{hint}"
     desc = EXIT_DESCRIPTIONS.get(returncode)
     return f"exit code {returncode}" + (f" ({desc})" if desc else "")
+
+
+def _oom_counter_file() -> str | None:
+    """The file that counts OOM kills in this process's own cgroup (and the cgroups below
+    it, where children live): cgroup v2's memory.events, else v1's memory.oom_control;
+    both readable without privileges. None when neither can be read."""
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    v2 = next((ln[3:] for ln in lines if ln.startswith("0::")), None)
+    v1 = next((ln.split(":", 2)[2] for ln in lines if ":memory:" in ln), None)
+    candidates = []
+    if v2 is not None:  # a container's cgroup namespace shows its own cgroup at the mount's root
+        candidates += [f"/sys/fs/cgroup{v2.rstrip('/')}/memory.events", "/sys/fs/cgroup/memory.events"]
+    if v1 is not None:
+        candidates += [f"/sys/fs/cgroup/memory{v1.rstrip('/')}/memory.oom_control", "/sys/fs/cgroup/memory/memory.oom_control"]
+    return next((path for path in candidates if read_oom_kills(path) is not None), None)
+
+
+def read_oom_kills(path: str) -> int | None:
+    """The `oom_kill N` count in a memory.events or memory.oom_control file."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class OomRecord:
+    """The kernel's count of OOM kills in our cgroup, read before and after a SIGKILL.
+
+    Each kill the count shows is taken by one SIGKILLed child; with no readable count
+    (no memory controller, an older kernel) no kill is ever put on the OOM killer."""
+
+    def __init__(self, path: str | None = "") -> None:
+        self.path = _oom_counter_file() if path == "" else path
+        self.seen = read_oom_kills(self.path) if self.path else None
+
+    def killed_since_last(self) -> bool:
+        if self.seen is None:
+            return False
+        now = read_oom_kills(self.path)
+        if now is None or now <= self.seen:
+            return False
+        self.seen += 1
+        return True
 
 
 class SupervisorLink:
