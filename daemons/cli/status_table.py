@@ -42,7 +42,13 @@ def header(data: dict) -> list[str]:
     ]
     cluster = data.get("cluster")
     if cluster is not None:
-        head = "head connected" if cluster["head_connected"] else f"HEAD LOST for {age(time.time() - cluster['head_since'])}"
+        silent = age(time.time() - cluster["head_since"])
+        if cluster["head_connected"]:
+            head = "head connected"
+        elif cluster.get("head_reached", True):  # an older supervisor's /status lacks the field
+            head = f"HEAD LOST for {silent}"
+        else:
+            head = f"head not reached yet ({silent} since this node started)"
         parts = [f"{cluster['ranks_routable']}/{data['data_parallel_size']} ranks routable", f"{cluster['ranks_registered']} registered"]
         if cluster["ranks_lost"]:
             parts.append(f"{cluster['ranks_lost']} LOST")

@@ -59,13 +59,14 @@ class ClusterState:
         self.counts["absent"] = data_parallel_size
         self.last_table_at = 0.0  # monotonic; 0: never
         self.head_connected = False
+        self.head_reached = False  # a table has ever come: silence before it is not a lost head
         self.head_since = wall  # when head_connected last changed
 
     def apply(self, entries: list[RankLoad], mono: float, wall: float) -> None:
         """One LoadTable's entries: each replaces what this node held for the rank."""
         self.last_table_at = mono
         if not self.head_connected:
-            self.head_connected, self.head_since = True, wall
+            self.head_connected, self.head_reached, self.head_since = True, True, wall
         for e in entries:
             if not 0 <= e.rank < self.size:
                 continue

@@ -68,6 +68,8 @@ class NodeView:
         if not any(c.state == ChildState.READY for c in self.children("engine")):
             return False, "no local rank is ready"
         cluster = self.cluster
+        if not cluster.head_reached:
+            return False, "the head has not been reached yet: no load table from the coordinator"
         if not cluster.head_connected:
             return False, f"lost the head: no load table from the coordinator for {cluster.head_silence_s:.0f} s"
         if cfg.runs_api_servers:
@@ -110,7 +112,7 @@ class NodeView:
             if lost:
                 text += f", {lost} lost"
             if not cluster.head_connected and self.phase != "starting":
-                text += ", HEAD LOST"
+                text += ", HEAD LOST" if cluster.head_reached else ", head not reached yet"
         if self.phase == "starting":
             loading = [str(c.rank) for c in engines if c.state == ChildState.STARTING]
             if loading:
@@ -183,6 +185,7 @@ class NodeView:
             "api_server_count": cfg.api_server_count if cfg.runs_api_servers else 0,
             "cluster": {
                 "head_connected": cluster.head_connected,
+                "head_reached": cluster.head_reached,
                 "head_since": round(cluster.head_since, 3),
                 "last_table_age_s": round(now - cluster.last_table_at, 1) if cluster.last_table_at else None,
                 "ranks_routable": readiness["ranks_routable"],

@@ -6,8 +6,11 @@ is tests/integration/test_node_hardening.py)."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
@@ -118,3 +121,110 @@ def test_the_supervisor_reads_the_table_channel_without_calling_prefix_news_unde
             asyncio.run(read_table(Sub(), posted.append))
     assert [type(e) for e in posted] == [TableSeen] and posted[0].entries[0].rank == 0
     assert not [e for e in logs if e["event"] == "undecodable message dropped"]
+
+
+# ------------------------------------------------------------------ start-up refusals and the supervisor's small verbs
+
+
+def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPSERVE_")}
+    return subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "serve", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_a_key_no_client_can_send_is_refused_at_start_in_one_line(tmp_path):
+    """The official client cannot send a non-ASCII key (httpx writes headers as ASCII),
+    so a node started with one would answer every request 401: refused, exit 2."""
+    import openai
+
+    with openai.OpenAI(api_key="clé", base_url="http://127.0.0.1:9/v1", max_retries=0, timeout=2) as client:
+        with pytest.raises(UnicodeEncodeError):
+            client.models.list()
+    for bad in ("clé", "two words", "tab\there", "\u200bzero-width"):
+        with pytest.raises(ValueError, match="printable ASCII"):
+            _api_key({"api_key": bad, "api_key_file": None})
+    (tmp_path / "key").write_text("schlüssel\n")
+    with pytest.raises(ValueError, match=r"--api-key-file .*\(U\+00FC\)"):
+        _api_key({"api_key": None, "api_key_file": str(tmp_path / "key")})
+    assert _api_key({"api_key": "Ok-key_1.2~!", "api_key_file": None}) == "Ok-key_1.2~!"
+    run = _serve(str(tmp_path), "--api-key", "clé")
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("<3>")]
+    assert run.returncode == 2 and len(errors) == 1, run.stderr
+    assert "U+00E9" in errors[0] and "printable ASCII" in errors[0] and "Traceback" not in run.stderr
+
+
+def _model_copy(demo_model_dir: str, dest, without: str) -> str:
+    shutil.copytree(demo_model_dir, dest)
+    os.remove(os.path.join(dest, without))
+    return str(dest)
+
+
+def test_a_model_without_a_loadable_tokenizer_is_refused_before_any_child_starts(demo_model_dir, tmp_path):
+    no_tok = _model_copy(demo_model_dir, tmp_path / "no-tokenizer", "tokenizer.json")
+    t0 = time.monotonic()
+    run = _serve(no_tok, "--port", "0", "--data-parallel-supervisor-port", "0")
+    took = time.monotonic() - t0
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("<3>")]
+    assert run.returncode == 2 and len(errors) == 1, run.stderr
+    assert os.path.join(no_tok, "tokenizer.json") in errors[0] and "Traceback" not in run.stderr
+    assert "child started" not in run.stderr and "starting" not in run.stderr  # no engine began to load
+    bad = _model_copy(demo_model_dir, tmp_path / "bad-tokenizer", "tokenizer.json")
+    (tmp_path / "bad-tokenizer" / "tokenizer.json").write_text("{ not json")
+    run = _serve(bad, "--port", "0", "--data-parallel-supervisor-port", "0")
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("<3>")]
+    assert run.returncode == 2 and len(errors) == 1 and "cannot load" in errors[0] and "tokenizer.json" in errors[0], run.stderr
+    no_cfg = _model_copy(demo_model_dir, tmp_path / "no-config", "config.json")
+    run = _serve(no_cfg)
+    assert run.returncode == 2 and "config.json" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    print(f"\nno tokenizer.json: exit 2 after {took:.1f} s")
+
+
+def test_run_dirs_of_dead_supervisors_are_swept_and_nothing_else(tmp_path):
+    from dpserve.daemons.supervisor.boot import RUN_DIR_PREFIX, sweep_run_dirs
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = tmp_path / f"{RUN_DIR_PREFIX}{gone.pid}-abcd1234"
+    live = tmp_path / f"{RUN_DIR_PREFIX}{os.getppid()}-abcd1234"  # a process that runs
+    others = [tmp_path / "dpserve-abcd1234", tmp_path / "dpserve-test-abcd1234", tmp_path / f"{RUN_DIR_PREFIX}{gone.pid}-x"]
+    for path in (dead, live, *others):
+        path.mkdir()
+        (path / "supervisor.ctl").write_text("")
+    link = tmp_path / f"{RUN_DIR_PREFIX}{gone.pid}-link0000"
+    link.symlink_to(others[0])
+    assert sweep_run_dirs(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and live.exists() and all(p.exists() for p in others) and link.is_symlink()
+
+
+def test_a_sigkill_is_put_on_the_oom_killer_only_when_the_kernels_count_rose(tmp_path):
+    from dpserve.engine.common.procutil import OomRecord, describe_exit
+
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\noom_group_kill 0\n")
+    record = OomRecord(str(events))
+    assert not record.killed_since_last()  # the count it started from is no news
+    events.write_text("low 0\nhigh 0\nmax 5\noom 3\noom_kill 3\noom_group_kill 0\n")
+    assert [record.killed_since_last() for _ in range(3)] == [True, True, False]  # one per kill counted
+    assert not OomRecord(None).killed_since_last() and not OomRecord(str(tmp_path / "none")).killed_since_last()
+    assert describe_exit(-9, oom_killed=record.killed_since_last()) == "signal SIGKILL (not sent by dpserve)"
+    own = OomRecord()  # this machine's own cgroup: found where the kernel offers it
+    if os.path.exists("/sys/fs/cgroup/memory.events") or os.path.exists("/sys/fs/cgroup/memory/memory.oom_control"):
+        assert own.path and isinstance(own.seen, int), own.path
+
+
+def test_a_worker_that_never_heard_its_head_says_so_and_not_head_lost(tmp_path):
+    from tests.unit.test_status_table import all_four, entry, make_sup, table
+
+    sup = make_sup(tmp_path, role="worker", headless=True, data_parallel_start_rank=2)
+    try:
+        status, ready, line, screen = all_four(sup)
+        assert not status["cluster"]["head_reached"] and not ready["head_connected"]
+        assert status["reason"].startswith("the head has not been reached yet"), status["reason"]
+        assert "head not reached yet" in line and "head not reached yet" in screen
+        assert "LOST" not in line and "LOST" not in screen
+        table(sup, [entry(r, True) for r in range(4)], at=100.0)
+        assert sup.cluster.check_head(100.0 + sup.cluster.head_silence_s + 0.1, 0.0)  # then silent
+        status, ready, line, screen = all_four(sup)
+        assert status["cluster"]["head_reached"] and "HEAD LOST" in line and "HEAD LOST for" in screen
+    finally:
+        sup.zctx.destroy(linger=0)
