@@ -37,8 +37,17 @@ class RankEngine(Protocol):
         """Forget these requests now; unknown ids are ignored."""
         ...
 
+    def pause_requests(self, request_ids: Iterable[str]) -> None:
+        """Produce nothing more for these requests until resumed (their clients stopped
+        reading); they keep their place. Unknown or finished ids are ignored."""
+        ...
+
+    def resume_requests(self, request_ids: Iterable[str]) -> None:
+        """Produce for these paused requests again; unknown ids are ignored."""
+        ...
+
     def has_unfinished(self) -> bool:
-        """Whether step() has anything to do."""
+        """Whether step() has anything to do (paused requests alone are nothing)."""
         ...
 
     def step(self) -> list[RequestOutput]:

@@ -78,6 +78,9 @@ class Scheduler(QueueCounts):
         # read with every load report, whatever the queue's length.
         self._num_waiting_tokens = 0
         self._watermark = int(blocks.num_blocks * ADMIT_WATERMARK)
+        # Running sequences not to step (their client stopped reading); the engine core
+        # keeps it, and keeps paused sequences out of `waiting`.
+        self.paused: set[str] = set()
 
     # ------------------------------------------------------------ counters
 
@@ -137,8 +140,8 @@ class Scheduler(QueueCounts):
         for seq in order:
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id in self.paused:
+                continue  # preempted earlier in this loop, or paused (keeps its slot and blocks)
             n = self._chunk(seq, budget, decoding, prefilling)
             if n == 0:
                 continue

@@ -96,13 +96,26 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
+class PauseRequests(msgspec.Struct, tag="pause", array_like=True):
+    """Stop stepping these requests: their clients stopped reading (the API server's
+    stream buffer is full). They keep their place and KV; unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+class ResumeRequests(msgspec.Struct, tag="resume", array_like=True):
+    """Step these paused requests again: their clients read what was buffered."""
+
+    request_ids: list[str]
+
+
 class Ping(msgspec.Struct, tag="ping", array_like=True):
     """Utility round trip; the engine answers with Pong from its busy loop."""
 
     nonce: int
 
 
-EngineInput = AddRequest | AbortRequests | Ping
+EngineInput = AddRequest | AbortRequests | PauseRequests | ResumeRequests | Ping
 
 
 # ---------------------------------------------------------------- engine -> API server

@@ -33,11 +33,13 @@ from dpserve.engine.common.protocol import (
     EngineRegister,
     EngineToApi,
     LoadReport,
+    PauseRequests,
     Ping,
     PleaseRegister,
     Pong,
     RegisterReply,
     RequestOutput,
+    ResumeRequests,
 )
 from dpserve.engine.common.sockets import make_socket
 from dpserve.engine.interface import RankEngine
@@ -211,7 +213,7 @@ class RankIO:
                 got.append(msg)
 
     def deliver(self, index: int, msg: object, engine: RankEngine) -> None:
-        """An API server's message to `engine`: a request, an abort, or a ping."""
+        """An API server's message to `engine`: a request, an abort, a pause or resume, or a ping."""
         if isinstance(msg, AddRequest):
             self.owner[msg.request_id] = index
             rejected = engine.add_request(msg)
@@ -222,6 +224,10 @@ class RankIO:
             for rid in msg.request_ids:
                 if self.owner.pop(rid, None) is not None:
                     self.num_aborted += 1
+        elif isinstance(msg, PauseRequests):
+            engine.pause_requests(msg.request_ids)
+        elif isinstance(msg, ResumeRequests):
+            engine.resume_requests(msg.request_ids)
         elif isinstance(msg, Ping):
             self.send_to(index, Pong(self.rank, msg.nonce))
 

@@ -10,7 +10,7 @@ What is real: every socket and message an engine rank uses, through the real
 rank's own RankIO (engine/rank/io.py): EngineRegister -> RegisterReply,
 ApiServerList, PleaseRegister, EngineReady, LoadReports on change and as
 heartbeats, EngineHello on every API-server (re)connection, AddRequest /
-AbortRequests / Ping in, EngineOutputs / Pong / EngineDead out.
+AbortRequests / PauseRequests / ResumeRequests / Ping in, EngineOutputs / Pong / EngineDead out.
 What is simulated: the model. Each rank keeps a FIFO waiting queue and up to
 `max_num_seqs` running sequences; a step every `decode_step_ms` prefills up
 to prefill_tokens_per_s x step of waiting prompts (a prompt's first token
@@ -38,7 +38,7 @@ import zmq
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.logs import setup_logging
 from dpserve.engine.common.procutil import die_with_parent, raise_fd_limit
-from dpserve.engine.common.protocol import FINISH_LENGTH, FINISH_STOP, AbortRequests, AddRequest, RequestOutput
+from dpserve.engine.common.protocol import FINISH_LENGTH, FINISH_STOP, AbortRequests, AddRequest, RequestOutput, ResumeRequests
 from dpserve.engine.interface import QueueCounts
 from dpserve.engine.rank.io import COORDINATOR, LOAD_REPORT_MIN_INTERVAL_S, REFUSED, REGISTER_RETRY_S, WELCOMED, RankIO
 
@@ -85,6 +85,7 @@ class SimCore(QueueCounts):
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.by_id: dict[str, _Seq] = {}
+        self.paused: set[str] = set()  # ids in by_id that step() skips (their clients stopped reading)
         self.load_round = 0  # with vary_load, the usage the load reports carry changes with it
 
     def describe(self) -> dict:
@@ -99,6 +100,7 @@ class SimCore(QueueCounts):
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             seq = self.by_id.pop(rid, None)
+            self.paused.discard(rid)
             if seq is None:
                 continue
             if seq in self.running:
@@ -106,8 +108,15 @@ class SimCore(QueueCounts):
             else:
                 self.waiting.remove(seq)
 
+    def pause_requests(self, request_ids: Iterable[str]) -> None:
+        """A paused sequence gets no decode step (it keeps its place) until resumed."""
+        self.paused.update(rid for rid in request_ids if rid in self.by_id)
+
+    def resume_requests(self, request_ids: Iterable[str]) -> None:
+        self.paused.difference_update(request_ids)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return len(self.by_id) > len(self.paused)
 
     def step(self) -> list[RequestOutput]:
         """One simulated scheduler step: prefill within the budget, one token per running sequence."""
@@ -117,6 +126,9 @@ class SimCore(QueueCounts):
         # 1. Decode: every sequence that already had its first token gets one more.
         still: list[_Seq] = []
         for seq in self.running:
+            if seq.request_id in self.paused:
+                still.append(seq)
+                continue
             self._emit(seq, tokens[(seq.first + seq.num_generated) % len(tokens)], outs, still)
         self.running = still
         # 2. Prefill: FIFO within the token budget; a finished prefill yields the first token.
@@ -143,6 +155,7 @@ class SimCore(QueueCounts):
             outs.append(RequestOutput(seq.request_id, [token]))
             return
         del self.by_id[seq.request_id]
+        self.paused.discard(seq.request_id)  # (one paused before its first token still prefills)
 
     # The load, as RankIO reports it.
     @property
@@ -188,7 +201,7 @@ class SimRank:
     def on_message(self, index: int, msg: object, now: float) -> None:
         if index != COORDINATOR:
             self.io.deliver(index, msg, self.core)
-            if isinstance(msg, (AddRequest, AbortRequests)):
+            if isinstance(msg, (AddRequest, AbortRequests, ResumeRequests)):
                 if self.core.has_unfinished():
                     self.eng.busy.add(self)
                 self.mark_dirty()

@@ -171,6 +171,9 @@ class VllmCore:
         self._unstarted_tokens = 0  # prompt tokens of requests without a first token yet
         self._remaining = 0  # answer tokens still to come, at most
         self._last_step_ms = 0.0
+        self._paused: set[str] = set()  # ids in _reqs whose outputs are held, not sent
+        self._held: dict[str, list[RequestOutput]] = {}
+        self._released: list[RequestOutput] = []  # held outputs of resumed requests, for the next step()
 
     def describe(self) -> dict:
         return {
@@ -221,6 +224,8 @@ class VllmCore:
                 self._forget(rid)
 
     def _forget(self, rid: str) -> None:
+        self._paused.discard(rid)
+        self._held.pop(rid, None)
         prompt, max_tokens, done = self._reqs.pop(rid)
         self._prompt_ids.pop(rid, None)
         self._k.pop(rid, None)
@@ -228,8 +233,20 @@ class VllmCore:
             self._unstarted_tokens -= prompt
         self._remaining -= max(0, max_tokens - done)
 
+    # vLLM has no per-request pause. Emulated: a paused request's outputs are held here
+    # (not sent), and vLLM is not stepped while every request it holds is paused; a
+    # request that keeps running beside others is bounded by its max_tokens and ended
+    # by the API server's --stream-write-timeout-s (an abort), as with the native engine.
+    def pause_requests(self, request_ids: Iterable[str]) -> None:
+        self._paused.update(rid for rid in request_ids if rid in self._reqs)
+
+    def resume_requests(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._paused.discard(rid)
+            self._released += self._held.pop(rid, ())
+
     def has_unfinished(self) -> bool:
-        return bool(self._reqs)
+        return len(self._reqs) > len(self._paused) or bool(self._released)
 
     # ------------------------------------------------------------ the step
 
@@ -238,13 +255,20 @@ class VllmCore:
         its engine is not usable after them, and the rank's death (announced to
         every API server) is how the requests in flight learn of it."""
         start = time.perf_counter()
-        outputs = []
+        outputs, self._released = self._released, []
+        if len(self._reqs) == len(self._paused):
+            return outputs  # only resumed outputs to hand over: vLLM is not stepped
         for out in self._run_step(start):
             state = self._reqs.get(out.request_id)
             if state is None:
                 continue  # aborted while the step ran
+            held = self._held.get(out.request_id, []) if out.request_id in self._paused else None
             try:
-                outputs.append(self._convert(out, state))
+                converted = self._convert(out, state)  # (a finish forgets the request, its held outputs with it)
+                if held is not None and converted.finish_reason is None:
+                    self._held.setdefault(out.request_id, held).append(converted)
+                else:
+                    outputs += [*(held or ()), converted]
             except Exception as e:  # a conversion problem fails this request, not the rank
                 self.engine.abort_request([out.request_id])
                 outputs.append(RequestOutput(out.request_id, [], finish_reason=FINISH_ERROR, error=f"engine output could not be read: {e!r}"))
