@@ -277,8 +277,18 @@ class PrefixRouted(msgspec.Struct, tag="prefix", array_like=True):
     routed: list[tuple[int, list[int]]]  # (rank, block keys of one prompt)
 
 
-CoordinatorInput = EngineRegister | LoadReport | EngineReady | RankDown | ApiServerRegister | NodeHello | PrefixRouted
-CoordinatorToEngine = RegisterReply | ApiServerList | PleaseRegister
+class GreetAgain(msgspec.Struct, tag="greet_again", array_like=True):
+    """API server -> coordinator -> rank: the API server at `address` cannot route to
+    `rank` (its sends fail, or it never heard this incarnation's hello); the rank
+    reconnects its socket to that address and says hello on the fresh connection."""
+
+    rank: int
+    address: str
+    reason: str = ""
+
+
+CoordinatorInput = EngineRegister | LoadReport | EngineReady | RankDown | ApiServerRegister | NodeHello | PrefixRouted | GreetAgain
+CoordinatorToEngine = RegisterReply | ApiServerList | PleaseRegister | GreetAgain
 
 
 class RankLoad(msgspec.Struct, array_like=True):
