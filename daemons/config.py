@@ -87,6 +87,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     lb_policy: str = "tokens"
     max_waiting_per_rank: int = 4096
     max_request_body_bytes: int = 4 * 1024 * 1024
+    max_response_bytes: int = 64 * 1024 * 1024  # a request whose response could be larger gets 400
     # API servers: how long a request waits for a rank, for its first token, and HTTP limits
     wait_for_engine_s: float = 60.0
     request_first_token_timeout_s: float = 600.0
@@ -354,6 +355,7 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     http_idle_timeout_s: float = _SERVE["http_idle_timeout_s"]
     http_body_timeout_s: float = _SERVE["http_body_timeout_s"]
     http_max_connections: int = _SERVE["http_max_connections"]
+    max_response_bytes: int = _SERVE["max_response_bytes"]
 
 
 class CoordinatorConfig(msgspec.Struct, kw_only=True):

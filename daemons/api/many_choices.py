@@ -3,8 +3,11 @@ structured output, prompt_logprobs, penalties / min_p / logit_bias,
 include_stop_str_in_output and skip_special_tokens.
 
 Each choice (prompt i, sample j; OpenAI's index i x n + j) is its own engine
-request, routed like any other: the n samples of a prompt do not share its
-prefill. With a seed, choice j samples with seed + j (vLLM's rule), so each is
+request, routed like any other; a native rank computes a prompt its n samples
+share once (its scheduler holds the copies until the prompt's blocks are
+cached), and only a prompt's first choice asks for its prompt logprobs. Before
+any of that, the response-size budget (--max-response-bytes) refuses a request
+whose response could be too large. With a seed, choice j samples with seed + j (vLLM's rule), so each is
 reproducible alone. A plain request never comes here (see one_choice.py): it
 pays only for the scan that would send it here (request_checks.uses_extras).
 """
@@ -27,7 +30,7 @@ from dpserve.daemons.api.logprobs import (
     prompt_logprobs,
 )
 from dpserve.daemons.api.openai_types import ApiError, encode
-from dpserve.daemons.api.request_checks import stop_strings
+from dpserve.daemons.api.request_checks import check_response_bytes, response_bytes, stop_strings
 from dpserve.daemons.api.serving import DONE, ServingBase, failure_event
 from dpserve.engine.common.protocol import FINISH_ERROR, FINISH_LENGTH
 
@@ -39,6 +42,14 @@ class Choice:
     gen: Generation  # its state is a ScoredRequestState
     echo_text: str | None = None  # the prompt's text, when echoed
     score_only: bool = False  # max_tokens 0 with echo: the engine's one token is dropped
+    # The choice whose engine request computes this prompt's logprobs (the first of its
+    # prompt's choices); None: this one does. Its siblings share them instead of each
+    # computing the whole prompt again (prompt logprobs bypass the prefix cache).
+    prompt_from: ScoredRequestState | None = None
+
+    @property
+    def prompt_state(self) -> ScoredRequestState:
+        return self.prompt_from or self.gen.state
 
 
 @dataclass(slots=True)
@@ -74,6 +85,21 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[in
     return tuple(out)
 
 
+def share_prompt_logprobs(choices: list[Choice]) -> None:
+    """Only the first choice of each prompt asks its engine for prompt logprobs; the
+    others read that choice's, so n choices compute a prompt's logits once, and their
+    engine requests can take the prompt from the prefix cache. (The choices of one
+    prompt share its ids list.)"""
+    first: dict[int, Choice] = {}
+    for choice in choices:
+        if choice.gen.params.prompt_logprobs is None:
+            continue
+        owner = first.setdefault(id(choice.gen.prompt_ids), choice)
+        if owner is not choice:
+            choice.prompt_from = owner.gen.state
+            choice.gen.params = msgspec.structs.replace(choice.gen.params, prompt_logprobs=None)
+
+
 class ManyChoicesServing(ServingBase):
     def new_choice(self, req, index: int, ids: list[int], max_tokens: int, j: int, logprobs: int | None,
                    prompt_logprobs: int | None, echo_text: str | None, grammar: str | None) -> Choice:
@@ -98,6 +124,8 @@ class ManyChoicesServing(ServingBase):
 
     async def generate_many(self, request: web.Request, req, choices: list[Choice], opts: ChoiceOptions,
                             num_prompt: int, t0: float) -> web.StreamResponse:
+        self._check_response_size(choices, opts, bool(req.stream))
+        share_prompt_logprobs(choices)
         pinned = self.pinned_rank(request)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -106,6 +134,21 @@ class ManyChoicesServing(ServingBase):
             respond = lambda: self._whole_many(choices, opts, num_prompt)  # noqa: E731
         return await self.run("chat" if opts.chat else "completions", t0, [c.gen for c in choices], pinned, respond)
 
+    def _check_response_size(self, choices: list[Choice], opts: ChoiceOptions, stream: bool) -> None:
+        """The response-size budget, before any engine work (a 400 naming the costliest parameter)."""
+        cost: dict[str, int] = {}
+        for i, choice in enumerate(choices):
+            params = choice.gen.params
+            rendered_prompt = params.prompt_logprobs if (i == 0 or not opts.chat) else None  # chat: once, at the top
+            for name, size in response_bytes(
+                chat=opts.chat, stream=stream, num_prompt=len(choice.gen.prompt_ids),
+                num_generated=0 if choice.score_only else params.max_tokens, num_top=opts.num_top,
+                prompt_logprobs=rendered_prompt if opts.prompt_logprobs is not None else None,
+                echo=choice.echo_text is not None,
+            ).items():
+                cost[name] = cost.get(name, 0) + size
+        check_response_bytes(cost, len(choices), self.cfg.max_response_bytes, opts.chat)
+
     async def _pieces(self, choice: Choice, opts: ChoiceOptions):
         """A choice's pieces as its outputs arrive: echo first, the finish last; raises EngineFailure."""
         gen = choice.gen
@@ -113,8 +156,8 @@ class ManyChoicesServing(ServingBase):
         if choice.echo_text is not None:
             positions: list = []
             if opts.num_top is not None:
-                await state.wait_first_output()
-                positions = [gen.prompt_ids[0], *(state.prompt_logprobs or ())]
+                await choice.prompt_state.wait_first_output()
+                positions = [gen.prompt_ids[0], *(choice.prompt_state.prompt_logprobs or ())]
             yield Piece(choice.echo_text, positions)
         if not choice.score_only:
             async for piece in text_pieces(gen, self.tokenizer, self.client, opts.text):
@@ -169,7 +212,7 @@ class ManyChoicesServing(ServingBase):
             else:
                 item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
                 if opts.prompt_logprobs is not None:
-                    item["prompt_logprobs"] = prompt_logprobs(texts, choice.gen.state.prompt_logprobs)
+                    item["prompt_logprobs"] = prompt_logprobs(texts, choice.prompt_state.prompt_logprobs)
             out.append(item)
         first = choices[0].gen.state
         body = {"id": f"{'chatcmpl' if opts.chat else 'cmpl'}-{first.request_id}", "object": "chat.completion" if opts.chat else "text_completion",
@@ -238,7 +281,7 @@ class ManyChoicesServing(ServingBase):
             else:
                 item = {"index": index, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish}
                 if opts.prompt_logprobs is not None and piece.finish is not None:
-                    item["prompt_logprobs"] = prompt_logprobs(texts, choice.gen.state.prompt_logprobs)
+                    item["prompt_logprobs"] = prompt_logprobs(texts, choice.prompt_state.prompt_logprobs)
             await resp.write(chunk([item]))
             if piece.finish is not None:
                 remaining -= 1

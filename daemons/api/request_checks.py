@@ -188,9 +188,12 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         return prompt
     if not prompt:
         raise ApiError(400, "prompt must not be empty.", param="prompt")
-    if all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, "Batched prompts are not supported; send one prompt per request.", param="prompt")
-    raise ApiError(400, "prompt must be a string or a list of token ids.", param="prompt")
+    if prompt is not req.prompt:  # [[...]]: the one item of a batch holds something other than token ids
+        raise ApiError(400, "prompt[0] must be a string or a non-empty list of token ids; a list of lists of strings "
+                       "(or deeper) is not a prompt. A prompt is a string, a list of token ids, or a batch of either.",
+                       param="prompt")
+    raise ApiError(400, "prompt must be a string, a list of token ids, or a batch (a list of strings or of token-id lists).",
+                   param="prompt")
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
@@ -225,3 +228,53 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         out.append(item)
     return out
 
+
+
+# ------------------------------------------------------------ response-size budget
+#
+# What one position of a response costs in JSON bytes, with a token's text at
+# _TEXT bytes (escaped; the demo model's and real vocabularies' tokens average
+# under it) and a logprob float at its longest repr. An estimate made before any
+# work from the request alone, so that a small body cannot ask for a response a
+# thousand times its size (n x prompts x tokens x logprobs, echo, prompt_logprobs).
+_TEXT = 8
+_FLOAT = 22
+_TEXT_BYTES = _TEXT + 2  # a token's text in a content or text field
+_COMPLETION_TOP = _TEXT + 3 + _FLOAT + 2  # "tok": -1.23..., in a top_logprobs dict
+_COMPLETION_POSITION = (_TEXT + 4) + (_FLOAT + 2) + 12  # tokens, token_logprobs, text_offset entries
+_CHAT_TOP = 50 + _TEXT + _FLOAT + 4 * _TEXT  # {"token","logprob","bytes":[...]}
+_PROMPT_TOP = 50 + _TEXT + _FLOAT  # "id": {"logprob", "rank", "decoded_token"}
+_STREAM_CHUNK = 160  # an SSE chunk's envelope: id, object, created, model, choice index
+
+
+def response_bytes(*, chat: bool, stream: bool, num_prompt: int, num_generated: int, num_top: int | None,
+                   prompt_logprobs: int | None, echo: bool) -> dict[str, int]:
+    """One choice's response bytes, by the parameter that asks for them: max_tokens
+    (its text), logprobs (per generated or echoed position), echo (the prompt's
+    text) and prompt_logprobs (per prompt position, rendered with this many tops)."""
+    per_token = _TEXT_BYTES + (_STREAM_CHUNK if stream else 0)
+    cost = {"max_tokens": num_generated * per_token, "echo": num_prompt * _TEXT_BYTES if echo else 0}
+    if num_top is not None:
+        position = _CHAT_TOP * (num_top + 1) if chat else _COMPLETION_POSITION + _COMPLETION_TOP * (num_top + 1)
+        cost["logprobs"] = (num_generated + (num_prompt if echo else 0)) * position
+    if prompt_logprobs is not None:
+        cost["prompt_logprobs"] = num_prompt * _PROMPT_TOP * (prompt_logprobs + 1)
+    return cost
+
+
+def check_response_bytes(cost: dict[str, int], num_choices: int, limit: int, chat: bool) -> None:
+    """A 400 naming the parameter that costs most when the whole response could exceed limit."""
+    total = sum(cost.values())
+    if total <= limit:
+        return
+    param = max(cost, key=cost.__getitem__)
+    if param == "logprobs" and chat:
+        param = "top_logprobs"
+    shares = ", ".join(f"{name} {size / 2**20:,.1f} MiB" for name, size in sorted(cost.items(), key=lambda kv: -kv[1]) if size)
+    raise ApiError(
+        400,
+        f"This request's response could reach {total / 2**20:,.0f} MiB over {num_choices} choice(s) ({shares}), "
+        f"over this server's limit of {limit / 2**20:,.0f} MiB (--max-response-bytes): ask for less {param} "
+        "(or fewer choices, prompts or tokens).",
+        param=param,
+    )

@@ -177,6 +177,7 @@ _SERVE = [
     flag("--lb-policy", type=click.Choice(LB_POLICIES), help="tokens: outstanding prompt + answer tokens; cache-aware: tokens, less the prompt tokens a rank probably has cached (its earlier prompts); queue: 4 x waiting + running; round-robin."),
     flag("--max-waiting-per-rank", type=click.IntRange(1), help="Admission limit: beyond it requests get 429."),
     flag("--max-request-body-bytes", type=click.IntRange(1024), help="Larger bodies get 413."),
+    flag("--max-response-bytes", type=click.IntRange(1024), help="A request whose response could be larger (n x prompts x tokens x logprobs, echo, prompt_logprobs) gets 400 before any work."),
     flag("--wait-for-engine-s", type=click.FloatRange(min=0), help="How long a request waits for a rank to serve it (while none is ready) before 503."),
     flag("--request-first-token-timeout-s", type=click.FloatRange(min=0.1), help="A request without its first token by then fails (504) and is aborted."),
     flag("--http-idle-timeout-s", type=click.FloatRange(min=0.1), help="A connection gets this long for a request's headers: from its start, and idle between keep-alive requests."),
