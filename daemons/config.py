@@ -87,6 +87,13 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     lb_policy: str = "tokens"
     max_waiting_per_rank: int = 4096
     max_request_body_bytes: int = 4 * 1024 * 1024
+    # structured output's cost model (daemons/api/guided.py): past these, 400 before any compile
+    max_guided_grammar_bytes: int = 65536
+    max_guided_bytes_per_request: int = 1 << 20
+    max_guided_choices: int = 1000
+    max_guided_regex_size: int = 4096
+    max_guided_schema_properties: int = 1000
+    max_guided_schema_depth: int = 64
     max_response_bytes: int = 64 * 1024 * 1024  # a request whose response could be larger gets 400
     # API servers: how long a request waits for a rank, for its first token, and HTTP limits
     wait_for_engine_s: float = 60.0
@@ -355,6 +362,12 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     http_idle_timeout_s: float = _SERVE["http_idle_timeout_s"]
     http_body_timeout_s: float = _SERVE["http_body_timeout_s"]
     http_max_connections: int = _SERVE["http_max_connections"]
+    max_guided_grammar_bytes: int = _SERVE["max_guided_grammar_bytes"]
+    max_guided_bytes_per_request: int = _SERVE["max_guided_bytes_per_request"]
+    max_guided_choices: int = _SERVE["max_guided_choices"]
+    max_guided_regex_size: int = _SERVE["max_guided_regex_size"]
+    max_guided_schema_properties: int = _SERVE["max_guided_schema_properties"]
+    max_guided_schema_depth: int = _SERVE["max_guided_schema_depth"]
     max_response_bytes: int = _SERVE["max_response_bytes"]
 
 

@@ -8,10 +8,9 @@ dpserve.daemons: the engine process loop around it moves the bytes.
 from __future__ import annotations
 
 import math
-import os
-import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 import torch
 from dpserve.engine.common.config import DEFAULT_BLOCK_SIZE, EngineConfig, resolve_max_model_len, resolve_token_budget
@@ -19,11 +18,12 @@ from dpserve.engine.common.protocol import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
-    GRAMMAR_LIMITS,
+    MAX_GRAMMAR_BYTES,
     AddRequest,
     RequestOutput,
     TokenLogprobs,
 )
+from dpserve.engine.grammar import GrammarCompiler
 from dpserve.engine.kv_cache import BlockManager, KVCache, plan_num_blocks
 from dpserve.engine.loader import LoadedModel, kv_shape, load_model
 from dpserve.engine.logits_processors import token_logprobs
@@ -37,7 +37,6 @@ MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 1024  # entries
-MAX_GRAMMAR_BYTES = 1 << 20
 
 
 class EngineCore:
@@ -48,7 +47,8 @@ class EngineCore:
     when it waits again at the head of the queue, owning none); it is
     forgotten the moment its finishing output is returned by step() (or it
     is aborted). `_requests` holds exactly the waiting, running and parked
-    ones (paused while waiting: engine/pausing.py).
+    ones (paused while waiting: engine/pausing.py), and the guided ones whose
+    grammar is still compiling (`_compiling`, in no queue, owning nothing).
 
     Outputs: step() returns one RequestOutput per request that got a token.
     A request stopped by a token includes that token as the last of
@@ -109,14 +109,10 @@ class EngineCore:
         self._last_step_ms = 0.0
         self.on_progress = None
         self.num_step_errors = 0
-        # llguidance's view of the vocabulary, built in the background from the
-        # start: built on a structured-output request's arrival it held the
-        # engine's loop for seconds (AutoTokenizer + the token trie), long
-        # enough on a loaded machine to miss heartbeats and lose the rank.
-        self._grammar_tokenizer = None
-        self._grammar_tokenizer_error = ""
-        self._grammar_tokenizer_ready = threading.Event()
-        threading.Thread(target=self._build_grammar_tokenizer, name="grammar-tokenizer", daemon=True).start()
+        # Grammars compile on a worker (engine/grammar.py): on the loop they cost heartbeats and
+        # lost ranks. A guided request waits in `_compiling`, in no queue, until its matcher is ready.
+        self.grammars = GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids)
+        self._compiling: dict[str, tuple[Sequence, Future]] = {}
 
     def describe(self) -> dict:
         """What the engine process logs once the model is loaded."""
@@ -138,18 +134,22 @@ class EngineCore:
         error output carrying that id; the request already running under it
         is not affected.
         """
+        compiling = None
         try:
             error = self._validate(req)
             if error is None:
                 seq = Sequence(req.request_id, req.prompt_token_ids, req.params, req.arrival_time, self.device)
                 if req.params.guided_grammar is not None:
-                    seq.matcher = self._matcher(req.params.guided_grammar)
+                    compiling = self.grammars.submit(req.params.guided_grammar)
         except Exception as e:  # a malformed request fails alone, never the engine loop
             error = f"invalid request: {e!r}"
         if error is not None:
             return RequestOutput(req.request_id, [], finish_reason=FINISH_ERROR, error=error)
         self._requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if compiling is not None:
+            self._compiling[seq.request_id] = (seq, compiling)
+        else:
+            self.scheduler.add(seq)
         return None
 
     def _validate(self, req: AddRequest) -> str | None:
@@ -212,33 +212,15 @@ class EngineCore:
                 return f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"
         return None
 
-    def _build_grammar_tokenizer(self) -> None:
-        """llguidance's tokenizer from the model's tokenizer.json (the `tokenizers`
-        form the API servers use too); runs on a thread of its own at start."""
-        try:
-            import llguidance
-            from tokenizers import Tokenizer
-
-            tok = Tokenizer.from_file(os.path.join(self.config.model, "tokenizer.json"))
-            tok.no_padding()
-            tok.no_truncation()
-            self._grammar_tokenizer = llguidance.LLTokenizer(tok.to_str(), n_vocab=self.vocab_size, eos_token=sorted(self.eos_token_ids))
-        except Exception as e:  # no tokenizer.json, or llguidance missing: guided requests fail alone
-            self._grammar_tokenizer_error = f"{type(e).__name__}: {e}"
-        finally:
-            self._grammar_tokenizer_ready.set()
-
-    def _matcher(self, grammar: str):
-        """The grammar's matcher (llguidance; its tokenizer is built at start, off the loop)."""
-        import llguidance
-
-        self._grammar_tokenizer_ready.wait()  # at most the build's remaining second or so, once
-        if self._grammar_tokenizer is None:
-            raise ValueError(f"structured output is not available for this model: {self._grammar_tokenizer_error}")
-        matcher = llguidance.LLMatcher(self._grammar_tokenizer, grammar, limits=llguidance.LLParserLimits(**GRAMMAR_LIMITS))
-        if matcher.is_error():
-            raise ValueError(f"guided_grammar: {matcher.get_error()}")
-        return matcher
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Guided requests whose grammar compiled join the waiting queue with their own matcher; a grammar
+        that failed fails its request. With nothing else to step, waits a few ms for a compile (no spin)."""
+        ready, failed = self.grammars.take_ready(self._compiling, wait_s=0.0 if self.paused.has_work else 0.005)
+        for seq in ready:
+            self.scheduler.add(seq)
+        for rid, _ in failed:
+            del self._requests[rid]
+        return [RequestOutput(rid, [], finish_reason=FINISH_ERROR, error=error) for rid, error in failed]
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Forget these requests now, freeing their slots and KV blocks; unknown ids are ignored."""
@@ -249,6 +231,7 @@ class EngineCore:
         self.paused.forget(leaving)
         for rid in leaving:
             del self._requests[rid]
+            self._compiling.pop(rid, None)
 
     def pause_requests(self, request_ids: Iterable[str]) -> None:
         """Stop stepping these requests until resumed (their client stopped reading); see engine/pausing.py."""
@@ -259,7 +242,7 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         """Whether step() has work: paused sequences alone are none (the loop may sleep)."""
-        return self.paused.has_work
+        return self.paused.has_work or bool(self._compiling)
 
     # ------------------------------------------------------------ the step
 
@@ -270,6 +253,10 @@ class EngineCore:
         and one whose last chunk ran gets its first token. A failure inside
         the step fails the requests of this step, never the engine.
         """
+        if self._compiling:  # 0. Guided requests whose grammar compiled join the queue.
+            failed = self._admit_compiled()
+            if failed:
+                return failed  # the rest steps on the next call
         if not self.scheduler.has_unfinished:
             return []
         start = time.perf_counter()
@@ -366,12 +353,16 @@ class EngineCore:
                 continue
             seq.token_ids.append(token)
             finish_reason, stop_token_id = self._check_finish(seq, token)
+            error = None
             if seq.matcher is not None and finish_reason is None:
-                # The grammar is complete (nothing may follow) or broken: the answer ends here.
+                # The grammar is complete (nothing may follow): the answer ends here. A
+                # broken one fails the request: output past it may violate the constraint.
                 seq.matcher.consume_token(token)
-                if seq.matcher.is_stopped() or seq.matcher.is_error():
+                if seq.matcher.is_error():
+                    finish_reason, error = FINISH_ERROR, f"the grammar could not be followed: {seq.matcher.get_error()[:400]}"
+                elif seq.matcher.is_stopped():
                     finish_reason = FINISH_STOP
-            out = RequestOutput(seq.request_id, [token], finish_reason, stop_token_id)
+            out = RequestOutput(seq.request_id, [] if error else [token], finish_reason, stop_token_id, error=error)
             if logprobs is not None and logprobs[i] is not None:
                 out.logprobs = [logprobs[i]]
             if seq.num_output_tokens == 1:

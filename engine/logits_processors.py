@@ -88,7 +88,8 @@ def apply_grammar(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -
     """In place: forbid every token the row's grammar (Sequence.matcher) does not allow next.
 
     llguidance fills one 32-bit word per 32 tokens; the words are unpacked here
-    in eager torch. (llguidance.torch's own apply is torch.compile'd: its first
+    in eager torch. Raises ValueError when a row's matcher is in error (the
+    sampler's caller then fails that row alone). (llguidance.torch's own apply is torch.compile'd: its first
     call ran the C++ compiler for seconds inside the engine's loop, and a rank
     missed its heartbeats.)
     """
@@ -97,7 +98,10 @@ def apply_grammar(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -
     vocab = logits.shape[1]
     bitmask = llg.allocate_token_bitmask(len(rows), vocab)
     for k, row in enumerate(rows):
-        llg.fill_next_token_bitmask(seqs[row].matcher, bitmask, k)
+        matcher = seqs[row].matcher
+        llg.fill_next_token_bitmask(matcher, bitmask, k)
+        if matcher.is_error():  # never sample past a broken grammar: the row's request fails (engine.core)
+            raise ValueError(f"the grammar could not be followed: {matcher.get_error()[:400]}")
     allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).view(len(rows), -1)[:, :vocab].bool()
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     masked = logits[index]

@@ -30,6 +30,6 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
             return await self.generate_one(request, req, ids, max_tokens, chat=True, t0=t0)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         opts = ChoiceOptions(True, text_options(req, num_top is not None), num_top, req.prompt_logprobs)
-        grammar = guided_grammar(req)
+        grammar = await guided_grammar(req, self.cfg, req.n or 1)
         choices = [self.new_choice(req, j, ids, max_tokens, j, num_top, req.prompt_logprobs, None, grammar) for j in range(req.n or 1)]
         return await self.generate_many(request, req, choices, opts, len(ids), t0)

@@ -46,7 +46,7 @@ class CompletionsServing(OneChoiceServing, ManyChoicesServing):
             engine_prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
         choices = []
         n = req.n or 1
-        grammar = guided_grammar(req)
+        grammar = await guided_grammar(req, self.cfg, n * len(ids_list))
         for i, ids in enumerate(ids_list):
             echo_text = self.tokenizer.decode(ids, skip_special_tokens=text.skip_special) if opts.echo else None
             for j in range(n):

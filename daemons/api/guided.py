@@ -1,32 +1,72 @@
 """Structured output: response_format and vLLM's guided_json / guided_regex /
 guided_choice, turned into one llguidance grammar for the engine to follow.
 
-Owns only the translation and its validation (a bad schema or regex is a 400
-naming the parameter here, never an engine error). llguidance is imported on
-the first guided request, so plain API servers never load it.
+Owns the translation, its cost model and its validation. The cost model
+(check_cost) is pure Python over the request's value and runs first, so an
+oversized grammar is a 400 naming the parameter and the budget within
+milliseconds; whatever passes it is within what llguidance follows under
+GRAMMAR_LIMITS. Compiling and validating (llguidance, up to hundreds of ms)
+must never run on the event loop: it runs on a small thread pool, once per
+grammar text (an LRU of results). llguidance is imported on the first guided
+request, so plain API servers never load it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from dpserve.daemons.api.openai_types import ApiError
-from dpserve.engine.common.protocol import GRAMMAR_LIMITS
+from dpserve.engine.common.protocol import (
+    GRAMMAR_LIMITS,
+    MAX_GRAMMAR_ALTERNATIVES,
+    MAX_GRAMMAR_PATTERN_SIZE,
+    MAX_GRAMMAR_PROPERTIES_PER_OBJECT,
+)
 
 # JSON as the model writes it: no free whitespace, which a weak model would
 # otherwise fill (valid JSON either way; vLLM offers the same switch).
 _JSON_OPTIONS = {"whitespace_flexible": False}
+_COMPILE_THREADS = 2
+_CACHE_ENTRIES = 256
+_CACHE_BYTES = 32 << 20  # grammar texts held (their compiled form is of the same order)
+_SIZE_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_LIST_KEYWORDS = ("enum", "anyOf", "oneOf", "allOf", "prefixItems")
 
 
-def _llguidance():
-    import llguidance
+@dataclass(frozen=True, slots=True)
+class GrammarBudget:
+    """What one structured-output request may cost (the --max-guided-* flags).
 
-    return llguidance.LLMatcher
+    Each limit is also held under the grammar library's own (see protocol.py):
+    a value that passes here compiles and is followed.
+    """
+
+    max_bytes: int = 65536  # the parameter's value: choices' total, regex, schema JSON
+    max_bytes_per_request: int = 1 << 20  # that x n x prompts
+    max_choices: int = 1000  # guided_choice entries; also a schema's enum / anyOf / oneOf lists
+    max_regex_size: int = 4096  # a pattern with repetitions expanded; longest choice; schema length bounds
+    max_schema_properties: int = 1000  # properties in the whole schema
+    max_schema_depth: int = 64  # JSON nesting of the schema
+
+    @classmethod
+    def from_config(cls, cfg) -> GrammarBudget:
+        return cls(cfg.max_guided_grammar_bytes, cfg.max_guided_bytes_per_request, cfg.max_guided_choices,
+                   cfg.max_guided_regex_size, cfg.max_guided_schema_properties, cfg.max_guided_schema_depth)
 
 
-def guided_grammar(req) -> str | None:
-    """The request's grammar (llguidance's JSON form), or None when it asks for none."""
+def _over(name: str, what: str, limit: int, flag: str) -> ApiError:
+    return ApiError(400, f"{name} is too large: {what} exceeds the limit of {limit:,} ({flag}).", param=name, code="grammar_too_large")
+
+
+def asked_for(req) -> tuple[str, Any] | None:
+    """(parameter, value) of the request's one structured-output parameter, or None."""
     asked: list[tuple[str, Any]] = []
     fmt = req.response_format
     if fmt is not None and fmt.get("type") != "text":
@@ -34,47 +74,273 @@ def guided_grammar(req) -> str | None:
     for name in ("guided_json", "guided_regex", "guided_choice"):
         if getattr(req, name) is not None:
             asked.append((name, getattr(req, name)))
-    if not asked:
-        return None
     if len(asked) > 1:
         names = ", ".join(name for name, _ in asked)
         raise ApiError(400, f"Only one structured-output parameter per request; got {names}.", param=asked[1][0])
-    name, value = asked[0]
+    return asked[0] if asked else None
+
+
+async def guided_grammar(req, cfg=None, copies: int = 1) -> str | None:
+    """The request's grammar (llguidance's JSON form), or None when it asks for none.
+
+    `cfg` holds the budgets (ApiServerConfig's max_guided_* fields; None: the
+    defaults); `copies` is how many engine requests carry the grammar (n x
+    prompts). The cost check runs here; the build and validation on the compile
+    pool, once per value.
+    """
+    asked = asked_for(req)
+    if asked is None:
+        return None
+    name, value = asked
+    budget = GrammarBudget() if cfg is None else GrammarBudget.from_config(cfg)
+    value, key = check_cost(name, value, budget, copies)
+    grammar, error = await asyncio.wrap_future(_COMPILED.get(key, lambda: _build_checked(name, value)))
+    if error:  # a fresh exception each time: a cached one would grow its traceback per raise
+        raise ApiError(400, error, param=name)
+    return grammar
+
+
+def check_cost(name: str, value: Any, budget: GrammarBudget, copies: int) -> tuple[Any, str]:
+    """The value to build (guided_json's string parsed) and its cache key; a 400 past the budget."""
+    if name == "guided_choice":
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise ApiError(400, "guided_choice must be a non-empty list of non-empty strings.", param=name)
+        limit = min(budget.max_choices, MAX_GRAMMAR_ALTERNATIVES)
+        if len(value) > limit:
+            raise _over(name, f"{len(value):,} choices", limit, "--max-guided-choices")
+        longest = max(len(c.encode()) for c in value)
+        if longest > min(budget.max_regex_size, MAX_GRAMMAR_PATTERN_SIZE):
+            raise _over(name, f"a choice of {longest:,} bytes", min(budget.max_regex_size, MAX_GRAMMAR_PATTERN_SIZE), "--max-guided-regex-size")
+        size = sum(len(c.encode()) for c in value)
+    elif name == "guided_regex":
+        size = len(value.encode())
+    elif name == "guided_json" and isinstance(value, str):
+        size = len(value.encode())
+        if size <= budget.max_bytes:
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ApiError(400, "guided_json must be a JSON schema (an object, or a string holding one).", param=name) from None
+    else:
+        size = len(msgspec.json.encode(value))
+    if size > budget.max_bytes:
+        raise _over(name, f"{size:,} bytes", budget.max_bytes, "--max-guided-grammar-bytes")
+    if size * copies > budget.max_bytes_per_request:
+        raise _over(name, f"{size:,} bytes x {copies} choices", budget.max_bytes_per_request, "--max-guided-bytes-per-request")
+    if name == "guided_regex":
+        check_regex(name, value, min(budget.max_regex_size, MAX_GRAMMAR_PATTERN_SIZE))
+    elif name == "guided_json":
+        if not isinstance(value, dict):
+            raise ApiError(400, "guided_json must be a JSON schema object.", param=name)
+        check_schema(name, value, budget)
+    elif name == "response_format":
+        schema = _response_format_schema(value)
+        check_schema(name, schema, budget)
+    return value, name + "\0" + msgspec.json.encode(value).decode()
+
+
+def regex_size(pattern: str, limit: int) -> int:
+    """The pattern's size with every counted repetition expanded (a{100} is 100,
+    (ab){3}{2} is 12); stops counting once past `limit`. Unbounded * and + count once."""
+    frames = [[0, 0]]  # per open group: [size so far, size of the last atom]
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            if i <= n and pattern[i - 1] in "pPx" and i < n and pattern[i] == "{":
+                i = pattern.find("}", i) + 1 or n  # \p{Greek}, \x{263a}
+            frames[-1][0] += 1
+            frames[-1][1] = 1
+            continue
+        if c == "[":
+            j = i + 1 + (pattern[i + 1 : i + 2] == "^")
+            j += pattern[j : j + 1] == "]"
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i = j + 1
+            frames[-1][0] += 1
+            frames[-1][1] = 1
+            continue
+        if c == "(":
+            frames.append([0, 0])
+        elif c == ")" and len(frames) > 1:
+            size = frames.pop()[0]
+            frames[-1][0] += size
+            frames[-1][1] = size
+        elif c == "{":
+            close = pattern.find("}", i)
+            bounds = pattern[i + 1 : close].split(",") if close > 0 else []
+            if 1 <= len(bounds) <= 2 and all(b.strip().isdigit() or (k and not b.strip()) for k, b in enumerate(bounds)):
+                top = bounds[-1].strip() or bounds[0].strip()
+                times = int(top) if len(top) <= 12 else limit + 1
+                frame = frames[-1]
+                frame[0] += frame[1] * (times - 1)
+                frame[1] *= times
+                i = close + 1
+                if frame[0] > limit:
+                    return frame[0]
+                continue
+            frames[-1][0] += 1
+            frames[-1][1] = 1
+        elif c not in "|*+?^$":
+            frames[-1][0] += 1
+            frames[-1][1] = 1
+        i += 1
+    return sum(frame[0] for frame in frames)
+
+
+def check_regex(name: str, pattern: str, limit: int) -> None:
+    size = regex_size(pattern, limit)
+    if size > limit:
+        raise _over(name, f"the pattern's size with its repetitions expanded ({size:,}+)", limit, "--max-guided-regex-size")
+
+
+def check_schema(name: str, schema: dict, budget: GrammarBudget) -> None:
+    """Depth, properties (in all and per object), list sizes, length bounds and
+    patterns of a JSON schema, walked without recursion; then its $ref graph."""
+    regex_limit = min(budget.max_regex_size, MAX_GRAMMAR_PATTERN_SIZE)
+    choices_limit = min(budget.max_choices, MAX_GRAMMAR_ALTERNATIVES)
+    num_properties = 0
+    refs: list[tuple[tuple[str, ...], str]] = []  # (where the $ref sits, its target)
+    stack: list[tuple[Any, tuple[str, ...]]] = [(schema, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > budget.max_schema_depth:
+            raise _over(name, f"a schema nested {len(path)} levels deep", budget.max_schema_depth, "--max-guided-schema-depth")
+        if isinstance(node, list):
+            stack.extend((item, (*path, str(k))) for k, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        props = node.get("properties")
+        if isinstance(props, dict):
+            num_properties += len(props)
+            required = node.get("required")
+            optional = len(props) - (len(set(required) & props.keys()) if isinstance(required, list) and all(isinstance(r, str) for r in required) else 0)
+            if optional > MAX_GRAMMAR_PROPERTIES_PER_OBJECT:  # each optional one is about four items of a parser row
+                raise _over(name, f"an object of {optional:,} optional properties", MAX_GRAMMAR_PROPERTIES_PER_OBJECT, "the grammar library's row limit")
+            if num_properties > budget.max_schema_properties:
+                raise _over(name, f"{num_properties:,}+ properties", budget.max_schema_properties, "--max-guided-schema-properties")
+        for key in _LIST_KEYWORDS:
+            if isinstance(node.get(key), list) and len(node[key]) > choices_limit:
+                raise _over(name, f"a {key} of {len(node[key]):,} entries", choices_limit, "--max-guided-choices")
+        for key in _SIZE_KEYWORDS:
+            bound = node.get(key)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound > regex_limit:
+                raise _over(name, f"{key} {bound:,}", regex_limit, "--max-guided-regex-size")
+        if isinstance(node.get("pattern"), str):
+            check_regex(name, node["pattern"], regex_limit)
+        if isinstance(node.get("$ref"), str):
+            refs.append((path, node["$ref"]))
+        stack.extend((value, (*path, key)) for key, value in node.items())
+    if refs:
+        _check_refs(name, refs)
+
+
+def _pointer(ref: str) -> tuple[str, ...] | None:
+    """A local JSON pointer ('#', '#/$defs/a') as a path; None for anything else."""
+    if ref == "#":
+        return ()
+    if not ref.startswith("#/"):
+        return None
+    from urllib.parse import unquote
+
+    return tuple(part.replace("~1", "/").replace("~0", "~") for part in unquote(ref[2:]).split("/"))
+
+
+def _check_refs(name: str, refs: list[tuple[tuple[str, ...], str]]) -> None:
+    """A 400 for a $ref that is not a local JSON pointer, or for any cycle of
+    $refs (a schema that refers to itself through its own subtree), which the
+    engine cannot follow."""
+    targets: dict[tuple[str, ...], str] = {}
+    for _, ref in refs:
+        target = _pointer(ref)
+        if target is None:
+            raise ApiError(400, f"{name}: only local $ref (JSON pointers like '#/$defs/x') are supported; got {ref[:80]!r}.", param=name)
+        targets[target] = ref
+    # An edge P -> Q: a $ref to Q sits inside the subtree that P points at.
+    edges: dict[tuple[str, ...], set[tuple[str, ...]]] = {t: set() for t in targets}
+    for where, ref in refs:
+        for k in range(len(where) + 1):
+            if where[:k] in edges:
+                edges[where[:k]].add(_pointer(ref))
+    state: dict[tuple[str, ...], int] = {}  # 1: on the current path, 2: done
+    for start in edges:
+        if state.get(start):
+            continue
+        walk = [(start, iter(edges[start]))]
+        state[start] = 1
+        while walk:
+            node, it = walk[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                walk.pop()
+            elif state.get(nxt) == 1:
+                raise ApiError(400, f"{name}: $ref {targets[nxt][:80]!r} refers back to itself (recursive schemas are not supported).", param=name)
+            elif not state.get(nxt):
+                state[nxt] = 1
+                walk.append((nxt, iter(edges[nxt])))
+
+
+class _Results:
+    """Grammar builds by value, as futures (a repeated or concurrent grammar is
+    built once); least recently used first out, bounded in entries and bytes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: OrderedDict[str, Future] = OrderedDict()
+        self._bytes = 0
+        self._pool: ThreadPoolExecutor | None = None
+
+    def get(self, key: str, build) -> Future:
+        with self._lock:
+            fut = self._items.get(key)
+            if fut is not None:
+                self._items.move_to_end(key)
+                return fut
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
+            fut = self._pool.submit(build)
+            self._items[key] = fut
+            self._bytes += len(key)
+            while len(self._items) > _CACHE_ENTRIES or self._bytes > _CACHE_BYTES:
+                old, _ = self._items.popitem(last=False)
+                self._bytes -= len(old)
+            return fut
+
+
+_COMPILED = _Results()
+
+
+def _build_checked(name: str, value: Any) -> tuple[str, str]:
+    """On the compile pool: (the grammar, "") or ("", why it cannot be followed)."""
+    import llguidance
+
     try:
         grammar = _build(name, value)
-        import llguidance
-
-        error = _llguidance().validate_grammar(grammar, limits=llguidance.LLParserLimits(**GRAMMAR_LIMITS))
-    except ApiError:
-        raise
+        error = llguidance.LLMatcher.validate_grammar(grammar, limits=llguidance.LLParserLimits(**GRAMMAR_LIMITS))
+    except ApiError as exc:
+        return "", str(exc)
     except Exception as exc:  # whatever the library makes of a hostile schema is the request's fault
         error = str(exc) or type(exc).__name__
     if error:
-        raise ApiError(400, f"{name} cannot be followed: {error.strip()[:400]}", param=name)
-    return grammar
+        return "", f"{name} cannot be followed: {error.strip()[:400]}"
+    return grammar, ""
 
 
 def _build(name: str, value: Any) -> str:
-    matcher = _llguidance()
+    import llguidance
+
+    matcher = llguidance.LLMatcher
     if name == "response_format":
-        grammar = matcher.grammar_from_json_schema(_response_format_schema(value), defaults=_JSON_OPTIONS)
-    elif name == "guided_json":
-        schema = value
-        if isinstance(value, str):
-            try:
-                schema = json.loads(value)
-            except ValueError:
-                raise ApiError(400, "guided_json must be a JSON schema (an object, or a string holding one).", param=name) from None
-        if not isinstance(schema, dict):
-            raise ApiError(400, "guided_json must be a JSON schema object.", param=name)
-        grammar = matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
-    elif name == "guided_regex":
-        grammar = matcher.grammar_from_regex(value)
-    else:
-        if not value or not all(isinstance(c, str) and c for c in value):
-            raise ApiError(400, "guided_choice must be a non-empty list of non-empty strings.", param=name)
-        grammar = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
-    return grammar
+        return matcher.grammar_from_json_schema(_response_format_schema(value), defaults=_JSON_OPTIONS)
+    if name == "guided_json":
+        return matcher.grammar_from_json_schema(json.loads(value) if isinstance(value, str) else value, defaults=_JSON_OPTIONS)
+    if name == "guided_regex":
+        return matcher.grammar_from_regex(value)
+    return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
 
 
 def _response_format_schema(fmt: dict) -> dict:
