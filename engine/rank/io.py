@@ -48,6 +48,7 @@ from zmq.utils.monitor import recv_monitor_message
 COORDINATOR = -1  # read()'s index for a message from the coordinator
 LOAD_REPORT_MIN_INTERVAL_S = 0.002  # at most one report per 2 ms while load changes
 REGISTER_RETRY_S = 2.0
+REGISTER_UNSENT_RETRY_S = 0.1  # a hello that found no connection to the head is tried again this soon
 
 # What on_coordinator() reports about a registration.
 WELCOMED = "welcomed"
@@ -89,9 +90,12 @@ class RankIO:
         self.out_codec = Codec(EngineToApi)
         self.coord_codec = Codec(CoordinatorInput | CoordinatorToEngine, "coordinator")
         self.coordinator = make_socket(
-            ctx, zmq.DEALER, keys, connect=coordinator_address,
-            identity=f"engine-{rank}-{incarnation}".encode(), reconnect_ms=(100, 2000),
+            ctx, zmq.DEALER, keys, identity=f"engine-{rank}-{incarnation}".encode(), reconnect_ms=(100, 2000),
         )
+        # IMMEDIATE: with no head yet a send is dropped, not queued, so a worker started
+        # before its head does not greet it once per register_and_wait retry when it appears.
+        self.coordinator.setsockopt(zmq.IMMEDIATE, 1)
+        self.coordinator.connect(coordinator_address)
         watch(self.coordinator)
         self.api: list[zmq.Socket] = []
         self.api_addresses: list[str] = []
@@ -109,21 +113,28 @@ class RankIO:
     # ---------------------------------------------------------------- membership
 
     def register(self) -> None:
-        """Send EngineRegister (HELLO); the coordinator answers with RegisterReply."""
+        """Send EngineRegister (HELLO); the coordinator answers with RegisterReply.
+        With no connection to the head yet the hello is dropped, and last_register
+        says to retry within REGISTER_UNSENT_RETRY_S."""
         self.last_register = time.monotonic()
-        self.report(self._registration)
+        try:
+            self.coordinator.send(self.coord_codec.encode(self._registration), zmq.NOBLOCK)
+        except zmq.Again:
+            self.last_register -= REGISTER_RETRY_S - REGISTER_UNSENT_RETRY_S
 
     def register_and_wait(self, should_stop: Callable[[], bool]) -> bool:
         """HELLO every REGISTER_RETRY_S until the coordinator answers; False if it refused.
         Returns True also when should_stop() ends the wait (the caller checks it)."""
         started = time.monotonic()
         while not should_stop():
-            self.register()
-            if self.coordinator.poll(REGISTER_RETRY_S * 1000):
-                for msg in self._coordinator_messages():
-                    if isinstance(msg, RegisterReply):
-                        return self.on_coordinator(msg) == WELCOMED
-                continue
+            # Writable (IMMEDIATE) once the head's connection is up: the hello goes at once then.
+            if self.coordinator.poll(REGISTER_RETRY_S * 1000, zmq.POLLOUT):
+                self.register()
+                if self.coordinator.poll(REGISTER_RETRY_S * 1000):
+                    for msg in self._coordinator_messages():
+                        if isinstance(msg, RegisterReply):
+                            return self.on_coordinator(msg) == WELCOMED
+                    continue
             waited = time.monotonic() - started
             if int(waited) % 10 < REGISTER_RETRY_S:
                 self.log.info("waiting for the coordinator", address=self.coordinator_address, waited_s=round(waited, 1))
