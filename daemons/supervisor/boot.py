@@ -41,10 +41,11 @@ _RUN_DIR = re.compile(re.escape(RUN_DIR_PREFIX) + r"([0-9]+)-[A-Za-z0-9_]{8}")
 
 
 def _owner_alive(pid: int, dir_ctime: float) -> bool:
-    """The directory's supervisor still runs: a process with its pid that started before
-    the directory last changed (a pid reused later is not the owner)."""
+    """The directory's supervisor still runs: a process with its pid, not a zombie, that
+    started before the directory last changed (a pid reused later is not the owner)."""
     try:
-        return psutil.Process(pid).create_time() <= dir_ctime + 1.0
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= dir_ctime + 1.0
     except psutil.NoSuchProcess:
         return False
     except psutil.Error:  # alive but unreadable: leave its directory

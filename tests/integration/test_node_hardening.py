@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -193,6 +194,17 @@ def test_on_failure_policy_replaces_a_hung_engine(node):
     assert code == 200
 
 
+def test_a_sigkill_from_outside_is_not_blamed_on_the_oom_killer(node):
+    """The kernel's OOM count for the node's cgroup did not rise, so the line says who did
+    not send it instead of guessing "out of memory?"."""
+    victim = node.child("engine-dp0")
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_until(lambda: node.child("engine-dp0")["pid"] not in (None, victim["pid"]), 30, 0.05, "engine-dp0 to be replaced")
+    line = next(ln for ln in node.log().splitlines() if "child exited" in ln and f"pid={victim['pid']}" in ln)
+    assert "signal SIGKILL (not sent by dpserve)" in line and "out of memory" not in line and "OOM" not in line, line
+    wait_until(lambda: _fully_ready(node), 120, 0.1, "engine-dp0 to serve again")
+
+
 # ------------------------------------------------------------------ item 10: log amplification
 
 # 24 bytes; aiohttp answers 400 (a header name with a space) and used to log a
@@ -305,5 +317,90 @@ def test_worker_with_the_wrong_key_fails_fast_and_the_head_warns(demo_model_dir,
         warning = next(ln for ln in head_log.read_text().splitlines() if "refused a connection" in ln)
         assert warning.startswith("<4>coordinator:"), warning
         print(f"\nwrong key: the worker exited 2 after {took:.1f} s")
+    finally:
+        net.close()
+
+
+# ------------------------------------------------------------------ a killed supervisor, a group SIGTERM
+
+
+def _run_dir(srv: DpServer) -> str:
+    match = re.search(r"run_dir='?([^\s']+)", Path(srv.log_path).read_text(errors="replace"))
+    assert match, srv.log()
+    return match.group(1)
+
+
+def test_the_next_start_removes_a_killed_supervisors_run_dir_and_a_group_sigterm_never_warns(demo_model_dir):
+    """SIGKILL leaves the supervisor no time to clean up; its children die with it
+    (PDEATHSIG) and the next start removes what it left. Then a SIGTERM to the whole
+    process group (a shell's Ctrl-C or `kill -- -PGID`, KillMode=control-group) reaches
+    the prefork launcher too: the stop is clean, exit 0, without a launcher warning."""
+    args = ("--data-parallel-size", "1", "--api-server-count", "1", "--kill-grace-s", "2")
+    first, second = DpServer(demo_model_dir, *args), DpServer(demo_model_dir, *args)
+    try:
+        first.start()
+        left = _run_dir(first)
+        pids = _node_pids(first)
+        os.kill(first.proc.pid, signal.SIGKILL)
+        wait_until(lambda: not any(pid_alive(p) for p in pids), 10, 0.05, "the children to die with their supervisor")
+        assert os.path.isdir(left)  # nothing could remove it
+        second.start()
+        assert not os.path.exists(left), os.listdir(left)
+        assert f"removed the run directory of a supervisor that is gone path={left}" in second.log(), second.log()
+        own = _run_dir(second)
+        pids = _node_pids(second)
+        os.killpg(second.proc.pid, signal.SIGTERM)
+        assert second.proc.wait(60) == 0, second.log()
+        wait_until(lambda: not any(pid_alive(p) for p in pids), 10, 0.05, "every process of the node to exit")
+        text = Path(second.log_path).read_text(errors="replace")
+        assert "launcher unavailable" not in text and not re.search(r"<[0-4]>(supervisor|launcher).*launcher", text), text[-3000:]
+        assert not os.path.exists(own)
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_worker_started_before_its_head_registers_once_and_says_the_head_is_not_reached_yet(demo_model_dir, tmp_path):
+    """Before: the worker's rank queued one hello per 2 s retry and the head took them all
+    when it appeared ("engine registered" once per retry), and /status said HEAD LOST."""
+    from tests.multinode.netns import Network, available
+    from tests.support import skip_unless_required
+
+    why = available()
+    if why:
+        skip_unless_required(why)
+    key = tmp_path / "dp.key"
+    key.write_bytes(os.urandom(32).hex().encode())
+    key.chmod(0o600)
+    net = Network()
+    try:
+        head, worker = net.add_node("head"), net.add_node("worker")
+
+        def cmd(role: str, *extra: str) -> list[str]:
+            return [
+                sys.executable, "-m", "dpserve.daemons.cli.main", role, demo_model_dir,
+                "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+                "--data-parallel-address", head.address, "--data-parallel-rpc-port", "29551",
+                "--data-parallel-key-file", str(key), "--port", "0", *extra,
+            ]
+
+        head_log, worker_log = tmp_path / "head.log", tmp_path / "worker.log"
+        worker.spawn(cmd("worker", "--headless", "--data-parallel-start-rank", "1", "--data-parallel-supervisor-port", "29601"), str(worker_log))
+        wait_until(lambda: "waiting for the coordinator" in worker_log.read_text(errors="replace"), 90, 0.2, "the worker's rank to wait for its head")
+        time.sleep(6)  # three register retries with no head: the repro needs the wait itself
+        status = json.loads(worker.client("get", "http://127.0.0.1:29601/status")["body"])
+        assert status["cluster"]["head_reached"] is False and not status["cluster"]["head_connected"], status["cluster"]
+        screen = subprocess.run(
+            ["nsenter", "-t", str(worker.sleeper.pid), "-n", "--", sys.executable, "-m", "dpserve.daemons.cli.main",
+             "status", "http://127.0.0.1:29601"], capture_output=True, text=True, timeout=60,
+        ).stdout
+        assert "head not reached yet" in screen and "LOST" not in screen, screen
+        head.spawn(cmd("head", "--api-server-count", "1", "--host", head.address, "--data-parallel-supervisor-port", "0"), str(head_log))
+        wait_until(lambda: worker.client("get", "http://127.0.0.1:29601/readyz")["status"] == 200, 120, 0.5, "the worker to serve")
+        time.sleep(2)  # a queued hello would arrive at once; give it time to
+        registered = [ln for ln in head_log.read_text(errors="replace").splitlines() if "engine registered" in ln and "rank=1" in ln]
+        assert len(registered) == 1, registered
+        status = json.loads(worker.client("get", "http://127.0.0.1:29601/status")["body"])
+        assert status["cluster"]["head_reached"] and status["cluster"]["head_connected"], status["cluster"]
     finally:
         net.close()
