@@ -11,7 +11,10 @@ until its first output arrives it also holds a timer that fails it (bounded wait
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 from dpserve.daemons.api.router import Router
@@ -26,11 +29,17 @@ from dpserve.engine.common.protocol import (
     EngineInput,
     EngineOutputs,
     EngineToApi,
+    PauseRequests,
     PrefixRouted,
     RequestOutput,
+    ResumeRequests,
     TableChannel,
 )
-from dpserve.engine.common.sockets import make_socket
+from dpserve.engine.common.sockets import make_socket, peer_name
+
+GREET_AFTER_S = 1.0  # a rank alive in the table but unheard this long is asked to reconnect
+GREET_BACKOFF_MAX_S = 30.0
+STRAY_LOG_EVERY_S = 10.0
 
 
 def _retrieve(sent: asyncio.Future) -> None:
@@ -122,17 +131,28 @@ class EngineClient:
         self._out_codec = Codec(EngineInput)
         self._table_codec = Codec(TableChannel, "load table")
         # Unbounded queues: a request's outputs are never dropped; an unknown peer is an
-        # error (not a silent drop); a restarted rank takes over its identity.
-        self.engines = make_socket(
-            ctx, zmq.ROUTER, keys, bind=engine_address, sndhwm=0, rcvhwm=0, router_mandatory=True, router_handover=True
-        )
+        # error (not a silent drop). No handover: a rank connects as "{rank}:{incarnation}"
+        # (a restart brings a new identity), and a second peer claiming an identity a
+        # live connection holds is ignored by ZeroMQ instead of taking its messages.
+        self.engines = make_socket(ctx, zmq.ROUTER, keys, bind=engine_address, sndhwm=0, rcvhwm=0, router_mandatory=True)
         # The same socket without asyncio's futures, to drain what already arrived
         # (~1 us a message instead of ~30 for an await each). Only for receiving:
         # a send through it would skip pyzmq's re-check of the edge-triggered FD,
         # and the reader could then sleep through a reply (measured: a hang).
         self._engines_now = zmq.Socket.shadow(self.engines.underlying)
         self.table = make_socket(ctx, zmq.SUB, keys, connect=table_address, subscribe=b"", reconnect_ms=(100, 2000))
-        self._identities = [str(r).encode() for r in range(router.size)]
+        # rank -> the identity its accepted hello came from; and back. A rank is routed only
+        # through an identity whose hello named the incarnation the coordinator's table has.
+        self._identities: list[bytes | None] = [None] * router.size
+        self._peer_rank: dict[bytes, int] = {}
+        self._heard: dict[tuple[int, str], bytes] = {}  # hellos of incarnations the table has not named yet
+        # rank -> [unroutable since, why, next plea at, backoff]: eligible ranks alive in the
+        # table that this API server cannot route to; greet_again(rank, why) pleads (coordinator).
+        self.unroutable: dict[int, list] = {}
+        self.unreachable: dict[int, str] = {}  # rank -> why its last send failed
+        self.greet_again: Callable[[int, str], None] | None = None
+        self._stray_logged = -STRAY_LOG_EVERY_S
+        self.num_stray_messages = 0
         self._tasks: list[asyncio.Task] = []
         self.table_received = asyncio.Event()
         self.first_token_timeout_s = first_token_timeout_s  # 0: unbounded
@@ -165,9 +185,16 @@ class EngineClient:
         future, which a NOBLOCK send resolves at once. Reading it here is what
         turns a lost send into an error instead of a request that waits forever.
         """
-        sent = self.engines.send_multipart([self._identities[rank], data], zmq.NOBLOCK)
+        identity = self._identities[rank]
+        if identity is None:
+            raise zmq.ZMQError(zmq.EHOSTUNREACH)
+        sent = self.engines.send_multipart([identity, data], zmq.NOBLOCK)
         if sent.done():
-            sent.result()
+            try:
+                sent.result()
+            except zmq.ZMQError as exc:
+                self._lost(rank, f"a send failed: {exc}")
+                raise
         else:  # queued behind another send (none of ours block): judge it when it resolves
             sent.add_done_callback(_retrieve)
 
@@ -199,6 +226,107 @@ class EngineClient:
             self._send_now(state.rank, self._out_codec.encode(AbortRequests([state.request_id])))
         except zmq.ZMQError:
             pass  # the rank is gone, and with it the request
+
+    def pause(self, states: list[RequestState]) -> None:
+        """Ask the ranks to stop stepping these requests (their client stopped reading)."""
+        self._tell_ranks(states, PauseRequests)
+
+    def resume(self, states: list[RequestState]) -> None:
+        """Ask the ranks to step these paused requests again."""
+        self._tell_ranks(states, ResumeRequests)
+
+    def _tell_ranks(self, states: list[RequestState], kind: type[PauseRequests] | type[ResumeRequests]) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for state in states:
+            if state.request_id in self.requests:  # (finished or aborted ones are the rank's no more)
+                by_rank.setdefault(state.rank, []).append(state.request_id)
+        for rank, ids in by_rank.items():
+            try:
+                self._send_now(rank, self._out_codec.encode(kind(ids)))
+            except zmq.ZMQError:
+                pass  # the rank is gone, and with it the requests
+
+    # ---------------------------------------------------------------- identities and healing
+
+    def _lost(self, rank: int, why: str) -> None:
+        """`rank`'s connection is gone (a send failed): no routing to it until it greets
+        again, and a plea for that at once (through the coordinator)."""
+        identity = self._identities[rank]
+        if identity is not None:
+            self._peer_rank.pop(identity, None)
+            self._identities[rank] = None
+        self.unreachable[rank] = why
+        if self.router.engine_dead(rank, self.router.hello[rank]):
+            self.log.warning("engine rank unreachable; asking it to reconnect", rank=rank, reason=why)
+        self.unroutable.pop(rank, None)
+        self.heal(time.monotonic(), at_once=(rank,))
+
+    def heal(self, now: float, at_once: tuple[int, ...] = ()) -> None:
+        """Plead (backing off to GREET_BACKOFF_MAX_S) for every eligible rank alive in the
+        table that this API server has not been able to route to for GREET_AFTER_S."""
+        router = self.router
+        for rank in router.eligible:
+            load = router.loads[rank] if 0 <= rank < router.size else None
+            if load is None or not load.is_alive or router.routable(rank):
+                self.unroutable.pop(rank, None)
+                continue
+            why = self.unreachable.get(rank) or f"no hello from incarnation {load.incarnation}"
+            entry = self.unroutable.setdefault(rank, [now, why, now + GREET_AFTER_S, GREET_AFTER_S])
+            entry[1] = why
+            if (rank in at_once or now >= entry[2]) and self.greet_again is not None:
+                self.greet_again(rank, why)
+                entry[3] = min(entry[3] * 2, GREET_BACKOFF_MAX_S)
+                entry[2] = now + entry[3]
+
+    def unroutable_ranks(self, now: float) -> list[dict]:
+        """For /readyz: eligible ranks alive in the table that this API server cannot route to."""
+        self.heal(now)
+        return [{"rank": r, "reason": e[1], "for_s": round(now - e[0], 1)} for r, e in sorted(self.unroutable.items())]
+
+    def _on_hello(self, peer: bytes, msg: EngineHello) -> None:
+        """Accept a hello only from the connection named after its rank and incarnation,
+        and route through it only once the coordinator's table names that incarnation."""
+        rank = msg.rank
+        if not 0 <= rank < self.router.size or peer != f"{rank}:{msg.incarnation}".encode():
+            self._stray(peer, f"a hello for rank {rank} from a connection that is not that rank's")
+            return
+        load = self.router.loads[rank]
+        if load is None or load.incarnation != msg.incarnation:
+            self._heard[(rank, msg.incarnation)] = peer
+            if len(self._heard) > 4 * self.router.size + 16:
+                del self._heard[next(iter(self._heard))]
+            return
+        self._accept(rank, msg.incarnation, peer)
+
+    def _accept(self, rank: int, incarnation: str, peer: bytes) -> None:
+        old = self._identities[rank]
+        if old is not None:
+            self._peer_rank.pop(old, None)
+        self._identities[rank] = peer
+        self._peer_rank[peer] = rank
+        self.unreachable.pop(rank, None)
+        if self.router.engine_hello(rank, incarnation):
+            self.fail_rank(rank, f"engine rank {rank} restarted")
+        self.log.info("engine connected", rank=rank, incarnation=incarnation)
+        self.notify_routes()
+
+    def _take_heard(self, table) -> None:
+        """Hellos that came before the table named their incarnation count now."""
+        if not self._heard:
+            return
+        for entry in table.ranks:
+            peer = self._heard.pop((entry.rank, entry.incarnation), None)
+            if peer is not None and self.router.hello[entry.rank] != entry.incarnation:
+                self._accept(entry.rank, entry.incarnation, peer)
+
+    def _stray(self, peer: bytes, what: str) -> None:
+        """A message from a peer that is no rank's accepted connection: dropped, counted,
+        logged at most every STRAY_LOG_EVERY_S."""
+        self.num_stray_messages += 1
+        now = time.monotonic()
+        if now - self._stray_logged >= STRAY_LOG_EVERY_S:
+            self._stray_logged = now
+            self.log.warning("message from an unknown peer dropped", peer=peer_name(peer), what=what, num_stray=self.num_stray_messages)
 
     # ---------------------------------------------------------------- waiting for a rank
 
@@ -254,16 +382,23 @@ class EngineClient:
         while True:
             frames = await self.engines.recv_multipart(copy=False)
             while True:
-                self._handle_engine_message(frames[-1], requests)
+                self._handle_engine_message(frames[0].bytes, frames[-1], requests)
                 try:
                     frames = now.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
 
-    def _handle_engine_message(self, data, requests: dict[str, RequestState]) -> None:
-        """Apply one message from an engine (outputs, hello, death) to the requests."""
-        msg = self._in_codec.decode_or_none(data.buffer)
+    def _handle_engine_message(self, peer: bytes, data, requests: dict[str, RequestState]) -> None:
+        """Apply one message from an engine (outputs, hello, death) to the requests;
+        what a peer says about a rank counts only from that rank's connection."""
+        try:
+            msg = self._in_codec.decode(data.buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError):  # counted and logged (rate-limited), with its peer
+            msg = self._in_codec.decode_or_none(data.buffer, peer_name(peer))
         if type(msg) is EngineOutputs:
+            if self._peer_rank.get(peer) != msg.rank and not peer.startswith(f"{msg.rank}:".encode()):
+                self._stray(peer, f"outputs for rank {msg.rank}")
+                return
             for out in msg.outputs:
                 state = requests.get(out.request_id)
                 if state is None:
@@ -279,12 +414,11 @@ class EngineClient:
                     self.router.on_progress(state.rank, done)
                 state.push(out)
         elif type(msg) is EngineHello:
-            if self.router.engine_hello(msg.rank, msg.incarnation):
-                self.fail_rank(msg.rank, f"engine rank {msg.rank} restarted")
-            self.log.info("engine connected", rank=msg.rank, incarnation=msg.incarnation)
-            self.notify_routes()
+            self._on_hello(peer, msg)
         elif type(msg) is EngineDead:
-            if self.router.engine_dead(msg.rank, msg.incarnation):
+            if peer != f"{msg.rank}:{msg.incarnation}".encode():
+                self._stray(peer, f"a death notice for rank {msg.rank}")
+            elif self.router.engine_dead(msg.rank, msg.incarnation):
                 n = self.fail_rank(msg.rank, msg.reason)
                 # A stop that was asked for is news, not trouble: `journalctl -p warning` stays quiet.
                 say = self.log.info if msg.clean and not n else self.log.warning
@@ -311,5 +445,6 @@ class EngineClient:
         for rank, reason in self.router.update_table(table):
             n = self.fail_rank(rank, f"engine rank {rank} is down: {reason}")
             self.log.warning("rank left routing", rank=rank, reason=reason, failed_requests=n)
+        self._take_heard(table)
         self.table_received.set()
         self.notify_routes()

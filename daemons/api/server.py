@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import time
+from functools import partial
 from http import HTTPStatus
 
 import zmq
@@ -41,7 +42,7 @@ from dpserve.engine.common.procutil import (
     die_with_parent,
     set_process_name,
 )
-from dpserve.engine.common.protocol import ApiServerRegister, Codec, PrefixRouted
+from dpserve.engine.common.protocol import ApiServerRegister, Codec, GreetAgain, PrefixRouted
 from dpserve.engine.common.sockets import make_socket
 
 
@@ -100,6 +101,22 @@ async def openai_errors(request: web.Request, handler):
         return error_response(ApiError(500, f"Internal server error: {type(exc).__name__}", type="server_error"))
 
 
+async def expect_handler(request: web.Request) -> web.Response | None:
+    """`Expect: 100-continue` is answered as aiohttp does; any other expectation gets an
+    OpenAI-style JSON 417 (aiohttp's own is text/plain) before the body is read."""
+    expect = request.headers.get("Expect", "")
+    if expect.strip().lower() == "100-continue":
+        if request.version == (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # the 100 is no part of the answer's size
+        return None
+    shown = " ".join(expect.split())[:100]
+    err = ApiError(417, f"Unsupported Expect header {shown!r}: only 100-continue is supported.", param="Expect", code="expectation_failed")
+    resp = error_response(err)
+    resp.force_close()  # the body, if any, was never read
+    return resp
+
+
 def _http_error(status: int, request: web.BaseRequest, exc: BaseException | None = None, message: str | None = None) -> ApiError:
     """An aiohttp-made error (routing, limits, protocol) as an ApiError; 405 keeps its Allow header."""
     path = request.path[:200]
@@ -151,6 +168,7 @@ class ApiServer:
         self.client = EngineClient(
             self.zctx, self.router, cfg.engine_address, cfg.table_address, log, self.keys, cfg.request_first_token_timeout_s
         )
+        self.client.greet_again = self._greet_again
         # Tell the coordinator (maybe on another node) where engines reach us, every
         # second, so a restarted coordinator relearns it without anyone's help.
         self.coordinator = make_socket(self.zctx, zmq.DEALER, self.keys, connect=cfg.coordinator_address, sndhwm=10)
@@ -159,6 +177,7 @@ class ApiServer:
         # cache-aware routing: what this API server routes, every other one learns (and back)
         self._routed: list[tuple[int, list[int]]] = []
         self._routed_codec = Codec(PrefixRouted)
+        self._greet_codec = Codec(GreetAgain)
         if self.router.prefix is not None:
             self.router.origin = incarnation
             self.router.on_routed = self._prefix_routed
@@ -183,15 +202,17 @@ class ApiServer:
         app[SERVING] = self.serving
         app[LOG] = self.log
         s = self.serving
-        app.router.add_post("/v1/completions", s.completions)
-        app.router.add_post("/v1/chat/completions", s.chat_completions)
-        app.router.add_get("/v1/models", s.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/readyz", self.readyz)
-        app.router.add_get("/ready", self.readyz)
-        app.router.add_get("/version", self.version)
-        app.router.add_get("/metrics", self.metrics.handler)
-        app.router.add_get("/openapi.json", self.openapi)
+        post = partial(app.router.add_post, expect_handler=expect_handler)
+        get = partial(app.router.add_get, expect_handler=expect_handler)
+        post("/v1/completions", s.completions)
+        post("/v1/chat/completions", s.chat_completions)
+        get("/v1/models", s.models)
+        get("/health", self.health)
+        get("/readyz", self.readyz)
+        get("/ready", self.readyz)
+        get("/version", self.version)
+        get("/metrics", self.metrics.handler)
+        get("/openapi.json", self.openapi)
         return app
 
     # ---------------------------------------------------------------- probes
@@ -221,7 +242,8 @@ class ApiServer:
 
     async def readyz(self, request: web.Request) -> web.Response:
         ranks = self.router.routable_ranks
-        body = {"routable_ranks": ranks, "eligible_ranks": self.router.eligible, "alive_ranks": self.router.alive_ranks}
+        body = {"routable_ranks": ranks, "eligible_ranks": self.router.eligible, "alive_ranks": self.router.alive_ranks,
+                "unroutable_ranks": self.client.unroutable_ranks(time.monotonic())}
         if self.serving.draining:
             return _json(encode({"status": "draining", **body}), 503)
         if not ranks:
@@ -318,9 +340,17 @@ class ApiServer:
         except zmq.ZMQError:
             pass  # the coordinator is away: the others miss these, routing stays correct, only less sticky
 
+    def _greet_again(self, rank: int, reason: str) -> None:
+        """Ask `rank`, through the coordinator, to reconnect to us and say hello."""
+        try:
+            self.coordinator.send(self._greet_codec.encode(GreetAgain(rank, self.cfg.engine_address, reason)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the coordinator is away: the next heal round pleads again
+
     async def _heartbeat(self) -> None:
         while True:
             self.supervisor.heartbeat(len(self.client.requests))
+            self.client.heal(time.monotonic())
             try:
                 await self.coordinator.send(self._register, zmq.NOBLOCK)
             except zmq.Again:

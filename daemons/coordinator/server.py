@@ -45,6 +45,7 @@ from dpserve.engine.common.protocol import (
     CoordinatorToEngine,
     EngineReady,
     EngineRegister,
+    GreetAgain,
     LoadReport,
     LoadTable,
     NodeHello,
@@ -53,8 +54,9 @@ from dpserve.engine.common.protocol import (
     RankDown,
     RegisterReply,
 )
-from dpserve.engine.common.sockets import make_socket
+from dpserve.engine.common.sockets import make_socket, peer_name
 
+GREET_LOG_EVERY_S = 10.0
 EXPIRE_EVERY_S = 0.1  # the staleness scan visits every rank: not on every message
 # One pass of the loop costs ~20 us before any message is read; at 1,024 ranks
 # reporting every 100 ms (10,240 reports/s) a pass per report would be 20% of
@@ -86,6 +88,7 @@ class Coordinator:
         # registered engines: rank -> (zmq identity, node_rank)
         self.engine_peers: dict[int, tuple[bytes, int]] = {}
         self._asked_to_register: dict[bytes, float] = {}
+        self._greet_logged: dict[int, float] = {}  # rank -> when a GreetAgain for it was last logged
         self.supervisor = SupervisorLink(self.ctx, cfg.supervisor_address, cfg.name)
         self.table = RankTable(cfg.data_parallel_size, cfg.fingerprint, cfg.stale_after_s)
         self.should_stop = False
@@ -166,7 +169,7 @@ class Coordinator:
                 while more():
                     recv(zmq.NOBLOCK)
                 continue
-            if type(msg := decode(data, identity.decode(errors="replace"))) is LoadReport:
+            if type(msg := decode(data, peer_name(identity))) is LoadReport:
                 if not table.load(msg, now):
                     self._ask_to_register(identity, now, f"rank {msg.rank} is not registered here")
                 continue
@@ -206,6 +209,19 @@ class Coordinator:
         elif isinstance(msg, RankDown):
             if self.table.down(msg.rank, msg.reason):
                 self.log.warning("rank taken out of routing", rank=msg.rank, reason=msg.reason)
+        elif isinstance(msg, GreetAgain):
+            self._greet_again(msg, now)
+
+    def _greet_again(self, msg: GreetAgain, now: float) -> None:
+        """An API server cannot route to a registered rank: pass its plea on (the rank
+        reconnects and says hello). Logged at most every GREET_LOG_EVERY_S per rank."""
+        peer = self.engine_peers.get(msg.rank)
+        if peer is None:
+            return  # not registered here: its registration will bring it to every API server
+        self._send(peer[0], msg)
+        if now - self._greet_logged.get(msg.rank, -GREET_LOG_EVERY_S) >= GREET_LOG_EVERY_S:
+            self._greet_logged[msg.rank] = now
+            self.log.warning("an api server cannot route to a rank; asked it to reconnect", rank=msg.rank, api_server=msg.address, reason=msg.reason)
 
     def _addresses_for(self, node_rank: int) -> list[str]:
         """The API servers an engine on `node_rank` serves: all of them, or its own node's."""

@@ -335,7 +335,7 @@ class Supervisor:
     def on_probe(self, child: Child, result: ev.ProbeResult) -> None:
         if child.state != ChildState.READY:
             return  # the child changed while it was probed; this verdict is stale
-        child.last_probe = {"at": result.at, "ok": result.ok, "ready": result.ready, "detail": result.detail, "latency_ms": result.latency_ms}
+        child.last_probe = {"at": result.at, "ok": result.ok, "ready": result.ready, "detail": result.detail, "latency_ms": result.latency_ms, "unroutable_ranks": list(result.unroutable_ranks)}
         if result.ok:
             child.consecutive_failures = 0
             return

@@ -66,6 +66,7 @@ class ProbeResult:
     detail: str
     latency_ms: float
     at: float  # wall clock, for /status
+    unroutable_ranks: tuple[int, ...] = ()  # API servers: ranks alive in the table it cannot route to (its /readyz)
 
 
 @dataclass(frozen=True, slots=True)

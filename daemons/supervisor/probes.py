@@ -96,15 +96,28 @@ class Prober:
         view = self.view
         name, pid = child.name, child.pid
         started = time.monotonic()
+        unroutable: tuple[int, ...] = ()
         if child.kind == "api":
             ok, detail, ready = await self._probe_api(child)
+            unroutable = self._unroutable(child.name)
+            if unroutable:
+                detail += f"; cannot route to rank(s) {', '.join(map(str, unroutable))}"
         else:
             age = started - child.last_heartbeat
             ok = age <= view.heartbeat_interval_s + view.probe_timeout_s
             detail = f"last heartbeat {age:.1f} s ago"
             ready = ok
         latency_ms = round((time.monotonic() - started) * 1000, 1)
-        self.post(ProbeResult(name, pid, ok, ready, detail, latency_ms, time.time()))
+        self.post(ProbeResult(name, pid, ok, ready, detail, latency_ms, time.time(), unroutable))
+
+    def _unroutable(self, name: str) -> tuple[int, ...]:
+        """The ranks an API server's last /readyz says it cannot route to (alive, not routable there)."""
+        _, body = self._readyz.get(name, (0, b""))
+        try:
+            rows = msgspec.json.decode(body).get("unroutable_ranks", []) if body else []
+            return tuple(int(row["rank"]) for row in rows)
+        except (msgspec.DecodeError, AttributeError, TypeError, KeyError, ValueError):
+            return ()
 
     async def _probe_api(self, child: Child) -> tuple[bool, str, bool]:
         timeout = self.view.probe_timeout_s

@@ -79,10 +79,17 @@ class NodeView:
                 return False, f"{routable}/{len(eligible)} ranks routable, below --min-ready-ranks {need}"
         return True, ""
 
+    def unroutable(self) -> dict[str, list[int]]:
+        """API server name -> ranks alive in the table that it cannot route to, from its
+        last /readyz probe (a rank whose sends fail there, or whose hello it never took)."""
+        return {c.name: c.last_probe["unroutable_ranks"] for c in self.children("api")
+                if c.state == ChildState.READY and c.last_probe.get("unroutable_ranks")}
+
     def readiness(self) -> dict:
         ready, reason = self.node_ready()
         cluster = self.cluster
         return {
+            "unroutable": self.unroutable(),
             "status": "ready" if ready else "not ready",
             "phase": self.phase,
             "reason": reason,
@@ -127,6 +134,10 @@ class NodeView:
     def rank_rows(self, wall: float) -> list[dict]:
         """Every rank of the deployment (README "Status" documents the fields)."""
         local = set(self._sup.cfg.local_ranks)
+        not_routed: dict[int, list[str]] = {}
+        for name, ranks in self.unroutable().items():
+            for rank in ranks:
+                not_routed.setdefault(rank, []).append(name)
         rows = []
         for r in self.cluster.ranks:
             e = r.load
@@ -149,6 +160,7 @@ class NodeView:
                 "requests_aborted": e.num_requests_aborted,
                 "preemptions": e.num_preemptions,
                 "routed_by": routed_by(self._sup.cfg.lb_mode, r.rank, e.node_rank),
+                "not_routed_by": not_routed.get(r.rank, []),  # this node's API servers that cannot route to it now
             })
         return rows
 
@@ -192,6 +204,7 @@ class NodeView:
                 "ranks_registered": readiness["ranks_registered"],
                 "ranks_lost": readiness["ranks_lost"],
                 "ranks_absent": cluster.count("absent"),
+                "unroutable": readiness["unroutable"],
                 "min_ready_ranks": readiness["min_ready_ranks"],
                 "ranks": self.rank_rows(wall),
             },

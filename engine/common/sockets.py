@@ -28,7 +28,6 @@ def make_socket(
     reconnect_ms: tuple[int, int] | None = None,
     subscribe: bytes | None = None,
     router_mandatory: bool = False,
-    router_handover: bool = False,
 ) -> zmq.Socket:
     """A socket of `kind` from `ctx` (sync or asyncio), bound to `bind` or connected to
     `connect`; with neither, the caller binds or connects it (after attaching a monitor,
@@ -36,7 +35,8 @@ def make_socket(
 
     `reconnect_ms` is (first interval, cap) for a connecting socket; `subscribe` a SUB
     prefix; `router_mandatory` makes a send to an unknown peer raise instead of a silent
-    drop; `router_handover` lets a restarted peer take over its identity."""
+    drop. There is deliberately no ROUTER_HANDOVER: with it, any peer that connects
+    with an identity already in use takes it over (and the messages meant for it)."""
     if bind is not None and connect is not None:
         raise ValueError("a socket binds or connects, not both")
     sock = ctx.socket(kind)
@@ -54,8 +54,6 @@ def make_socket(
         sock.setsockopt(zmq.SUBSCRIBE, subscribe)
     if router_mandatory:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    if router_handover:
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if bind is not None or server:
         make_server(sock, keys)
     else:
@@ -65,3 +63,12 @@ def make_socket(
     elif connect is not None:
         sock.connect(connect)
     return sock
+
+
+def peer_name(identity: bytes) -> str:
+    """A ZeroMQ peer identity fit for a log line: as text when it is printable ASCII
+    (every identity dpserve sets), else hex, so that a stray peer's bytes can
+    neither garble the journal nor pose as a rank's name."""
+    if identity and len(identity) <= 64 and all(0x20 < b < 0x7F for b in identity):
+        return identity.decode("ascii")
+    return "0x" + identity[:64].hex() + ("..." if len(identity) > 64 else "")

@@ -32,6 +32,7 @@ from dpserve.engine.common.protocol import (
     EngineReady,
     EngineRegister,
     EngineToApi,
+    GreetAgain,
     LoadReport,
     PauseRequests,
     Ping,
@@ -49,6 +50,7 @@ COORDINATOR = -1  # read()'s index for a message from the coordinator
 LOAD_REPORT_MIN_INTERVAL_S = 0.002  # at most one report per 2 ms while load changes
 REGISTER_RETRY_S = 2.0
 REGISTER_UNSENT_RETRY_S = 0.1  # a hello that found no connection to the head is tried again this soon
+REGREET_MIN_INTERVAL_S = 1.0  # a GreetAgain more often than this for one API server is ignored
 
 # What on_coordinator() reports about a registration.
 WELCOMED = "welcomed"
@@ -100,6 +102,7 @@ class RankIO:
         self.api: list[zmq.Socket] = []
         self.api_addresses: list[str] = []
         self.monitors: dict[zmq.Socket, int] = {}  # monitor -> index of the API socket it watches
+        self._reconnected: dict[int, float] = {}  # API socket index -> when GreetAgain last reconnected it
         self._index: dict[zmq.Socket, int] = {self.coordinator: COORDINATOR}
         self.owner: dict[str, int] = {}
         self.registered = False
@@ -145,6 +148,8 @@ class RankIO:
         registration (WELCOMED or REFUSED is returned for that; the owner then reports load)."""
         if isinstance(msg, ApiServerList):
             self.connect_api_servers(msg.api_server_addresses)
+        elif isinstance(msg, GreetAgain):
+            self.reconnect(msg.address, msg.reason)
         elif isinstance(msg, PleaseRegister):
             self.log.warning("coordinator asks us to register again", reason=msg.reason)
             self.register()
@@ -162,12 +167,16 @@ class RankIO:
         """One DEALER per API server, added as API servers appear (never removed:
         a lost one is simply reconnected by ZeroMQ when it returns). Each
         (re)connection is greeted with EngineHello, so an API server that
-        restarted learns this rank again without a new handshake."""
+        restarted learns this rank again without a new handshake.
+
+        The identity is "{rank}:{incarnation}": an API server takes a rank's hello only
+        from the connection holding that identity, and (no ROUTER_HANDOVER) a second
+        connection can never take an identity a live one holds."""
         for address in addresses:
             if address in self.api_addresses:
                 continue
             sock = make_socket(
-                self.ctx, zmq.DEALER, self.keys, identity=str(self.rank).encode(), sndhwm=0, rcvhwm=0, reconnect_ms=(50, 1000)
+                self.ctx, zmq.DEALER, self.keys, identity=self.api_identity, sndhwm=0, rcvhwm=0, reconnect_ms=(50, 1000)
             )
             monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             sock.connect(address)
@@ -181,6 +190,32 @@ class RankIO:
                 self.watch(monitor)
             else:  # queued until the connection is up: no wait for the owner's next greeting round
                 self.send_to(index, EngineHello(self.rank, self.incarnation))
+
+    @property
+    def api_identity(self) -> bytes:
+        """This incarnation's ZeroMQ identity on every API server's engine socket."""
+        return f"{self.rank}:{self.incarnation}".encode()
+
+    def reconnect(self, address: str, reason: str = "") -> None:
+        """A fresh connection to the API server at `address` (it cannot route to us),
+        greeted again: the monitor sees the handshake, and a hello is queued at once
+        for owners that poll no monitors. Requests in flight there are the API
+        server's to fail; a plea repeated within REGREET_MIN_INTERVAL_S is ignored."""
+        if address not in self.api_addresses:
+            return
+        index = self.api_addresses.index(address)
+        now = time.monotonic()
+        if now - self._reconnected.get(index, -math.inf) < REGREET_MIN_INTERVAL_S:
+            return
+        self._reconnected[index] = now
+        sock = self.api[index]
+        self.log.warning("an api server cannot route to us; reconnecting", api_server=address, reason=reason)
+        try:
+            sock.disconnect(address)
+        except zmq.ZMQError:
+            pass  # not connected now: connect() below is the whole cure
+        sock.connect(address)
+        self.send_to(index, EngineHello(self.rank, self.incarnation))
 
     def greet_reconnections(self, monitor: zmq.Socket | None = None) -> None:
         """EngineHello on every completed (re)connection that `monitor` (default: every monitor) saw."""

@@ -282,10 +282,12 @@ def test_request_without_a_first_token_fails_and_is_aborted(node):
     assert post(node.url, {"model": "demo", "prompt": "hi", "max_tokens": 4})[0] == 200
 
 
-def test_failed_send_fails_the_request_at_once(node):
-    """A peer with the rank's identity takes over its channel, then leaves: sends to the rank
-    fail (EHOSTUNREACH). Before, the error was never read and requests waited forever.
-    Runs last: the real engine does not greet this API server again, so rank 0 stays out."""
+def test_a_peer_with_the_rank_s_old_identity_takes_nothing(node):
+    """A peer connecting with identity "0" (a rank's identity before incarnations were part
+    of it) once took over rank 0's channel (ROUTER_HANDOVER), swallowed a request until the
+    first-token bound (504) and, gone, left rank 0 unroutable. Now it is a stranger: the
+    request is served, and served again after it leaves, with rank 0 routable throughout.
+    (Failed sends and the heal are tested in test_identity.py.)"""
     import zmq
 
     ctx = zmq.Context()
@@ -295,19 +297,18 @@ def test_failed_send_fails_the_request_at_once(node):
     impostor.connect(f"ipc://{node.run_dir}/api-0.engines")
     try:
         time.sleep(0.5)
-        # the impostor swallows the request: the first-token bound ends it
         status, body, seconds = post(node.url, {"model": "demo", "prompt": "hi", "max_tokens": 4}, timeout=60)
-        assert status == 504, body
-        assert seconds < FIRST_TOKEN_S + 2
+        assert status == 200, body
+        assert not impostor.poll(100), "the impostor received the request"
     finally:
         impostor.close()
         ctx.term()
     time.sleep(0.3)
     status, body, seconds = post(node.url, {"model": "demo", "prompt": "hi", "max_tokens": 4}, timeout=60)
-    assert status == 503 and body["error"]["type"] == "service_unavailable", body
-    assert seconds < WAIT_FOR_ENGINE_S + 1.5, seconds  # the send failed; only the bounded wait for a rank
-    assert metric(node, "dpserve_api_in_flight") == 0  # routing does not count it in flight
-    assert metric(node, 'dpserve_rank_routable{rank="0"}') == 0
+    assert status == 200, body
+    assert seconds < FIRST_TOKEN_S, seconds
+    assert metric(node, "dpserve_api_in_flight") == 0
+    assert metric(node, 'dpserve_rank_routable{rank="0"}') == 1
 
 
 # ------------------------------------------------------------------ item 12: startup

@@ -57,7 +57,7 @@ def test_engine_dead_reaches_an_api_server_that_binds_after_the_close_began(tmp_
     assert len(received) == 1, "EngineDead was dropped with the context"
     identity, data = received[0][0], received[0][-1]
     msg = Codec(EngineToApi).decode(data)
-    assert identity == b"3" and isinstance(msg, EngineDead)
+    assert identity == f"3:{proc.incarnation}".encode() and isinstance(msg, EngineDead)
     assert (msg.rank, msg.incarnation, msg.reason) == (3, proc.incarnation, "engine shut down")
 
 
@@ -83,17 +83,19 @@ def test_a_clean_stop_is_info_and_a_death_is_a_warning(tmp_path):
     import zmq.asyncio
     from dpserve.daemons.api.engine_client import EngineClient
     from dpserve.daemons.api.router import Router
-    from dpserve.engine.common.protocol import EngineHello
+    from dpserve.engine.common.protocol import EngineHello, LoadTable, RankLoad
 
     ctx = zmq.asyncio.Context()
     log = _Log()
     client = EngineClient(ctx, Router(2), f"ipc://{tmp_path}/engines", f"ipc://{tmp_path}/table", log)
     codec = Codec(EngineToApi)
+    client.router.update_table(LoadTable(1, 2, [RankLoad(0, "inc0", True), RankLoad(1, "inc1", True)]))
     try:
         for rank, clean, level in ((0, True, "info"), (1, False, "warning")):
-            client._handle_engine_message(_Frame(codec.encode(EngineHello(rank, f"inc{rank}"))), client.requests)
+            peer = f"{rank}:inc{rank}".encode()  # the rank's own connection (RankIO.api_identity)
+            client._handle_engine_message(peer, _Frame(codec.encode(EngineHello(rank, f"inc{rank}"))), client.requests)
             reason = "engine shut down" if clean else f"engine rank {rank} failed: boom"
-            client._handle_engine_message(_Frame(codec.encode(EngineDead(rank, f"inc{rank}", reason, clean))), client.requests)
+            client._handle_engine_message(peer, _Frame(codec.encode(EngineDead(rank, f"inc{rank}", reason, clean))), client.requests)
             deaths = [line for line in log.lines if line[1] == "engine announced its death" and line[2]["rank"] == rank]
             assert [line[0] for line in deaths] == [level], log.lines
         # a peer of the version before `clean` still decodes: the field is trailing and defaulted
