@@ -126,8 +126,8 @@ def test_the_supervisor_reads_the_table_channel_without_calling_prefix_news_unde
 # ------------------------------------------------------------------ start-up refusals and the supervisor's small verbs
 
 
-def _serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DPSERVE_")}
+def _serve(*args: str, timeout: float = 60, **dpserve_env: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPSERVE_")} | dpserve_env
     return subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "serve", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -147,9 +147,9 @@ def test_a_key_no_client_can_send_is_refused_at_start_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"--api-key-file .*\(U\+00FC\)"):
         _api_key({"api_key": None, "api_key_file": str(tmp_path / "key")})
     assert _api_key({"api_key": "Ok-key_1.2~!", "api_key_file": None}) == "Ok-key_1.2~!"
-    run = _serve(str(tmp_path), "--api-key", "clé")
-    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("<3>")]
-    assert run.returncode == 2 and len(errors) == 1, run.stderr
+    run = _serve(str(tmp_path), DPSERVE_API_KEY="clé")  # as a unit's environment file gives it
+    errors = run.stderr.splitlines()  # stderr is that one line and nothing else
+    assert run.returncode == 2 and len(errors) == 1 and errors[0].startswith("<3>"), run.stderr
     assert "U+00E9" in errors[0] and "printable ASCII" in errors[0] and "Traceback" not in run.stderr
 
 
@@ -164,8 +164,8 @@ def test_a_model_without_a_loadable_tokenizer_is_refused_before_any_child_starts
     t0 = time.monotonic()
     run = _serve(no_tok, "--port", "0", "--data-parallel-supervisor-port", "0")
     took = time.monotonic() - t0
-    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("<3>")]
-    assert run.returncode == 2 and len(errors) == 1, run.stderr
+    errors = run.stderr.splitlines()
+    assert run.returncode == 2 and len(errors) == 1 and errors[0].startswith("<3>"), run.stderr
     assert os.path.join(no_tok, "tokenizer.json") in errors[0] and "Traceback" not in run.stderr
     assert "child started" not in run.stderr and "starting" not in run.stderr  # no engine began to load
     bad = _model_copy(demo_model_dir, tmp_path / "bad-tokenizer", "tokenizer.json")
