@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import msgspec
@@ -35,6 +36,9 @@ from dpserve.daemons.api.serving import DONE, ServingBase, failure_event
 from dpserve.engine.common.protocol import FINISH_ERROR, FINISH_LENGTH
 
 _INT64 = 2**64
+# Within one request: a choice's request id -> the state of its prompt's first choice,
+# whose rank it is sent to (see ManyChoicesServing.send).
+_FOLLOWS: ContextVar[dict[str, ScoredRequestState] | None] = ContextVar("follows", default=None)
 
 
 @dataclass(slots=True)
@@ -100,6 +104,17 @@ def share_prompt_logprobs(choices: list[Choice]) -> None:
             choice.gen.params = msgspec.structs.replace(choice.gen.params, prompt_logprobs=None)
 
 
+def follow_the_first(choices: list[Choice]) -> dict[str, ScoredRequestState]:
+    """Each choice's request id -> its prompt's first choice's state (not the first's own)."""
+    first: dict[int, ScoredRequestState] = {}
+    follows = {}
+    for choice in choices:
+        state = first.setdefault(id(choice.gen.prompt_ids), choice.gen.state)
+        if state is not choice.gen.state:
+            follows[choice.gen.state.request_id] = state
+    return follows
+
+
 class ManyChoicesServing(ServingBase):
     def new_choice(self, req, index: int, ids: list[int], max_tokens: int, j: int, logprobs: int | None,
                    prompt_logprobs: int | None, echo_text: str | None, grammar: str | None) -> Choice:
@@ -132,7 +147,19 @@ class ManyChoicesServing(ServingBase):
             respond = lambda: self._stream_many(request, choices, opts, num_prompt, include_usage)  # noqa: E731
         else:
             respond = lambda: self._whole_many(choices, opts, num_prompt)  # noqa: E731
-        return await self.run("chat" if opts.chat else "completions", t0, [c.gen for c in choices], pinned, respond)
+        follows = _FOLLOWS.set(follow_the_first(choices))
+        try:
+            return await self.run("chat" if opts.chat else "completions", t0, [c.gen for c in choices], pinned, respond)
+        finally:
+            _FOLLOWS.reset(follows)
+
+    async def send(self, gen: Generation, pinned: int | None) -> int:
+        """A choice goes to the rank its prompt's first choice went to (as vLLM keeps a
+        request's n samples in one engine), so that rank computes the prompt once."""
+        first = (_FOLLOWS.get() or {}).get(gen.state.request_id)
+        if pinned is None and first is not None and first.rank >= 0:
+            pinned = first.rank
+        return await super().send(gen, pinned)
 
     def _check_response_size(self, choices: list[Choice], opts: ChoiceOptions, stream: bool) -> None:
         """The response-size budget, before any engine work (a 400 naming the costliest parameter)."""

@@ -4,8 +4,9 @@ A small body must not ask for a response a thousand times its size: the
 response-size budget (--max-response-bytes) refuses it with a 400 naming the
 costliest parameter before any engine work, and no process restarts. A
 request under the budget is served, its body within the budget's estimate.
-The n choices of one prompt compute its prompt logprobs once (the first
-choice asks; the others read them) and attach its blocks from the prefix cache.
+The n choices of one prompt go to one rank, compute its prompt logprobs once
+(the first choice asks; the others read them) and attach its blocks from the
+prefix cache, so n multiplies decode, not prefill.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ REPRO_FLAGS = {"max_tokens": 0, "echo": True, "logprobs": 20, "prompt_logprobs":
 def server(demo_model_dir):
     srv = DpServer(
         demo_model_dir,
-        "--data-parallel-size", "1",
+        "--data-parallel-size", "2",
+        "--api-server-count", "1",
         "--max-model-len", "2048",
         "--max-request-body-bytes", str(8 << 20),
         "--dtype", "float32",
@@ -154,3 +156,19 @@ def test_a_list_of_lists_of_strings_is_named_as_such(server):
     status, body, _, _ = post(server, "/v1/completions", {"model": "demo", "prompt": [["a"]], "max_tokens": 2})
     assert status == 400 and body["error"]["param"] == "prompt", body
     assert "list of lists of strings" in body["error"]["message"] and "not supported" not in body["error"]["message"]
+
+
+def test_n16_of_a_1000_token_prompt_costs_at_most_1_3_prefills(server):
+    """On DP 2: the 16 choices go to one rank, which computes the prompt once."""
+    q0, h0 = prefix_counters(server)
+    prompt = ids(1000, 5)
+    status, body, _, _ = post(server, "/v1/completions", {"model": "demo", "prompt": prompt, "n": 16, "max_tokens": 2,
+                                                          "temperature": 0})
+    assert status == 200, body
+    wait_until(lambda: prefix_counters(server)[0] - q0 >= 16 * 1000, 15, what="the load report")
+    queries, hits = (a - b for a, b in zip(prefix_counters(server), (q0, h0)))
+    assert queries == 16 * 1000
+    computed = queries - hits
+    print(f"n=16 x 1,000 prompt tokens: {computed:.0f} computed")
+    assert computed <= 1.3 * 1000, (queries, hits)
+    assert len({c["text"] for c in body["choices"]}) == 1  # greedy: the same answer 16 times
