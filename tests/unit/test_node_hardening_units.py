@@ -228,3 +228,51 @@ def test_a_worker_that_never_heard_its_head_says_so_and_not_head_lost(tmp_path):
         assert status["cluster"]["head_reached"] and "HEAD LOST" in line and "HEAD LOST for" in screen
     finally:
         sup.zctx.destroy(linger=0)
+
+
+_OOM_PROBE = """
+import os, subprocess, sys
+with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))  # this process and its children now live under the 64 MiB limit
+from dpserve.engine.common.procutil import OomRecord, describe_exit
+record = OomRecord()
+for code in ("x = bytearray(256 << 20)\\nfor i in range(0, len(x), 4096): x[i] = 1",
+             "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"):
+    rc = subprocess.run([sys.executable, "-c", code]).returncode
+    print(describe_exit(rc, oom_killed=rc == -9 and record.killed_since_last()))
+"""
+
+
+def _memory_cgroup_below_ours(name: str) -> str | None:
+    """A new cgroup v1 memory group under this process's own, limited to 64 MiB (root only)."""
+    line = next((ln for ln in open("/proc/self/cgroup").read().splitlines() if ":memory:" in ln), None)
+    if os.geteuid() != 0 or line is None:
+        return None
+    path = f"/sys/fs/cgroup/memory{line.split(':', 2)[2].rstrip('/')}/{name}"
+    try:
+        os.mkdir(path)
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(64 << 20))
+    except OSError:
+        return None
+    return path
+
+
+def test_a_real_oom_kill_is_named_and_a_plain_sigkill_beside_it_is_not():
+    """The kernel's own record, read as the supervisor reads it: one child is killed by
+    the OOM killer in a memory-limited cgroup, the next SIGKILLs itself."""
+    from tests.support import skip_unless_required
+
+    group = _memory_cgroup_below_ours(f"dpserve-oom-test-{os.getpid()}")
+    if group is None:
+        skip_unless_required("needs root and a writable cgroup v1 memory hierarchy")
+    try:
+        run = subprocess.run([sys.executable, "-c", _OOM_PROBE, group], capture_output=True, text=True, timeout=120)
+        assert run.stdout.splitlines() == ["signal SIGKILL (killed by the OOM killer)", "signal SIGKILL (not sent by dpserve)"], run
+    finally:
+        for _ in range(50):  # the group empties once its last process is reaped
+            try:
+                os.rmdir(group)
+                break
+            except OSError:
+                time.sleep(0.1)
