@@ -288,3 +288,21 @@ def _finish(engine, num: int) -> dict[str, str]:
             ids.setdefault(out.request_id, []).extend(t for t in out.new_token_ids if t not in engine.eos_token_ids)
     assert len(ids) == num
     return {rid: tok.decode(t) for rid, t in ids.items()}
+
+
+def test_the_flags_reach_the_api_servers_budget():
+    """--max-guided-* on the command line -> ServeConfig -> an API server's config -> its budget."""
+    from dpserve.daemons.config import ApiServerConfig, ServeConfig, child_config
+    from tests.unit.test_config import parse
+
+    opts, names, _ = parse("serve", ["--max-guided-choices", "10", "--max-guided-regex-size", "50"])
+    cfg = ServeConfig(model="/m", served_model_name="m", **{k: opts[k] for k in names if k in ServeConfig.__struct_fields__})
+    required = dict(name="api-0", index=0, node_rank=0, coordinator_address="", eligible_ranks=[0], key_file="", model_dir="/m",
+                    max_model_len=64, listen_fd=3, engine_address="", table_address="", supervisor_address="", probe_path="", parent_pid=1)
+    budget = GrammarBudget.from_config(child_config(ApiServerConfig, cfg, **required))
+    assert (budget.max_choices, budget.max_regex_size, budget.max_bytes) == (10, 50, GrammarBudget().max_bytes)
+    with pytest.raises(ApiError, match="10 .--max-guided-choices"):
+        check_cost("guided_choice", [str(i) for i in range(11)], budget, 1)
+    with pytest.raises(ApiError, match="--max-guided-regex-size"):
+        check_cost("guided_regex", "a{51}", budget, 1)
+    check_cost("guided_regex", "a{50}", budget, 1)
