@@ -293,6 +293,7 @@ def _finish(engine, num: int) -> dict[str, str]:
 def test_the_flags_reach_the_api_servers_budget():
     """--max-guided-* on the command line -> ServeConfig -> an API server's config -> its budget."""
     from dpserve.daemons.config import ApiServerConfig, ServeConfig, child_config
+
     from tests.unit.test_config import parse
 
     opts, names, _ = parse("serve", ["--max-guided-choices", "10", "--max-guided-regex-size", "50"])
