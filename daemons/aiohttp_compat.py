@@ -34,13 +34,15 @@ The internals, and why:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 __all__ = [
     "EventStream",
+    "Pacer",
     "HttpProcessingError",
     "JsonErrorRunner",
     "answer_requests_with",
@@ -54,11 +56,44 @@ __all__ = [
 ErrorAnswer = Callable[[web.BaseRequest, int, "BaseException | None", "str | None"], web.StreamResponse]
 
 
+class Pacer(Protocol):
+    """What paces an EventStream's writes (daemons/api/backpressure.StreamPacer)."""
+
+    def attach(self, response: web.StreamResponse, request: web.BaseRequest) -> None: ...
+
+    def fits(self, size: int) -> bool: ...
+
+    async def write_waiting(self, write: Callable[[bytes], Awaitable[None]], data: bytes) -> None: ...
+
+
 class EventStream(web.StreamResponse):
     """A streamed response whose headers leave with its first write: one socket write,
-    not two (the bytes on the wire are unchanged)."""
+    not two (the bytes on the wire are unchanged). With a `pacer`, a write that does
+    not fit what the client has read goes through pacer.write_waiting (public API
+    only: the transport's write-buffer size and limits, and request.writer.drain())."""
 
     _send_headers_immediately = False
+    pacer: Pacer | None = None
+
+    async def prepare(self, request: web.BaseRequest):
+        writer = await super().prepare(request)
+        if self.pacer is not None:
+            self.pacer.attach(self, request)
+        return writer
+
+    async def write(self, data) -> None:
+        pacer = self.pacer
+        if pacer is None or pacer.fits(len(data)):
+            await super().write(data)
+        else:
+            await pacer.write_waiting(super().write, data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        pacer = self.pacer
+        if pacer is None or pacer.fits(len(data)):
+            await super().write_eof(data)
+        else:
+            await pacer.write_waiting(super().write_eof, data)
 
 
 def handler_subclass(base: type, name: str, methods: dict) -> type:

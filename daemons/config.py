@@ -101,6 +101,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     http_idle_timeout_s: float = 30.0
     http_body_timeout_s: float = 60.0
     http_max_connections: int = 2048
+    # streams whose clients stop reading: bytes held per stream and per API server, then a pause; abort after the timeout
+    stream_buffer_bytes: int = 1 << 20
+    stream_buffer_total_bytes: int = 256 << 20
+    stream_write_timeout_s: float = 60.0
     seed: int = _ENGINE["seed"]
     # supervisor
     supervisor_host: str = "127.0.0.1"
@@ -362,6 +366,9 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     http_idle_timeout_s: float = _SERVE["http_idle_timeout_s"]
     http_body_timeout_s: float = _SERVE["http_body_timeout_s"]
     http_max_connections: int = _SERVE["http_max_connections"]
+    stream_buffer_bytes: int = _SERVE["stream_buffer_bytes"]
+    stream_buffer_total_bytes: int = _SERVE["stream_buffer_total_bytes"]
+    stream_write_timeout_s: float = _SERVE["stream_write_timeout_s"]
     max_guided_grammar_bytes: int = _SERVE["max_guided_grammar_bytes"]
     max_guided_bytes_per_request: int = _SERVE["max_guided_bytes_per_request"]
     max_guided_choices: int = _SERVE["max_guided_choices"]

@@ -12,6 +12,7 @@ OpenAI-style bodies (see ApiError).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import itertools
 import os
@@ -21,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 from aiohttp import web
+from dpserve.daemons.aiohttp_compat import EventStream
+from dpserve.daemons.api.backpressure import StreamBudget, StreamCollector, StreamStalled
 from dpserve.daemons.api.engine_client import EngineClient, RequestState
 from dpserve.daemons.api.generation import EngineFailure, Generation
 from dpserve.daemons.api.metrics import ApiMetrics
@@ -42,6 +45,9 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _INLINE_TOKENIZE_BYTES = 8192
 _TOKENIZE_THREADS = 2
 _MAX_UNKNOWN_LOGGED = 32
+# The engine requests of the request this task serves (run() sets it), for the pacing
+# of its stream (finish_response); each aiohttp handler runs in a task of its own.
+_IN_FLIGHT: contextvars.ContextVar[list[RequestState]] = contextvars.ContextVar("in_flight")
 
 
 def failure_kind(status: int) -> tuple[str, str | None]:
@@ -161,6 +167,8 @@ class ServingBase:
         # whatever it says, so it is refused without tokenizing (None: no such bound).
         per_token = tokenizer.max_bytes_per_token
         self.max_prompt_bytes = self.max_model_len * per_token if per_token else None
+        self.streams = StreamBudget(client, cfg.stream_buffer_bytes, cfg.stream_buffer_total_bytes, cfg.stream_write_timeout_s)
+        metrics.registry.register(StreamCollector(self.streams, cfg.index))
 
     async def models(self, request: web.Request) -> web.Response:
         card = ModelCard(self.model_name, self._created, max_model_len=self.max_model_len, root=self.model_name)  # never the local path
@@ -170,9 +178,12 @@ class ServingBase:
         return f"{self._id_prefix}-{next(self._ids):x}"
 
     def finish_response(self, resp: web.StreamResponse) -> web.StreamResponse:
-        """A response about to be sent: while draining, its connection closes after it."""
+        """A response about to be sent: while draining, its connection closes after it.
+        A stream's writes are paced against its client's reading (backpressure.py)."""
         if self.draining:
             resp.force_close()
+        if isinstance(resp, EventStream):
+            resp.pacer = self.streams.pacer(_IN_FLIGHT.get(()))
         return resp
 
     # ---------------------------------------------------------------- checks
@@ -302,8 +313,13 @@ class ServingBase:
     # ---------------------------------------------------------------- a request's life
 
     def pinned_rank(self, request: web.Request) -> int | None:
-        """The rank X-data-parallel-rank pins the request to (checked), or None."""
-        pinned = parse_rank_header(request.headers.get(RANK_HEADER), self.router.size)
+        """The rank X-data-parallel-rank pins the request to (checked), or None. The
+        header twice (even twice the same) is a 400: which one a proxy saw is unknown."""
+        values = request.headers.getall(RANK_HEADER, ())
+        if len(values) > 1:
+            raise ApiError(400, f"{RANK_HEADER} was sent {len(values)} times; send it at most once.",
+                           param=RANK_HEADER, code="invalid_rank")
+        pinned = parse_rank_header(values[0] if values else None, self.router.size)
         if pinned is not None:
             try:
                 self.router.check_pin(pinned)
@@ -320,6 +336,7 @@ class ServingBase:
         finished is aborted, so its rank stops working for nobody.
         """
         sent: list[RequestState] = []
+        in_flight = _IN_FLIGHT.set(sent)
         self.request_began()
         try:
             for gen in gens:
@@ -332,7 +349,11 @@ class ServingBase:
         except EngineFailure as exc:
             self.metrics.observe(endpoint, exc.status)
             raise failure_error(exc) from None
+        except StreamStalled as exc:  # the client read nothing for the write timeout: its connection is closed
+            self.metrics.observe("stream", 408)
+            return exc.response
         finally:
+            _IN_FLIGHT.reset(in_flight)
             self.request_ended()
             for state in sent:
                 if not state.is_finished:

@@ -7,7 +7,16 @@ import pytest
 from dpserve.engine.common.protocol import AddRequest, SamplingParams
 from dpserve.engine.testing.sim import SimConfig, SimCore
 
-from tests.unit.test_engine import Collector, add, assert_all_blocks_free, bytes_per_token, engine_shape, make_engine, random_prompt, request
+from tests.unit.test_engine import (
+    Collector,
+    add,
+    assert_all_blocks_free,
+    bytes_per_token,
+    engine_shape,
+    make_engine,
+    random_prompt,
+    request,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

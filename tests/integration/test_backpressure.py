@@ -1,0 +1,196 @@
+"""Clients that never read, on a real DP=2 node: bounded buffers, paused engines, aborts.
+
+Streams of n=4 with logprobs=20 are opened on raw sockets with a small receive
+buffer and never read. The API server pauses their requests on the ranks once a
+stream holds --stream-buffer-bytes (the ranks' remaining decode work stops
+shrinking), its RSS stays bounded, a normal request is served meanwhile, and
+each stream is closed with its requests aborted after --stream-write-timeout-s.
+A client that disconnects while paused is aborted at once. Duplicate
+X-data-parallel-rank headers are a 400 naming the header.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+
+import psutil
+import pytest
+
+from tests.server import DpServer, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+API_KEY = "bp-key"
+STREAM_BUFFER = 65536
+WRITE_TIMEOUT_S = 12.0
+NUM_STREAMS = 8  # x n=4: 32 sequences on two ranks
+MAX_TOKENS = 800
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_dir):
+    srv = DpServer(
+        demo_model_dir,
+        "--data-parallel-size", "2",
+        "--api-server-count", "1",
+        "--max-model-len", "1024",
+        "--max-num-seqs", "64",
+        "--stream-buffer-bytes", str(STREAM_BUFFER),
+        "--stream-write-timeout-s", str(WRITE_TIMEOUT_S),
+        env={"DPSERVE_API_KEY": API_KEY},
+    )
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def request_bytes(body: dict, headers: dict | None = None) -> bytes:
+    data = json.dumps(body).encode()
+    hdrs = {"Host": "x", "Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json",
+            "Content-Length": str(len(data)), **(headers or {})}
+    head = "".join(f"{k}: {v}\r\n" for k, v in hdrs.items())
+    return f"POST /v1/completions HTTP/1.1\r\n{head}\r\n".encode() + data
+
+
+def raw_headers(lines: list[tuple[str, str]], body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    hdrs = [("Host", "x"), ("Authorization", f"Bearer {API_KEY}"), ("Content-Type", "application/json"),
+            ("Content-Length", str(len(data))), ("Connection", "close"), *lines]
+    return b"POST /v1/completions HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs).encode() + b"\r\n" + data
+
+
+def never_reading_stream(port: int) -> socket.socket:
+    """A streamed n=4, logprobs=20 completion whose client never calls recv()."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(request_bytes({"model": "demo", "prompt": "Hello there", "max_tokens": MAX_TOKENS, "n": 4, "logprobs": 20,
+                                "stream": True, "ignore_eos": True, "temperature": 1.0}))
+    return sock
+
+
+def metric(server, name: str) -> float:
+    total = 0.0
+    for line in server.metrics().splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def ranks(server) -> list[dict]:
+    return server.status()["cluster"]["ranks"]
+
+
+def remaining_decode(server) -> int:
+    return sum(r["remaining_decode_tokens"] for r in ranks(server))
+
+
+def aborted(server) -> int:
+    return sum(r["requests_aborted"] for r in ranks(server))
+
+
+def api_rss(server) -> int:
+    pid = next(c["pid"] for c in server.status()["children"] if c["kind"] == "api")
+    return psutil.Process(pid).memory_info().rss
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed (or reset) this connection; reads what is left to see its end."""
+    sock.setblocking(False)
+    try:
+        while True:
+            if not sock.recv(1 << 20):
+                return True
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+
+
+def exchange(server, data: bytes) -> tuple[int, dict]:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(data)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split()[1])
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, {}
+
+
+def test_never_reading_streams_are_bounded_paused_and_aborted(server):
+    import openai
+
+    rss_before = api_rss(server)
+    aborted_before = aborted(server)
+    socks = [never_reading_stream(server.port) for _ in range(NUM_STREAMS)]
+    try:
+        wait_until(lambda: metric(server, "dpserve_api_streams_paused") == NUM_STREAMS, 90, 0.2, "every stream paused")
+        paused_at = time.monotonic()
+        # Paused: the ranks hold the 32 sequences (none finished) and step none of them; the
+        # load the ranks report (remaining decode work: with the heartbeat, once a second)
+        # settles after the tokens of the pause's round trip, and stays.
+        assert sum(r["running"] + r["waiting"] for r in ranks(server)) == 4 * NUM_STREAMS
+        samples = [remaining_decode(server)]
+
+        def settled() -> bool:
+            time.sleep(1.5)
+            samples.append(remaining_decode(server))
+            return samples[-1] == samples[-2]
+
+        wait_until(settled, 15, 0, "the ranks to stop generating")
+        time.sleep(3)  # more than two load-report heartbeats
+        assert remaining_decode(server) == samples[-1] > 0, "the ranks kept generating for clients that do not read"
+        # Bounded: this process holds at most its share per stream (plus what one pause lets through).
+        assert metric(server, "dpserve_api_stream_held_bytes") <= NUM_STREAMS * (STREAM_BUFFER // 2 + 32768)
+        grown = api_rss(server) - rss_before
+        assert grown < 48 * 2**20, f"API server RSS grew {grown / 2**20:.0f} MiB"
+        # A normal request is served meanwhile.
+        with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+            t0 = time.monotonic()
+            out = client.completions.create(model="demo", prompt="Hi", max_tokens=8)
+            assert out.choices[0].finish_reason in ("length", "stop") and time.monotonic() - t0 < 30
+        # Aborted after the write timeout: every request aborted on its rank, the connections
+        # closed (read only now: reading earlier would be the progress that resumes them).
+        wait_until(lambda: metric(server, "dpserve_api_streams_stalled_total") >= NUM_STREAMS, WRITE_TIMEOUT_S + 20, 0.2, "stalled streams")
+        stalled_after = time.monotonic() - paused_at
+        assert WRITE_TIMEOUT_S * 0.9 <= stalled_after <= WRITE_TIMEOUT_S * 1.1 + 10, stalled_after
+        wait_until(lambda: aborted(server) - aborted_before >= 4 * NUM_STREAMS, 10, 0.2, "the requests aborted")
+        wait_until(lambda: all(closed_by_server(s) for s in socks), 10, 0.2, "the streams closed")
+        wait_until(lambda: sum(r["running"] + r["waiting"] for r in ranks(server)) == 0, 10, 0.2, "idle ranks")
+        assert api_rss(server) - rss_before < 48 * 2**20
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_client_that_leaves_while_paused_is_aborted_at_once(server):
+    wait_until(lambda: metric(server, "dpserve_api_streams_paused") == 0, 30, 0.2, "no paused stream")
+    aborted_before = aborted(server)
+    sock = never_reading_stream(server.port)
+    try:
+        wait_until(lambda: metric(server, "dpserve_api_streams_paused") == 1, 60, 0.1, "the stream paused")
+    finally:
+        sock.close()
+    t0 = time.monotonic()
+    wait_until(lambda: aborted(server) - aborted_before >= 4, WRITE_TIMEOUT_S / 2, 0.1, "the requests aborted at once")
+    assert time.monotonic() - t0 < WRITE_TIMEOUT_S / 2
+    assert metric(server, "dpserve_api_streams_paused") == 0
+
+
+@pytest.mark.parametrize("values", [("0", "0"), ("0", "1"), ("0", "x"), ("1", "")])
+def test_duplicate_rank_headers_are_a_400_naming_the_header(server, values):
+    body = {"model": "demo", "prompt": "Hi", "max_tokens": 2}
+    status, answer = exchange(server, raw_headers([("X-data-parallel-rank", v) for v in values], body))
+    assert status == 400, answer
+    assert answer["error"]["param"] == "X-data-parallel-rank" and re.search("2 times", answer["error"]["message"])
+    status, answer = exchange(server, raw_headers([("X-data-parallel-rank", "1")], body))
+    assert status == 200 and answer["choices"][0]["finish_reason"] in ("length", "stop")
