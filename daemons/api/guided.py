@@ -229,8 +229,11 @@ def check_schema(name: str, schema: dict, budget: GrammarBudget) -> None:
             bound = node.get(key)
             if isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound > regex_limit:
                 raise _over(name, f"{key} {bound:,}", regex_limit, "--max-guided-regex-size")
-        if isinstance(node.get("pattern"), str):
-            check_regex(name, node["pattern"], regex_limit)
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += node["patternProperties"]
+        for pattern in patterns:
+            check_regex(name, pattern, regex_limit)
         if isinstance(node.get("$ref"), str):
             refs.append((path, node["$ref"]))
         stack.extend((value, (*path, key)) for key, value in node.items())

@@ -77,6 +77,7 @@ def test_schemas_past_the_budgets_are_a_400():
     assert "--max-guided-choices" in str(refused("guided_json", {"enum": list(range(5000))}))
     assert "--max-guided-regex-size" in str(refused("guided_json", {"type": "string", "pattern": "a{100000}"}))
     assert "--max-guided-regex-size" in str(refused("guided_json", {"type": "array", "minItems": 100000}))
+    assert "--max-guided-regex-size" in str(refused("guided_json", {"type": "object", "patternProperties": {"a{100000}": {}}}))
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": wide}}
     assert "properties" in str(refused("response_format", fmt))
 
