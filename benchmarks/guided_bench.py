@@ -71,7 +71,7 @@ def main() -> None:
         demo_model.create_demo_model(model_dir)
     engine = EngineCore(EngineConfig(model=model_dir, device="cpu", dtype="float32"))
     grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
-    engine._matcher(grammar)  # the tokenizer view is built once per engine, not per request
+    engine.grammars.submit(grammar).result()  # compiled once per engine (the tokenizer view too), not per request
     for label, g in (("plain", None), ("json schema", grammar)):
         best = None
         for _ in range(args.repeats):
