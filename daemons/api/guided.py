@@ -103,11 +103,11 @@ async def guided_grammar(req, cfg=None, copies: int = 1) -> str | None:
 def check_cost(name: str, value: Any, budget: GrammarBudget, copies: int) -> tuple[Any, str]:
     """The value to build (guided_json's string parsed) and its cache key; a 400 past the budget."""
     if name == "guided_choice":
+        limit = min(budget.max_choices, MAX_GRAMMAR_ALTERNATIVES)
+        if len(value) > limit:  # first: a 300,000-entry list is refused before it is scanned
+            raise _over(name, f"{len(value):,} choices", limit, "--max-guided-choices")
         if not value or not all(isinstance(c, str) and c for c in value):
             raise ApiError(400, "guided_choice must be a non-empty list of non-empty strings.", param=name)
-        limit = min(budget.max_choices, MAX_GRAMMAR_ALTERNATIVES)
-        if len(value) > limit:
-            raise _over(name, f"{len(value):,} choices", limit, "--max-guided-choices")
         longest = max(len(c.encode()) for c in value)
         if longest > min(budget.max_regex_size, MAX_GRAMMAR_PATTERN_SIZE):
             raise _over(name, f"a choice of {longest:,} bytes", min(budget.max_regex_size, MAX_GRAMMAR_PATTERN_SIZE), "--max-guided-regex-size")
