@@ -180,10 +180,12 @@ class ManyChoicesServing(ServingBase):
         """A choice's pieces as its outputs arrive: echo first, the finish last; raises EngineFailure."""
         gen = choice.gen
         state: ScoredRequestState = gen.state
+        if choice.prompt_from is not None:  # the prompt logprobs it shows come with that choice's first output
+            await choice.prompt_from.wait_first_output()
         if choice.echo_text is not None:
             positions: list = []
             if opts.num_top is not None:
-                await choice.prompt_state.wait_first_output()
+                await state.wait_first_output()
                 positions = [gen.prompt_ids[0], *(choice.prompt_state.prompt_logprobs or ())]
             yield Piece(choice.echo_text, positions)
         if not choice.score_only:

@@ -172,3 +172,21 @@ def test_n16_of_a_1000_token_prompt_costs_at_most_1_3_prefills(server):
     print(f"n=16 x 1,000 prompt tokens: {computed:.0f} computed")
     assert computed <= 1.3 * 1000, (queries, hits)
     assert len({c["text"] for c in body["choices"]}) == 1  # greedy: the same answer 16 times
+
+
+def test_streamed_siblings_show_the_first_choices_prompt_logprobs(server):
+    prompt = ids(40, 3)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", headers=HEADERS, body=json.dumps({
+            "model": "demo", "prompt": prompt, "n": 4, "max_tokens": 1, "prompt_logprobs": 2, "stream": True}).encode())
+        resp = conn.getresponse()
+        assert resp.status == 200
+        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
+                  if line.startswith("data: {")]
+    finally:
+        conn.close()
+    shown = {c["index"]: c["prompt_logprobs"] for e in events for c in e["choices"] if c.get("finish_reason")}
+    assert sorted(shown) == [0, 1, 2, 3]
+    assert len(shown[0]) == len(prompt) and shown[0][1] is not None
+    assert all(v == shown[0] for v in shown.values())
