@@ -162,7 +162,7 @@ class Scheduler(QueueCounts):
 
         # 3. Admit from the waiting queue, in order, never past a sequence that does not fit;
         # one whose next prefix block a prefill is computing now waits in place (held).
-        in_flight = self._blocks_in_flight()
+        in_flight = self._blocks_in_flight() if self.waiting else set()
         i = 0
         while i < len(self.waiting) and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
