@@ -119,10 +119,13 @@ def check_cost(name: str, value: Any, budget: GrammarBudget, copies: int) -> tup
         if size <= budget.max_bytes:
             try:
                 value = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested past what json.loads follows
                 raise ApiError(400, "guided_json must be a JSON schema (an object, or a string holding one).", param=name) from None
     else:
-        size = len(msgspec.json.encode(value))
+        try:
+            size = len(msgspec.json.encode(value))
+        except RecursionError:  # nested past any budget (the walk below would say so too)
+            raise _over(name, "its nesting", budget.max_schema_depth, "--max-guided-schema-depth") from None
     if size > budget.max_bytes:
         raise _over(name, f"{size:,} bytes", budget.max_bytes, "--max-guided-grammar-bytes")
     if size * copies > budget.max_bytes_per_request:

@@ -74,6 +74,11 @@ def test_schemas_past_the_budgets_are_a_400():
     for _ in range(100):
         deep = {"type": "object", "properties": {"a": deep}}
     assert "--max-guided-schema-depth" in str(refused("guided_json", deep))
+    refused("guided_json", "[" * 30000 + "]" * 30000)  # deeper than json.loads goes: still a 400
+    nested: list = []
+    for _ in range(5000):
+        nested = [nested]
+    assert "--max-guided-schema-depth" in str(refused("guided_json", {"type": "array", "default": nested}))
     assert "--max-guided-choices" in str(refused("guided_json", {"enum": list(range(5000))}))
     assert "--max-guided-regex-size" in str(refused("guided_json", {"type": "string", "pattern": "a{100000}"}))
     assert "--max-guided-regex-size" in str(refused("guided_json", {"type": "array", "minItems": 100000}))
