@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -162,7 +163,13 @@ class StreamPacer:
                 task.cancel()
         self.budget.num_stalled += 1
         if self.transport is not None:
-            self.transport.abort()  # drops what the client never read, here and in the kernel
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                try:  # linger 0: the close resets the connection and drops the kernel's queue too
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                except OSError:
+                    pass
+            self.transport.abort()  # drops what the client never read
         raise StreamStalled(self.response)
 
     async def _write_and_drain(self, write: Callable[[bytes], Awaitable[None]], data: bytes) -> None:
