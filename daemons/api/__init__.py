@@ -13,7 +13,8 @@ It owns a request's life from the HTTP edge to its last byte:
   path, many_choices.py n / batched prompts / echo / structured output,
   logprobs.py the log-probabilities;
 - tokenizer.py, detokenizer.py, guided.py (structured output);
-- engine_client.py (the sockets to the ranks), router.py and prefix_index.py
+- engine_client.py (the sockets to the ranks; engine_peers.py, which
+  connection speaks for which rank), router.py and prefix_index.py
   (where a request goes), metrics.py.
 It never imports torch or transformers' model code, so it starts in well under
 a second.

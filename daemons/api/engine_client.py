@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import msgspec
 import zmq
 import zmq.asyncio
+from dpserve.daemons.api.engine_peers import EnginePeers
 from dpserve.daemons.api.router import Router
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.protocol import (
@@ -30,16 +30,13 @@ from dpserve.engine.common.protocol import (
     EngineOutputs,
     EngineToApi,
     PauseRequests,
+    Ping,
     PrefixRouted,
     RequestOutput,
     ResumeRequests,
     TableChannel,
 )
 from dpserve.engine.common.sockets import make_socket, peer_name
-
-GREET_AFTER_S = 1.0  # a rank alive in the table but unheard this long is asked to reconnect
-GREET_BACKOFF_MAX_S = 30.0
-STRAY_LOG_EVERY_S = 10.0
 
 
 def _retrieve(sent: asyncio.Future) -> None:
@@ -141,18 +138,9 @@ class EngineClient:
         # and the reader could then sleep through a reply (measured: a hang).
         self._engines_now = zmq.Socket.shadow(self.engines.underlying)
         self.table = make_socket(ctx, zmq.SUB, keys, connect=table_address, subscribe=b"", reconnect_ms=(100, 2000))
-        # rank -> the identity its accepted hello came from; and back. A rank is routed only
-        # through an identity whose hello named the incarnation the coordinator's table has.
-        self._identities: list[bytes | None] = [None] * router.size
-        self._peer_rank: dict[bytes, int] = {}
-        self._heard: dict[tuple[int, str], bytes] = {}  # hellos of incarnations the table has not named yet
-        # rank -> [unroutable since, why, next plea at, backoff]: eligible ranks alive in the
-        # table that this API server cannot route to; greet_again(rank, why) pleads (coordinator).
-        self.unroutable: dict[int, list] = {}
-        self.unreachable: dict[int, str] = {}  # rank -> why its last send failed
-        self.greet_again: Callable[[int, str], None] | None = None
-        self._stray_logged = -STRAY_LOG_EVERY_S
-        self.num_stray_messages = 0
+        # Which connection speaks for which rank; a rank is routed only through the identity
+        # whose hello named the incarnation the coordinator's table has.
+        self.peers = EnginePeers(router, log)
         self._tasks: list[asyncio.Task] = []
         self.table_received = asyncio.Event()
         self.first_token_timeout_s = first_token_timeout_s  # 0: unbounded
@@ -185,7 +173,7 @@ class EngineClient:
         future, which a NOBLOCK send resolves at once. Reading it here is what
         turns a lost send into an error instead of a request that waits forever.
         """
-        identity = self._identities[rank]
+        identity = self.peers.identities[rank]
         if identity is None:
             raise zmq.ZMQError(zmq.EHOSTUNREACH)
         sent = self.engines.send_multipart([identity, data], zmq.NOBLOCK)
@@ -246,87 +234,22 @@ class EngineClient:
             except zmq.ZMQError:
                 pass  # the rank is gone, and with it the requests
 
-    # ---------------------------------------------------------------- identities and healing
+    # ---------------------------------------------------------------- identities (engine_peers.py)
 
     def _lost(self, rank: int, why: str) -> None:
         """`rank`'s connection is gone (a send failed): no routing to it until it greets
         again, and a plea for that at once (through the coordinator)."""
-        identity = self._identities[rank]
-        if identity is not None:
-            self._peer_rank.pop(identity, None)
-            self._identities[rank] = None
-        self.unreachable[rank] = why
+        self.peers.lost(rank, why)
         if self.router.engine_dead(rank, self.router.hello[rank]):
             self.log.warning("engine rank unreachable; asking it to reconnect", rank=rank, reason=why)
-        self.unroutable.pop(rank, None)
-        self.heal(time.monotonic(), at_once=(rank,))
-
-    def heal(self, now: float, at_once: tuple[int, ...] = ()) -> None:
-        """Plead (backing off to GREET_BACKOFF_MAX_S) for every eligible rank alive in the
-        table that this API server has not been able to route to for GREET_AFTER_S."""
-        router = self.router
-        for rank in router.eligible:
-            load = router.loads[rank] if 0 <= rank < router.size else None
-            if load is None or not load.is_alive or router.routable(rank):
-                self.unroutable.pop(rank, None)
-                continue
-            why = self.unreachable.get(rank) or f"no hello from incarnation {load.incarnation}"
-            entry = self.unroutable.setdefault(rank, [now, why, now + GREET_AFTER_S, GREET_AFTER_S])
-            entry[1] = why
-            if (rank in at_once or now >= entry[2]) and self.greet_again is not None:
-                self.greet_again(rank, why)
-                entry[3] = min(entry[3] * 2, GREET_BACKOFF_MAX_S)
-                entry[2] = now + entry[3]
-
-    def unroutable_ranks(self, now: float) -> list[dict]:
-        """For /readyz: eligible ranks alive in the table that this API server cannot route to."""
-        self.heal(now)
-        return [{"rank": r, "reason": e[1], "for_s": round(now - e[0], 1)} for r, e in sorted(self.unroutable.items())]
-
-    def _on_hello(self, peer: bytes, msg: EngineHello) -> None:
-        """Accept a hello only from the connection named after its rank and incarnation,
-        and route through it only once the coordinator's table names that incarnation."""
-        rank = msg.rank
-        if not 0 <= rank < self.router.size or peer != f"{rank}:{msg.incarnation}".encode():
-            self._stray(peer, f"a hello for rank {rank} from a connection that is not that rank's")
-            return
-        load = self.router.loads[rank]
-        if load is None or load.incarnation != msg.incarnation:
-            self._heard[(rank, msg.incarnation)] = peer
-            if len(self._heard) > 4 * self.router.size + 16:
-                del self._heard[next(iter(self._heard))]
-            return
-        self._accept(rank, msg.incarnation, peer)
+        self.peers.heal(time.monotonic(), at_once=(rank,))
 
     def _accept(self, rank: int, incarnation: str, peer: bytes) -> None:
-        old = self._identities[rank]
-        if old is not None:
-            self._peer_rank.pop(old, None)
-        self._identities[rank] = peer
-        self._peer_rank[peer] = rank
-        self.unreachable.pop(rank, None)
+        self.peers.bind(rank, peer)
         if self.router.engine_hello(rank, incarnation):
             self.fail_rank(rank, f"engine rank {rank} restarted")
         self.log.info("engine connected", rank=rank, incarnation=incarnation)
         self.notify_routes()
-
-    def _take_heard(self, table) -> None:
-        """Hellos that came before the table named their incarnation count now."""
-        if not self._heard:
-            return
-        for entry in table.ranks:
-            peer = self._heard.pop((entry.rank, entry.incarnation), None)
-            if peer is not None and self.router.hello[entry.rank] != entry.incarnation:
-                self._accept(entry.rank, entry.incarnation, peer)
-
-    def _stray(self, peer: bytes, what: str) -> None:
-        """A message from a peer that is no rank's accepted connection: dropped, counted,
-        logged at most every STRAY_LOG_EVERY_S."""
-        self.num_stray_messages += 1
-        now = time.monotonic()
-        if now - self._stray_logged >= STRAY_LOG_EVERY_S:
-            self._stray_logged = now
-            self.log.warning("message from an unknown peer dropped", peer=peer_name(peer), what=what, num_stray=self.num_stray_messages)
 
     # ---------------------------------------------------------------- waiting for a rank
 
@@ -382,7 +305,11 @@ class EngineClient:
         while True:
             frames = await self.engines.recv_multipart(copy=False)
             while True:
-                self._handle_engine_message(frames[0].bytes, frames[-1], requests)
+                try:
+                    self._handle_engine_message(frames[0].bytes, frames[-1], requests)
+                except Exception:  # a peer's message must never end the reader (and with it every request)
+                    self.peers.stray(frames[0].bytes, "a message that could not be applied")
+                    self.log.exception("engine message could not be applied", peer=peer_name(frames[0].bytes))
                 try:
                     frames = now.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
@@ -396,8 +323,7 @@ class EngineClient:
         except (msgspec.DecodeError, msgspec.ValidationError):  # counted and logged (rate-limited), with its peer
             msg = self._in_codec.decode_or_none(data.buffer, peer_name(peer))
         if type(msg) is EngineOutputs:
-            if self._peer_rank.get(peer) != msg.rank and not peer.startswith(f"{msg.rank}:".encode()):
-                self._stray(peer, f"outputs for rank {msg.rank}")
+            if not self.peers.outputs_from(peer, msg.rank):
                 return
             for out in msg.outputs:
                 state = requests.get(out.request_id)
@@ -414,11 +340,16 @@ class EngineClient:
                     self.router.on_progress(state.rank, done)
                 state.push(out)
         elif type(msg) is EngineHello:
-            self._on_hello(peer, msg)
+            if self.peers.hello(peer, msg):
+                self._accept(msg.rank, msg.incarnation, peer)
+            elif msg.rank in self.peers.contested:
+                self.peers.contested.discard(msg.rank)
+                try:  # is the first connection still there? (a send to a gone one fails: _lost pleads)
+                    self._send_now(msg.rank, self._out_codec.encode(Ping(0)))
+                except zmq.ZMQError:
+                    pass
         elif type(msg) is EngineDead:
-            if peer != f"{msg.rank}:{msg.incarnation}".encode():
-                self._stray(peer, f"a death notice for rank {msg.rank}")
-            elif self.router.engine_dead(msg.rank, msg.incarnation):
+            if self.peers.death_notice(peer, msg.rank, msg.incarnation) and self.router.engine_dead(msg.rank, msg.incarnation):
                 n = self.fail_rank(msg.rank, msg.reason)
                 # A stop that was asked for is news, not trouble: `journalctl -p warning` stays quiet.
                 say = self.log.info if msg.clean and not n else self.log.warning
@@ -445,6 +376,7 @@ class EngineClient:
         for rank, reason in self.router.update_table(table):
             n = self.fail_rank(rank, f"engine rank {rank} is down: {reason}")
             self.log.warning("rank left routing", rank=rank, reason=reason, failed_requests=n)
-        self._take_heard(table)
+        for rank, incarnation, peer in self.peers.take_heard(table):
+            self._accept(rank, incarnation, peer)
         self.table_received.set()
         self.notify_routes()

@@ -36,7 +36,38 @@ def _json(description: str, schema: dict) -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _generation_responses(response: str, api_key: bool) -> dict:
+# The 400s that the request schemas cannot say (each names its `param`), and the
+# budgets behind them: (ServeConfig field, its flag, what it bounds).
+RULES_400 = (
+    "`guided_choice` empty or holding an empty string",
+    "more than one of `guided_json`, `guided_regex`, `guided_choice`, `response_format` (json)",
+    "a JSON schema with a non-local or self-referencing `$ref`, or a regex that does not compile",
+    "`top_logprobs` without `logprobs: true` (chat)",
+    "`max_tokens: 0` without `echo` (completions)",
+    "`min_tokens` over `max_tokens`; a prompt plus `max_tokens` over the context",
+    "token ids (prompt, `stop_token_ids`, `logit_bias` keys) outside the vocabulary",
+    "more choices than the limit (prompts x `n`)",
+    "`X-data-parallel-rank` sent more than once, not ASCII digits, or a rank this API server does not route to",
+)
+BUDGETS_400 = (
+    ("max_response_bytes", "--max-response-bytes", "the response a request could produce (n, prompts, max_tokens, logprobs, echo, prompt_logprobs), in bytes"),
+    ("max_guided_grammar_bytes", "--max-guided-grammar-bytes", "a structured-output parameter's size, in bytes"),
+    ("max_guided_bytes_per_request", "--max-guided-bytes-per-request", "that size x n x prompts"),
+    ("max_guided_choices", "--max-guided-choices", "`guided_choice` entries, and a schema's enum/anyOf/oneOf lists"),
+    ("max_guided_regex_size", "--max-guided-regex-size", "a regex with its repetitions expanded, the longest choice, schema length bounds"),
+    ("max_guided_schema_properties", "--max-guided-schema-properties", "properties in a whole JSON schema"),
+    ("max_guided_schema_depth", "--max-guided-schema-depth", "a JSON schema's nesting depth"),
+)
+
+
+def _describe_400(limits: dict[str, int]) -> str:
+    rules = "; ".join(RULES_400)
+    budgets = "; ".join(f"{what} over {flag} (here {limits[field]:,})" for field, flag, what in BUDGETS_400 if field in limits)
+    text = f"Invalid request: `error.param` names the parameter. Besides the schema's rules, these are 400s: {rules}."
+    return text + (f" Over a budget (code `grammar_too_large` for grammars): {budgets}." if budgets else "")
+
+
+def _generation_responses(response: str, api_key: bool, limits: dict[str, int]) -> dict:
     out = {
         "200": {
             "description": "The answer; with `stream: true`, server-sent events ending in `data: [DONE]`.",
@@ -46,10 +77,11 @@ def _generation_responses(response: str, api_key: bool) -> dict:
                 "text/event-stream": {"schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}},
             },
         },
-        "400": _error("Invalid request: the message names the parameter (`param`)."),
+        "400": _error(_describe_400(limits)),
         "404": _error("Unknown model."),
         "413": _error("Request body over --max-request-body-bytes."),
         "415": _error("Content-Type is not application/json."),
+        "417": _error("An Expect header other than 100-continue (`param`: Expect)."),
         "429": _error("Every rank's waiting queue is full; retry after Retry-After."),
         "503": _error("No engine rank can serve the request right now, or it failed on its rank."),
     }
@@ -66,7 +98,7 @@ def _fits(value: Any, type_: Any) -> bool:
     return True
 
 
-def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_model_len: int) -> None:
+def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_model_len: int, limits: dict[str, int]) -> None:
     token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
     for kind in (CompletionRequest, ChatCompletionRequest):
         schema = schemas[kind.__name__]
@@ -80,6 +112,13 @@ def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_mode
                 # answer is longer than this; the type's own bound is larger.
                 props[field]["anyOf"][0]["maximum"] = max_model_len - 1
         props["stop_token_ids"]["anyOf"][0]["items"] = token_id
+        if "guided_choice" in props:  # an empty list, or an empty choice, is a 400
+            choice = props["guided_choice"]["anyOf"][0]
+            choice.update(minItems=1, items={"type": "string", "minLength": 1})
+            if "max_guided_choices" in limits:
+                choice["maxItems"] = limits["max_guided_choices"]
+        if kind is ChatCompletionRequest and "top_logprobs" in props:
+            props["top_logprobs"]["description"] = "Needs `logprobs: true`; without it, a 400."
         types = {f.name: f.type for f in msgspec.structs.fields(kind)}
         for field, accepted in UNSUPPORTED.items():
             if field in props:
@@ -110,13 +149,17 @@ def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_mode
     }
 
 
-def build_openapi(model_name: str, vocab_size: int, max_model_len: int, *, api_key: bool, version: str) -> dict[str, Any]:
-    """The whole document, as plain JSON-able data."""
+def build_openapi(
+    model_name: str, vocab_size: int, max_model_len: int, *, api_key: bool, version: str, limits: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """The whole document, as plain JSON-able data; `limits` are the serving budgets
+    (ServeConfig fields named in BUDGETS_400) that the 400's description states."""
+    limits = limits or {}
     _, schemas = msgspec.json.schema_components(
         [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, ModelList, ErrorResponse],
         ref_template=_REF,
     )
-    _restrict_requests(schemas, model_name, vocab_size, max_model_len)
+    _restrict_requests(schemas, model_name, vocab_size, max_model_len, limits)
     auth = [{"bearer": []}] if api_key else []
     rank_header = {
         "name": "X-data-parallel-rank",
@@ -134,7 +177,7 @@ def build_openapi(model_name: str, vocab_size: int, max_model_len: int, *, api_k
                 "security": auth,
                 "parameters": [rank_header],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(name=request)}}}},
-                "responses": _generation_responses(response, api_key),
+                "responses": _generation_responses(response, api_key, limits),
             }
         }
 

@@ -27,7 +27,7 @@ from dpserve.daemons.api.engine_client import EngineClient
 from dpserve.daemons.api.http_limits import ConnectionGuard, connection_limits
 from dpserve.daemons.api.metrics import ApiMetrics
 from dpserve.daemons.api.openai_types import ApiError, encode, error_body
-from dpserve.daemons.api.openapi import build_openapi
+from dpserve.daemons.api.openapi import BUDGETS_400, build_openapi
 from dpserve.daemons.api.router import Router
 from dpserve.daemons.api.serving import auth_middleware
 from dpserve.daemons.api.tokenizer import TextTokenizer
@@ -168,7 +168,7 @@ class ApiServer:
         self.client = EngineClient(
             self.zctx, self.router, cfg.engine_address, cfg.table_address, log, self.keys, cfg.request_first_token_timeout_s
         )
-        self.client.greet_again = self._greet_again
+        self.client.peers.greet_again = self._greet_again
         # Tell the coordinator (maybe on another node) where engines reach us, every
         # second, so a restarted coordinator relearns it without anyone's help.
         self.coordinator = make_socket(self.zctx, zmq.DEALER, self.keys, connect=cfg.coordinator_address, sndhwm=10)
@@ -243,7 +243,7 @@ class ApiServer:
     async def readyz(self, request: web.Request) -> web.Response:
         ranks = self.router.routable_ranks
         body = {"routable_ranks": ranks, "eligible_ranks": self.router.eligible, "alive_ranks": self.router.alive_ranks,
-                "unroutable_ranks": self.client.unroutable_ranks(time.monotonic())}
+                "unroutable_ranks": self.client.peers.unroutable_ranks(time.monotonic())}
         if self.serving.draining:
             return _json(encode({"status": "draining", **body}), 503)
         if not ranks:
@@ -256,7 +256,8 @@ class ApiServer:
     async def openapi(self, request: web.Request) -> web.Response:
         if self._openapi is None:
             s = self.serving
-            doc = build_openapi(s.model_name, s.vocab_size, s.max_model_len, api_key=bool(self.cfg.api_key), version=VERSION)
+            limits = {field: getattr(self.cfg, field) for field, _, _ in BUDGETS_400 if hasattr(self.cfg, field)}
+            doc = build_openapi(s.model_name, s.vocab_size, s.max_model_len, api_key=bool(self.cfg.api_key), version=VERSION, limits=limits)
             self._openapi = encode(doc)
         return _json(self._openapi)
 
@@ -350,7 +351,7 @@ class ApiServer:
     async def _heartbeat(self) -> None:
         while True:
             self.supervisor.heartbeat(len(self.client.requests))
-            self.client.heal(time.monotonic())
+            self.client.peers.heal(time.monotonic())
             try:
                 await self.coordinator.send(self._register, zmq.NOBLOCK)
             except zmq.Again:

@@ -103,6 +103,7 @@ class RankIO:
         self.api_addresses: list[str] = []
         self.monitors: dict[zmq.Socket, int] = {}  # monitor -> index of the API socket it watches
         self._reconnected: dict[int, float] = {}  # API socket index -> when GreetAgain last reconnected it
+        self._num_reconnects = 0
         self._index: dict[zmq.Socket, int] = {self.coordinator: COORDINATOR}
         self.owner: dict[str, int] = {}
         self.registered = False
@@ -193,14 +194,17 @@ class RankIO:
 
     @property
     def api_identity(self) -> bytes:
-        """This incarnation's ZeroMQ identity on every API server's engine socket."""
+        """This incarnation's ZeroMQ identity on every API server's engine socket (a
+        connection remade on a GreetAgain adds ":{n}", see reconnect)."""
         return f"{self.rank}:{self.incarnation}".encode()
 
     def reconnect(self, address: str, reason: str = "") -> None:
         """A fresh connection to the API server at `address` (it cannot route to us),
         greeted again: the monitor sees the handshake, and a hello is queued at once
-        for owners that poll no monitors. Requests in flight there are the API
-        server's to fail; a plea repeated within REGREET_MIN_INTERVAL_S is ignored."""
+        for owners that poll no monitors. While requests of that API server are in
+        flight here the link evidently works and a reconnect would drop their queued
+        outputs, so it is only greeted again. A plea repeated within
+        REGREET_MIN_INTERVAL_S is ignored (anyone on the coordinator's socket can plead)."""
         if address not in self.api_addresses:
             return
         index = self.api_addresses.index(address)
@@ -209,6 +213,14 @@ class RankIO:
             return
         self._reconnected[index] = now
         sock = self.api[index]
+        if index in self.owner.values():
+            self.log.info("an api server cannot route to us; greeting it again", api_server=address, reason=reason)
+            self.send_to(index, EngineHello(self.rank, self.incarnation))
+            return
+        # A fresh identity for the fresh connection: the API server may still hold the old
+        # one's pipe, and ZeroMQ ignores a second connection claiming an identity in use.
+        self._num_reconnects += 1
+        sock.setsockopt(zmq.IDENTITY, self.api_identity + f":{self._num_reconnects}".encode())
         self.log.warning("an api server cannot route to us; reconnecting", api_server=address, reason=reason)
         try:
             sock.disconnect(address)

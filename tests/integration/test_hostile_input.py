@@ -299,6 +299,14 @@ def test_openapi_document_lists_the_endpoints(server):
     request = doc["components"]["schemas"]["CompletionRequest"]
     assert request["properties"]["model"]["enum"] == ["demo"]
     assert request["properties"]["top_k"]["anyOf"][0]["maximum"] == 2**31 - 1
+    # The 400s that validators raise beyond the schema are stated (schemathesis's negative
+    # cases reach them: an empty guided_choice breaks minItems), and so is the JSON 417.
+    assert request["properties"]["guided_choice"]["anyOf"][0]["minItems"] == 1
+    responses = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert "`guided_choice` empty" in responses["400"]["description"]
+    assert "`top_logprobs` without `logprobs: true`" in responses["400"]["description"]
+    assert "--max-response-bytes (here " in responses["400"]["description"]
+    assert "417" in responses
 
 
 def test_schemathesis_finds_no_server_error_and_the_node_stays_healthy(server):

@@ -82,7 +82,7 @@ async def _client_scenario(tmp_path) -> None:
     log = _Log()
     client = EngineClient(actx, Router(2), engines, table_address, log)
     pleas: list[tuple[int, str]] = []
-    client.greet_again = lambda rank, why: pleas.append((rank, why))
+    client.peers.greet_again = lambda rank, why: pleas.append((rank, why))
     socks: list[zmq.Socket] = []
     client.start()
     try:
@@ -98,7 +98,7 @@ async def _client_scenario(tmp_path) -> None:
         await _until(lambda: client.router.routable(0), 5, "rank 0 to be routable")
 
         # The impostors: identity "0" (the old form) and the rank's own identity, a duplicate.
-        for identity in (b"0", b"0:incA", b"0:rogue"):
+        for identity in (b"0", b"0:incA", b"0:rogue", b"0:incA:5", b"7:x"):
             fake = _dealer(sctx, identity, engines)
             socks.append(fake)
             for data in GARBAGE:
@@ -106,9 +106,11 @@ async def _client_scenario(tmp_path) -> None:
             fake.send(TO_API.encode(EngineHello(0, "incA")))
             fake.send(TO_API.encode(EngineHello(0, "rogue")))
             fake.send(TO_API.encode(EngineDead(0, "incA", "forged death")))
-        # "0": 3 forged, "0:rogue": 2 (its own hello is kept aside, unrouted: the table says incA);
-        # the duplicate "0:incA" is never heard at all (ZeroMQ ignores a second holder of an identity).
-        await _until(lambda: client.num_stray_messages >= 5, 5, "the forged messages to be dropped")
+            fake.send(TO_API.encode(EngineDead(7, "x", "a rank out of range")))
+        # "0": 4 forged, "0:rogue": 3 (its own hello is kept aside, unrouted: the table says incA),
+        # "0:incA:5" (a remade connection's form): 4, "7:x": 4; the duplicate "0:incA" is never
+        # heard at all (ZeroMQ ignores a second connection claiming an identity in use).
+        await _until(lambda: client.peers.num_stray >= 15, 5, "the forged messages to be dropped")
         await asyncio.sleep(0.2)
         assert client.router.routable(0) and client.router.hello[0] == "incA"
         assert not any(event == "engine announced its death" for _, event, _ in log.lines), log.lines
@@ -118,9 +120,10 @@ async def _client_scenario(tmp_path) -> None:
         for n in range(5):
             state, add = _request(n)
             client.send(state, add, 0)
-        assert rank.poll(5000)
-        got = [FROM_API.decode(rank.recv()) for _ in range(5) if rank.poll(2000)]
-        assert [m.request_id for m in got] == [f"req-{n}" for n in range(5)]
+        got = []  # the real rank may also get a Ping: the probe of its connection that
+        while rank.poll(2000):  # the "0:incA:5" impostor's hello caused (it stays, so no takeover)
+            got.append(FROM_API.decode(rank.recv()))
+        assert [m.request_id for m in got if isinstance(m, AddRequest)] == [f"req-{n}" for n in range(5)]
         for fake in socks[1:]:
             assert not fake.poll(100), "an impostor received a request"
 
@@ -139,14 +142,14 @@ async def _client_scenario(tmp_path) -> None:
         assert failed_at is not None, "sends to a closed rank never failed"
         assert not client.router.routable(0)
         assert pleas and pleas[0][0] == 0 and "send failed" in pleas[0][1], pleas
-        rows = client.unroutable_ranks(time.monotonic())
+        rows = client.peers.unroutable_ranks(time.monotonic())
         assert [r["rank"] for r in rows if r["rank"] == 0] == [0] and "send failed" in rows[0]["reason"], rows
         # It reconnects and greets (what GreetAgain makes a real rank do): routable at once.
         again = _dealer(sctx, b"0:incA", engines)
         socks.append(again)
         again.send(TO_API.encode(EngineHello(0, "incA")))
         await _until(lambda: client.router.routable(0), 5, "rank 0 to be routable again")
-        assert all(r["rank"] != 0 for r in client.unroutable_ranks(time.monotonic()))
+        assert all(r["rank"] != 0 for r in client.peers.unroutable_ranks(time.monotonic()))
         state, add = _request(999)
         client.send(state, add, 0)
         assert again.poll(5000) and FROM_API.decode(again.recv()).request_id == "req-999"
@@ -292,3 +295,77 @@ def test_readyz_names_unroutable_ranks(node):
     status, body = http_get(node.health_url + "/readyz")
     info = json.loads(body)
     assert status == 200 and info["unroutable"] == {}, info
+
+
+def test_a_rank_asked_to_greet_again_reconnects_and_greets(tmp_path):
+    """RankIO on real sockets: GreetAgain for an API server it serves makes the rank
+    reconnect (a fresh connection) and say hello; a second plea within a second is
+    ignored; with a request of that API server in flight it only says hello again."""
+    import structlog
+    from dpserve.engine.common.protocol import GreetAgain
+    from dpserve.engine.rank.io import RankIO
+
+    ctx = zmq.Context()
+    api_address = f"ipc://{tmp_path}/api-0.engines"
+    api = ctx.socket(zmq.ROUTER)
+    api.setsockopt(zmq.LINGER, 0)
+    api.bind(api_address)
+    monitor = api.get_monitor_socket(zmq.EVENT_ACCEPTED)
+    io = RankIO(ctx, None, rank=0, incarnation="incA", fingerprint="f", node_rank=0,
+                coordinator_address=f"ipc://{tmp_path}/coordinator", log=structlog.get_logger(), watch=lambda sock: None,
+                watch_monitors=False)
+
+    def hellos(timeout_ms: int) -> list[bytes]:
+        got = []
+        while api.poll(timeout_ms):
+            identity, data = api.recv_multipart()
+            if isinstance(TO_API.decode(data), EngineHello):
+                got.append(identity)
+            timeout_ms = 200
+        return got
+
+    def accepted(timeout_ms: int) -> int:
+        n = 0
+        while monitor.poll(timeout_ms):
+            monitor.recv_multipart()
+            n += 1
+            timeout_ms = 200
+        return n
+
+    try:
+        io.connect_api_servers([api_address])
+        assert hellos(5000) == [b"0:incA"]
+        assert accepted(2000) == 1
+        io.on_coordinator(GreetAgain(0, api_address, "a send failed"))
+        assert b"0:incA:1" in hellos(5000)  # a fresh identity for the fresh connection
+        assert accepted(5000) == 1, "no fresh connection"
+        io.on_coordinator(GreetAgain(0, api_address, "again at once"))
+        assert hellos(500) == [] and accepted(300) == 0  # rate-limited
+        time.sleep(1.1)
+        io.owner["req-1"] = 0  # a request of this API server in flight: greet only
+        io.on_coordinator(GreetAgain(0, api_address, "busy link"))
+        assert hellos(5000) == [b"0:incA:1"] and accepted(500) == 0
+    finally:
+        ctx.destroy(linger=0)  # every socket, the monitors' pairs included
+
+
+@pytest.mark.slow
+def test_a_plea_through_the_coordinator_reaches_the_rank(node):
+    """GreetAgain sent to the coordinator (as an API server that cannot route to rank 0
+    would) is passed to rank 0, which reconnects to api-0 and greets it: api-0 logs the
+    rank connected again, and pinned requests to rank 0 are served at once."""
+    before = len(re.findall(r"api-0: engine connected .*?rank=0 ", node.log()))
+    ctx = zmq.Context()
+    plea = _dealer(ctx, b"test-api-0", f"ipc://{node.run_dir}/coordinator.engines")
+    try:
+        from dpserve.engine.common.protocol import CoordinatorInput, GreetAgain
+
+        plea.send(Codec(CoordinatorInput).encode(GreetAgain(0, f"ipc://{node.run_dir}/api-0.engines", "test plea")))
+        wait_until(lambda: len(re.findall(r"api-0: engine connected .*?rank=0 ", node.log())) > before, 15, 0.1, "rank 0 to greet api-0 again")
+    finally:
+        plea.close(0)
+        ctx.term()
+    assert "cannot route to us; reconnecting" in node.log()
+    took = _pinned_all_succeed(node, 0, 6)
+    assert max(took) < 5, took
+    assert node.status()["ready"] is True

@@ -273,3 +273,72 @@ def test_the_coordinator_and_status_apply_one_routing_rule(mode, api_nodes, word
     else:
         assert listed == ["tcp://n2:0", "tcp://n2:1"]  # its own node's only
     assert routed_by(mode, 3, -1) == ("-" if mode in ("hybrid", "external") else words)  # node not known yet
+
+
+# ------------------------------------------------------------------ which connection speaks for a rank
+
+
+def test_peer_names_in_logs_are_printable():
+    from dpserve.engine.common.sockets import peer_name
+
+    assert peer_name(b"0:1a2b") == "0:1a2b"
+    assert peer_name(b"engine-3-abc") == "engine-3-abc"
+    assert peer_name(b"\x00k\xff") == "0x006bff"
+    assert peer_name(b"a b") == "0x612062"  # a space could pose as two log fields
+    assert peer_name(b"") == "0x"
+    assert peer_name(b"\x01" * 100) == "0x" + "01" * 64 + "..."
+
+
+def _peers():
+    from dpserve.daemons.api.engine_peers import EnginePeers
+
+    class Log:
+        def __getattr__(self, level):
+            return lambda *a, **kw: None
+
+    router = Router(2, "queue")
+    router.update_table(table(1, RankLoad(0, "incA", True), RankLoad(1, "incB", True)))
+    return router, EnginePeers(router, Log())
+
+
+def test_a_hello_counts_only_from_the_rank_s_own_connection():
+    from dpserve.engine.common.protocol import EngineHello
+
+    router, peers = _peers()
+    assert peers.speaks_for(b"0:incA", 0, "incA") and peers.speaks_for(b"0:incA:3", 0, "incA")
+    assert not any(peers.speaks_for(p, 0, "incA") for p in (b"0", b"0:incA:", b"0:incA:x", b"0:incAB", b"1:incA"))
+    for peer in (b"0", b"1:incB", b"0:rogue"):
+        assert not peers.hello(peer, EngineHello(0, "incA"))
+    assert not peers.hello(b"5:x", EngineHello(5, "x"))  # out of range: a stray, not an IndexError
+    assert peers.num_stray == 4
+    assert peers.hello(b"0:incA", EngineHello(0, "incA"))
+    peers.bind(0, b"0:incA")
+    router.engine_hello(0, "incA")
+    # a second connection of the same form cannot take a routable rank; nor can its death notice
+    assert not peers.hello(b"0:incA:1", EngineHello(0, "incA"))
+    assert not peers.death_notice(b"0:incA:1", 0, "incA") and peers.death_notice(b"0:incA", 0, "incA")
+    assert not peers.death_notice(b"9:x", 9, "x")
+    # a hello before the table names its incarnation is kept, and taken when it does
+    assert not peers.hello(b"1:incC", EngineHello(1, "incC"))
+    assert peers.take_heard(table(2, RankLoad(1, "incC", True))) == [(1, "incC", b"1:incC")]
+
+
+def test_an_unroutable_rank_is_pleaded_for_with_backoff_and_at_once_after_a_failed_send():
+    router, peers = _peers()
+    pleas = []
+    peers.greet_again = lambda rank, why: pleas.append((rank, why))
+    router.engine_hello(1, "incB")  # rank 1 is routable here; rank 0 never greeted
+    peers.heal(100.0)
+    assert pleas == [] and [r["rank"] for r in peers.unroutable_ranks(100.0)] == [0]
+    for now in (100.5, 101.0, 102.0, 103.0, 107.0):
+        peers.heal(now)
+    assert [p[0] for p in pleas] == [0, 0, 0]  # at 101, 103, 107: 1, 2, 4 s apart
+    assert "no hello from incarnation incA" in pleas[0][1]
+    peers.bind(1, b"1:incB")
+    peers.lost(1, "a send failed: Host unreachable")
+    router.engine_dead(1, "incB")
+    peers.heal(107.1, at_once=(1,))
+    assert pleas[-1] == (1, "a send failed: Host unreachable") and peers.identities[1] is None
+    router.engine_hello(0, "incA")
+    router.engine_hello(1, "incB")
+    assert peers.unroutable_ranks(108.0) == []
