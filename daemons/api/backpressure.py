@@ -129,6 +129,7 @@ class StreamPacer:
         read everything held here; raises StreamStalled when it reads nothing for the
         write timeout (the connection is then closed)."""
         budget, transport = self.budget, self.transport
+        budget.behind.add(self)
         running = [s for s in self.states if not s.is_finished]
         budget.client.pause(running)
         budget.num_pauses += 1

@@ -186,6 +186,23 @@ def test_a_client_that_leaves_while_paused_is_aborted_at_once(server):
     assert metric(server, "dpserve_api_streams_paused") == 0
 
 
+def test_the_total_bound_pauses_streams_before_their_own_bound(demo_model_dir):
+    """With room for four streams' shares in all, eight streams hold about that total."""
+    total = 4 * (STREAM_BUFFER // 2)
+    with DpServer(demo_model_dir, "--data-parallel-size", "1", "--max-model-len", "1024", "--stream-buffer-bytes", str(STREAM_BUFFER),
+                  "--stream-buffer-total-bytes", str(total), env={"DPSERVE_API_KEY": API_KEY}) as srv:
+        socks = [never_reading_stream(srv.port) for _ in range(NUM_STREAMS)]
+        try:
+            wait_until(lambda: metric(srv, "dpserve_api_streams_paused") == NUM_STREAMS, 90, 0.2, "every stream paused")
+            time.sleep(1)
+            held = metric(srv, "dpserve_api_stream_held_bytes")
+            # each stream may pass the total by the event that made it pause (~2 KB here)
+            assert 0 < held <= total + NUM_STREAMS * 4096, held
+        finally:
+            for s in socks:
+                s.close()
+
+
 @pytest.mark.parametrize("values", [("0", "0"), ("0", "1"), ("0", "x"), ("1", "")])
 def test_duplicate_rank_headers_are_a_400_naming_the_header(server, values):
     body = {"model": "demo", "prompt": "Hi", "max_tokens": 2}
