@@ -64,12 +64,12 @@ def raw_headers(lines: list[tuple[str, str]], body: dict) -> bytes:
     return b"POST /v1/completions HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs).encode() + b"\r\n" + data
 
 
-def never_reading_stream(port: int) -> socket.socket:
+def never_reading_stream(port: int, max_tokens: int = MAX_TOKENS) -> socket.socket:
     """A streamed n=4, logprobs=20 completion whose client never calls recv()."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window stays small
     sock.connect(("127.0.0.1", port))
-    sock.sendall(request_bytes({"model": "demo", "prompt": "Hello there", "max_tokens": MAX_TOKENS, "n": 4, "logprobs": 20,
+    sock.sendall(request_bytes({"model": "demo", "prompt": "Hello there", "max_tokens": max_tokens, "n": 4, "logprobs": 20,
                                 "stream": True, "ignore_eos": True, "temperature": 1.0}))
     return sock
 
@@ -201,6 +201,41 @@ def test_the_total_bound_pauses_streams_before_their_own_bound(demo_model_dir):
         finally:
             for s in socks:
                 s.close()
+
+
+def test_vllm_ranks_stop_generating_for_paused_streams(demo_model_dir):
+    """vLLM has no pause: its rank holds a paused request's outputs and is not stepped
+    while every request it holds is paused; the write timeout aborts them as usual."""
+    from tests.support import vllm_venv
+
+    venv = vllm_venv()
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    srv = DpServer(demo_model_dir, "--engine", "vllm", "--data-parallel-size", "1", "--max-model-len", "512", "--dtype", "bfloat16",
+                   "--kv-cache-memory-bytes", str(1 << 30), "--stream-buffer-bytes", str(STREAM_BUFFER),
+                   "--stream-write-timeout-s", str(WRITE_TIMEOUT_S), python=f"{venv}/bin/python", env={**env, "DPSERVE_API_KEY": API_KEY})
+    try:
+        srv.start(wait_ready=False)
+        srv.wait_ready(600)
+        socks = [never_reading_stream(srv.port, max_tokens=400) for _ in range(4)]
+        try:
+            wait_until(lambda: metric(srv, "dpserve_api_streams_paused") == 4, 120, 0.2, "every stream paused")
+            samples = [remaining_decode(srv)]
+
+            def settled() -> bool:
+                time.sleep(1.5)
+                samples.append(remaining_decode(srv))
+                return samples[-1] == samples[-2]
+
+            wait_until(settled, 15, 0, "the rank to stop generating")
+            time.sleep(3)
+            assert remaining_decode(srv) == samples[-1] > 0, "vLLM kept generating for clients that do not read"
+            wait_until(lambda: metric(srv, "dpserve_api_streams_stalled_total") >= 4, WRITE_TIMEOUT_S + 20, 0.2, "stalled streams")
+            wait_until(lambda: aborted(srv) >= 16, 10, 0.2, "the requests aborted")
+        finally:
+            for s in socks:
+                s.close()
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize("values", [("0", "0"), ("0", "1"), ("0", "x"), ("1", "")])
