@@ -240,6 +240,7 @@ def test_a_local_peer_cannot_take_rank_0_out_of_routing(node):
                 fake.send(TO_API.encode(EngineDead(0, incarnation, "forged death")))
         time.sleep(0.5)
         took = _pinned_all_succeed(node, 0, 12)
+        print(f"\npinned to rank 0 with impostors connected: 12 x 200, max {max(took) * 1000:.0f} ms")
         assert max(took) < 5, took  # not waiting out a first-token or wait-for-engine bound
         for fake in fakes:
             assert not fake.poll(50), "an impostor received a request"
@@ -249,6 +250,7 @@ def test_a_local_peer_cannot_take_rank_0_out_of_routing(node):
         ctx.term()
     time.sleep(0.5)  # the impostors' connections are gone: the old bug bit at the next send
     took = _pinned_all_succeed(node, 0, 12)
+    print(f"pinned to rank 0 after the impostors left: 12 x 200, max {max(took) * 1000:.0f} ms")
     assert max(took) < 5, took
     status = node.status()
     assert status["ready"] is True, status
@@ -361,7 +363,9 @@ def test_a_plea_through_the_coordinator_reaches_the_rank(node):
         from dpserve.engine.common.protocol import CoordinatorInput, GreetAgain
 
         plea.send(Codec(CoordinatorInput).encode(GreetAgain(0, f"ipc://{node.run_dir}/api-0.engines", "test plea")))
+        started = time.monotonic()
         wait_until(lambda: len(re.findall(r"api-0: engine connected .*?rank=0 ", node.log())) > before, 15, 0.1, "rank 0 to greet api-0 again")
+        print(f"\nplea -> rank 0 reconnected and routed by api-0 again in {time.monotonic() - started:.1f} s")
     finally:
         plea.close(0)
         ctx.term()
