@@ -244,6 +244,19 @@ class EngineClient:
             self.log.warning("engine rank unreachable; asking it to reconnect", rank=rank, reason=why)
         self.peers.heal(time.monotonic(), at_once=(rank,))
 
+    def probe_idle(self) -> None:
+        """A Ping to every routable rank with none of our requests in flight: a connection
+        that went away shows as a failed send now (then _lost pleads), not at the next
+        request. Busy ranks need none: their next send tells."""
+        router, ping = self.router, None
+        for rank in router.eligible:
+            if 0 <= rank < router.size and router.inflight[rank] == 0 and router.routable(rank):
+                ping = ping or self._out_codec.encode(Ping(0))
+                try:
+                    self._send_now(rank, ping)
+                except zmq.ZMQError:
+                    pass
+
     def _accept(self, rank: int, incarnation: str, peer: bytes) -> None:
         self.peers.bind(rank, peer)
         if self.router.engine_hello(rank, incarnation):

@@ -351,6 +351,7 @@ class ApiServer:
     async def _heartbeat(self) -> None:
         while True:
             self.supervisor.heartbeat(len(self.client.requests))
+            self.client.probe_idle()
             self.client.peers.heal(time.monotonic())
             try:
                 await self.coordinator.send(self._register, zmq.NOBLOCK)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
 import tempfile
@@ -186,6 +187,7 @@ def node(demo_model_dir):
         "--max-model-len", "64",
         "--wait-for-engine-s", "5",
         "--request-first-token-timeout-s", "10",
+        "--dp-supervisor-probe-interval-s", "0.5",
         env={"DPSERVE_API_KEY": API_KEY},
     )
     srv.run_dir = run_dir
@@ -373,3 +375,37 @@ def test_a_plea_through_the_coordinator_reaches_the_rank(node):
     took = _pinned_all_succeed(node, 0, 6)
     assert max(took) < 5, took
     assert node.status()["ready"] is True
+
+
+@pytest.mark.slow
+def test_an_api_server_that_cannot_reach_a_rank_says_so_and_heals(node):
+    """api-0's engine socket is hidden (renamed) and rank 0 is asked to remake its connection
+    to it: rank 0 cannot reconnect. api-0 finds its connection gone (its idle-rank ping fails),
+    stops routing there, pleads, and /status and /readyz on the health port name api-0 as
+    unable to route to rank 0 (before: "ready, routed by all"). Once the socket is back,
+    rank 0 reconnects, greets, and both disappear; pinned requests to rank 0 succeed."""
+    from dpserve.engine.common.protocol import CoordinatorInput, GreetAgain
+
+    path = f"{node.run_dir}/api-0.engines"
+    ctx = zmq.Context()
+    plea = _dealer(ctx, b"test-api-0", f"ipc://{node.run_dir}/coordinator.engines")
+    os.rename(path, path + ".hidden")
+    try:
+        time.sleep(1.2)  # past the rank's one-reconnect-a-second limit (an earlier test pleaded)
+        plea.send(Codec(CoordinatorInput).encode(GreetAgain(0, f"ipc://{path}", "test: socket hidden")))
+        started = time.monotonic()
+        status = wait_until(lambda: (lambda s: s if s["cluster"]["unroutable"] else None)(node.status()), 20, 0.1, "/status to name api-0")
+        seen = time.monotonic() - started
+        assert status["cluster"]["unroutable"] == {"api-0": [0]}, status["cluster"]
+        assert next(r for r in status["cluster"]["ranks"] if r["rank"] == 0)["not_routed_by"] == ["api-0"]
+        assert json.loads(http_get(node.health_url + "/readyz")[1])["unroutable"] == {"api-0": [0]}
+    finally:
+        os.rename(path + ".hidden", path)
+        plea.close(0)
+        ctx.term()
+    started = time.monotonic()
+    wait_until(lambda: node.status()["cluster"]["unroutable"] == {}, 30, 0.1, "api-0 to route to rank 0 again")
+    print(f"\nunreachable rank named in /status after {seen:.1f} s; healed {time.monotonic() - started:.1f} s after the socket returned")
+    assert "engine rank unreachable; asking it to reconnect" in node.log()
+    took = _pinned_all_succeed(node, 0, 8)
+    assert max(took) < 5, took
