@@ -186,6 +186,41 @@ def test_a_client_that_leaves_while_paused_is_aborted_at_once(server):
     assert metric(server, "dpserve_api_streams_paused") == 0
 
 
+def dechunk(raw: bytes) -> bytes:
+    """The body of a chunked HTTP/1.1 response (headers included in `raw`)."""
+    rest = raw.partition(b"\r\n\r\n")[2]
+    body = b""
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return body
+        body, rest = body + rest[:n], rest[n + 2:]
+
+
+def test_a_paused_stream_whose_client_reads_again_resumes_and_completes(server):
+    wait_until(lambda: metric(server, "dpserve_api_streams_paused") == 0, 30, 0.2, "no paused stream")
+    stalled = metric(server, "dpserve_api_streams_stalled_total")
+    sock = never_reading_stream(server.port, max_tokens=300)
+    try:
+        wait_until(lambda: metric(server, "dpserve_api_streams_paused") == 1, 60, 0.1, "the stream paused")
+        sock.settimeout(60)
+        raw = b""
+        while not raw.endswith(b"\r\n0\r\n\r\n"):
+            raw += sock.recv(1 << 16)
+    finally:
+        sock.close()
+    events = [e.removeprefix("data: ") for e in dechunk(raw).decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    tokens, finishes = {}, {}
+    for event in map(json.loads, events[:-1]):
+        for choice in event["choices"]:
+            tokens[choice["index"]] = tokens.get(choice["index"], 0) + len(choice["logprobs"]["tokens"])
+            finishes[choice["index"]] = choice["finish_reason"] or finishes.get(choice["index"])
+    assert tokens == {i: 300 for i in range(4)} and finishes == {i: "length" for i in range(4)}
+    assert metric(server, "dpserve_api_streams_stalled_total") == stalled
+
+
 def test_the_total_bound_pauses_streams_before_their_own_bound(demo_model_dir):
     """With room for four streams' shares in all, eight streams hold about that total."""
     total = 4 * (STREAM_BUFFER // 2)
