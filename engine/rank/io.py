@@ -257,7 +257,7 @@ class RankIO:
                 frame = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return got
-            if (msg := self.in_codec.decode_or_none(frame.buffer)) is not None:
+            if (msg := self.in_codec.decode_or_none(frame.buffer, self.api_addresses[index])) is not None:
                 got.append((index, msg))
 
     def _coordinator_messages(self) -> list[object]:
@@ -267,7 +267,7 @@ class RankIO:
                 data = self.coordinator.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return got
-            if (msg := self.coord_codec.decode_or_none(data)) is not None:
+            if (msg := self.coord_codec.decode_or_none(data, self.coordinator_address)) is not None:
                 got.append(msg)
 
     def deliver(self, index: int, msg: object, engine: RankEngine) -> None:
