@@ -342,11 +342,10 @@ class ApiServer:
             pass  # the coordinator is away: the others miss these, routing stays correct, only less sticky
 
     def _greet_again(self, rank: int, reason: str) -> None:
-        """Ask `rank`, through the coordinator, to reconnect to us and say hello."""
-        try:
-            self.coordinator.send(self._greet_codec.encode(GreetAgain(rank, self.cfg.engine_address, reason)), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the coordinator is away: the next heal round pleads again
+        """Ask `rank`, through the coordinator, to reconnect to us and say hello. A plea that
+        cannot leave (the coordinator is away) is dropped: the next heal round pleads again."""
+        sent = self.coordinator.send(self._greet_codec.encode(GreetAgain(rank, self.cfg.engine_address, reason)), zmq.NOBLOCK)
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, so asyncio never logs it
 
     async def _heartbeat(self) -> None:
         while True:
