@@ -76,7 +76,8 @@ def main(argv=None) -> int:
                           max_waiting_per_rank=4096, max_request_body_bytes=1 << 22,
                           # ApiServerConfig's defaults (a namespace, so --code can point at older trees)
                           wait_for_engine_s=60.0, request_first_token_timeout_s=600.0,
-                          http_idle_timeout_s=30.0, http_body_timeout_s=60.0, http_max_connections=2048)
+                          http_idle_timeout_s=30.0, http_body_timeout_s=60.0, http_max_connections=2048,
+                          stream_buffer_bytes=1 << 20, stream_buffer_total_bytes=256 << 20, stream_write_timeout_s=60.0)
     tokenizer = TextTokenizer.from_dir(model)
     router = Router(1, "queue", 1 << 62)  # no admission limit: nothing here ever finishes on an engine
     router.update_table(LoadTable(1, 1, [RankLoad(0, "x", True)]))
@@ -167,13 +168,29 @@ def main(argv=None) -> int:
         async def drain(self) -> None:
             pass
 
+    class NullTransport:
+        """A connection whose client keeps up: what stream pacing reads of it costs what a
+        real transport's does (a Mock's attribute calls would cost ~100 us a stream)."""
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+        def is_closing(self) -> bool:
+            return False
+
+        def get_extra_info(self, name, default=None):
+            return default
+
+        def set_write_buffer_limits(self, high=None, low=None) -> None:
+            pass
+
     async def requests(path: str, payloads: list[bytes], n: int):
         """n fresh requests: clones of one mocked request per body, each with its own payload."""
         loop = asyncio.get_running_loop()
         writer = NullWriter()
         templates = [make_mocked_request("POST", path, headers={"Content-Type": "application/json",
                                                                 "Content-Length": str(len(data))},
-                                         writer=writer, client_max_size=1 << 22) for data in payloads]
+                                         writer=writer, transport=NullTransport(), client_max_size=1 << 22) for data in payloads]
         out = []
         for i in range(n):
             data = payloads[i % len(payloads)]

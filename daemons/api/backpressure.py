@@ -74,6 +74,7 @@ class StreamBudget:
                 if size:
                     held += size
                 else:
+                    pacer._is_behind = False
                     self.behind.discard(pacer)
             self._held = held
         return self._held
@@ -85,7 +86,7 @@ class StreamPacer:
     Invariant: while the pacer waits for its reader, its unfinished engine requests
     are paused (and resumed, or aborted by the caller's cleanup, when it ends)."""
 
-    __slots__ = ("budget", "states", "response", "transport", "writer", "high")
+    __slots__ = ("budget", "states", "response", "transport", "writer", "high", "_buffer_size", "_is_behind")
 
     def __init__(self, budget: StreamBudget, states: Sequence[RequestState]) -> None:
         self.budget = budget
@@ -94,12 +95,15 @@ class StreamPacer:
         self.response: web.StreamResponse | None = None
         self.transport: asyncio.Transport | None = None
         self.writer = None
+        self._buffer_size: Callable[[], int] = int  # the transport's get_write_buffer_size once attached (int() is 0)
+        self._is_behind = False  # in budget.behind
 
     def attach(self, response: web.StreamResponse, request: web.BaseRequest) -> None:
         """The response was prepared on `request`'s connection: bound its buffers."""
         self.response, self.transport, self.writer = response, request.transport, request.writer
         if self.transport is None:
             return
+        self._buffer_size = self.transport.get_write_buffer_size
         sock = self.transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -116,11 +120,15 @@ class StreamPacer:
         return transport.get_write_buffer_size() if transport is not None and not transport.is_closing() else 0
 
     def fits(self, size: int) -> bool:
-        """Whether `size` more bytes may be written without waiting for the reader."""
-        held = self.buffered
+        """Whether `size` more bytes may be written without waiting for the reader (the
+        hot path: a client that keeps up holds nothing here, ~0.2 us a write)."""
+        held = self._buffer_size()
         if not held:
-            self.budget.behind.discard(self)
+            if self._is_behind:
+                self._is_behind = False
+                self.budget.behind.discard(self)
             return size <= self.high
+        self._is_behind = True
         self.budget.behind.add(self)
         return held + size <= self.high and self.budget.held_bytes <= self.budget.total_bytes
 
@@ -129,6 +137,7 @@ class StreamPacer:
         read everything held here; raises StreamStalled when it reads nothing for the
         write timeout (the connection is then closed)."""
         budget, transport = self.budget, self.transport
+        self._is_behind = True
         budget.behind.add(self)
         running = [s for s in self.states if not s.is_finished]
         budget.client.pause(running)
