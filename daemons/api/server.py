@@ -110,11 +110,23 @@ async def expect_handler(request: web.Request) -> web.Response | None:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.writer.output_size = 0  # the 100 is no part of the answer's size
         return None
-    shown = " ".join(expect.split())[:100]
-    err = ApiError(417, f"Unsupported Expect header {shown!r}: only 100-continue is supported.", param="Expect", code="expectation_failed")
-    resp = error_response(err)
+    resp = error_response(_expectation_failed(request))
     resp.force_close()  # the body, if any, was never read
     return resp
+
+
+def _expectation_failed(request: web.BaseRequest) -> ApiError:
+    shown = " ".join(request.headers.get("Expect", "").split())[:100]
+    return ApiError(417, f"Unsupported Expect header {shown!r}: only 100-continue is supported.", param="Expect", code="expectation_failed")
+
+
+async def json_417(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: aiohttp's own text/plain 417, made where no route's expect_handler
+    runs (a path no route serves), leaves as the same JSON as expect_handler's."""
+    if response.status == 417 and response.content_type == "text/plain" and isinstance(response, web.Response):
+        response.body = error_body(_expectation_failed(request))
+        response.content_type = "application/json"
+        response.headers["Content-Length"] = str(len(response.body))
 
 
 def _http_error(status: int, request: web.BaseRequest, exc: BaseException | None = None, message: str | None = None) -> ApiError:
@@ -198,6 +210,7 @@ class ApiServer:
         auth = auth_middleware(self.cfg.api_key)
         middlewares = [openai_errors] if auth is None else [openai_errors, auth]
         app = web.Application(client_max_size=self.cfg.max_request_body_bytes, middlewares=middlewares)
+        app.on_response_prepare.append(json_417)
         app[CFG] = self.cfg
         app[SERVING] = self.serving
         app[LOG] = self.log

@@ -269,11 +269,11 @@ def test_a_local_peer_cannot_take_rank_0_out_of_routing(node):
 @pytest.mark.slow
 def test_an_unsupported_expect_gets_a_json_417(node):
     """`Expect: 200-ok` gets an OpenAI-style JSON 417 naming the header (before: text/plain);
-    `Expect: 100-continue` is served as before."""
+    `Expect: 100-continue` is served as before; a path no route serves gets the same JSON 417."""
     body = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 2}).encode()
-    for expect, want in (("200-ok", 417), ("100-continue", 200)):
+    for path, expect, want in (("/v1/completions", "200-ok", 417), ("/v1/completions", "100-continue", 200), ("/no/such/path", "200-ok", 417)):
         head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nExpect: {expect}\r\nConnection: close\r\n\r\n"
         ).encode()
         with socket.create_connection(("127.0.0.1", node.port), timeout=30) as sock:
