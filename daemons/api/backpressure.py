@@ -165,9 +165,10 @@ class StreamPacer:
                     return task.result()
                 now, size = time.monotonic(), self.buffered
                 if size < last:  # the client read some: progress
-                    last, deadline = size, now + timeout
+                    deadline = now + timeout
                 elif now >= deadline:
                     break
+                last = size  # (the first check also sees the write that paused the stream)
         finally:
             if not task.done():
                 task.cancel()
