@@ -318,21 +318,18 @@ class Addresses(msgspec.Struct, kw_only=True):
         """
         n = cfg.api_server_count if cfg.runs_api_servers else 0
         probes = [f"{run_dir}/api-{i}.http" for i in range(n)]
-        if not cfg.uses_tcp:
-            return cls(
-                supervisor=f"ipc://{run_dir}/supervisor.ctl",
-                coordinator_engines=f"ipc://{run_dir}/coordinator.engines",
-                coordinator_table=f"ipc://{run_dir}/coordinator.table",
-                api_engines=[f"ipc://{run_dir}/api-{i}.engines" for i in range(n)],
-                api_probes=probes,
-            )
-        head, rpc = cfg.data_parallel_address, cfg.data_parallel_rpc_port
-        base = cfg.api_rpc_port_base
+        if cfg.uses_tcp:
+            head, rpc, base = cfg.data_parallel_address, cfg.data_parallel_rpc_port, cfg.api_rpc_port_base
+            engines, table = f"tcp://{head}:{rpc}", f"tcp://{head}:{rpc + 1}"
+            api_engines = [f"tcp://{node_address}:{base + i}" for i in range(n)]
+        else:
+            engines, table = f"ipc://{run_dir}/coordinator.engines", f"ipc://{run_dir}/coordinator.table"
+            api_engines = [f"ipc://{run_dir}/api-{i}.engines" for i in range(n)]
         return cls(
-            supervisor=f"ipc://{run_dir}/supervisor.ctl",
-            coordinator_engines=f"tcp://{head}:{rpc}",
-            coordinator_table=f"tcp://{head}:{rpc + 1}",
-            api_engines=[f"tcp://{node_address}:{base + i}" for i in range(n)],
+            supervisor=f"ipc://{run_dir}/supervisor.ctl",  # node-local either way
+            coordinator_engines=engines,
+            coordinator_table=table,
+            api_engines=api_engines,
             api_probes=probes,
         )
 
