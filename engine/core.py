@@ -138,7 +138,8 @@ class EngineCore:
         try:
             error = self._validate(req)
             if error is None:
-                seq = Sequence(req.request_id, req.prompt_token_ids, req.params, req.arrival_time, self.device)
+                seq = Sequence(req.request_id, req.prompt_token_ids, req.params, req.arrival_time, self.device,
+                               req.num_prior_outputs)
                 if req.params.guided_grammar is not None:
                     compiling = self.grammars.submit(req.params.guided_grammar)
         except Exception as e:  # a malformed request fails alone, never the engine loop
@@ -153,13 +154,14 @@ class EngineCore:
         return None
 
     def _validate(self, req: AddRequest) -> str | None:
-        prompt, p = req.prompt_token_ids, req.params
+        p, prior = req.params, req.num_prior_outputs
+        prompt = req.prompt_token_ids[: len(req.prompt_token_ids) - prior] if prior > 0 else req.prompt_token_ids
         if req.request_id in self._requests:
             return f"duplicate request id {req.request_id!r}: a request with this id is still running"
         if not prompt:
             return "the prompt is empty: at least one token is needed"
-        if not (1 <= p.max_tokens <= self.max_model_len):
-            return f"max_tokens must be between 1 and {self.max_model_len}, got {p.max_tokens}"
+        if not (1 <= p.max_tokens <= self.max_model_len) or not (0 <= prior < p.max_tokens):
+            return f"max_tokens must be between 1 and {self.max_model_len} and above the {prior} prior outputs, got {p.max_tokens}"
         if len(prompt) + p.max_tokens > self.max_model_len:
             return (
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
@@ -170,7 +172,7 @@ class EngineCore:
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({p.max_tokens}) can never fit this rank's KV "
                 f"cache of {self.kv_capacity_tokens} tokens (raise --kv-cache-memory-bytes or lower max_tokens)"
             )
-        low, high = min(prompt), max(prompt)
+        low, high = min(req.prompt_token_ids), max(req.prompt_token_ids)
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
             return f"prompt token id {bad} is out of range for the vocabulary of size {self.vocab_size}"
@@ -208,8 +210,8 @@ class EngineCore:
             return f"guided_grammar takes at most {MAX_GRAMMAR_BYTES} bytes"
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(p, name)
-            if value is not None and not (0 <= value <= MAX_LOGPROBS):
-                return f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"
+            if value is not None and not (0 <= value <= self.vocab_size):  # the API server applies --max-logprobs
+                return f"{name} must be between 0 and the vocabulary size {self.vocab_size}, got {value}"
         return None
 
     def _admit_compiled(self) -> list[RequestOutput]:

@@ -105,6 +105,7 @@ class GrammarCompiler:
             del compiling[rid]
             try:
                 seq.matcher = self.matcher(fut)
+                replay(seq.matcher, seq.output_token_ids)
                 ready.append(seq)
             except ValueError as e:
                 failed.append((rid, str(e)))
@@ -112,3 +113,13 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def replay(matcher, token_ids: list[int]) -> None:
+    """Advance a fresh matcher over the tokens a continuation already produced (on the
+    rank it moved from), so the grammar resumes where it was; ValueError if they do not
+    follow it (then the request fails, never samples past a broken state)."""
+    for token in token_ids:
+        matcher.consume_token(token)
+        if matcher.is_error():
+            raise ValueError(f"the grammar could not resume after a move: {matcher.get_error()[:400]}")

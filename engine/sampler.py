@@ -10,7 +10,7 @@ never loop over rows except the few that carry their own seed or processors.
 from __future__ import annotations
 
 import torch
-from dpserve.engine.common.protocol import TokenLogprobs
+from dpserve.engine.common.protocol import TokenLogprobs, seed_for
 from dpserve.engine.logits_processors import apply_bias_and_penalties, apply_grammar, apply_min_p, token_logprobs
 from dpserve.engine.sequence import Sequence
 
@@ -116,6 +116,9 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seq in enumerate(seqs):
             if seq.generator is not None and not seq.params.is_greedy:
+                # Position-derived, not a running stream: a continuation on another rank
+                # draws what this one would have (Sequence docstring).
+                seq.generator.manual_seed(seed_for(seq.params.seed, seq.num_output_tokens))
                 noise[row].exponential_(generator=seq.generator)
         # Exp(1) can return exactly 0; 0/0 would be NaN, which argmax prefers.
         noise.clamp_(min=torch.finfo(probs.dtype).tiny)

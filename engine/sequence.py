@@ -38,7 +38,10 @@ class Sequence:
       admission found cached (what the first output reports).
     - A new token is sampled exactly when a step computes the last of token_ids.
     - `generator` is set iff params.seed is set, and only this sequence draws
-      from it, so its samples do not depend on what else shares the batch.
+      from it, so its samples do not depend on what else shares the batch. Its
+      state before the draw of output position p is a function of (seed, p) alone
+      (seed_for), so the same request moved to another rank mid-answer (a
+      continuation) draws the same tokens as it would have where it started.
     """
 
     __slots__ = (
@@ -67,10 +70,13 @@ class Sequence:
         params: SamplingParams,
         arrival_time: float = 0.0,
         device: torch.device | str = "cpu",
+        num_prior_outputs: int = 0,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.token_ids)
+        # A continuation's last num_prior_outputs ids are outputs it produced on another
+        # rank: outputs here too (uncomputed, like a preempted sequence's history).
+        self.num_prompt_tokens = len(self.token_ids) - num_prior_outputs
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.params = params
@@ -86,11 +92,8 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.num_cached_tokens = -1
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator(device=device)
-            # Any int is a valid API seed; torch takes 64 bits, so wrap (-1 -> 2**64 - 1).
-            self.generator.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
+        # Reseeded before every draw from (seed, output position): see seeded_position.
+        self.generator: torch.Generator | None = torch.Generator(device=device) if params.seed is not None else None
 
     def __repr__(self) -> str:
         return (
@@ -137,3 +140,4 @@ class Sequence:
     def needs_min_tokens(self) -> bool:
         """True while EOS and stop tokens are still forbidden by min_tokens."""
         return self.num_output_tokens < self.params.min_tokens
+

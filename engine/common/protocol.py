@@ -55,6 +55,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
     guided_grammar: str | None = None  # an llguidance grammar (JSON), built by the API server
+    # vLLM's request priority: lower is served first under --scheduling-policy priority (the API
+    # server refuses a nonzero one under fcfs). Last, and omitted at 0: a plain request's bytes do not change.
+    priority: int = 0
 
     @property
     def is_greedy(self) -> bool:
@@ -67,6 +70,19 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
             or self.min_p or self.logit_bias or self.guided_grammar
         )
+
+
+_MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def seed_for(seed: int, position: int) -> int:
+    """The 64-bit generator seed of output position `position` of a request seeded `seed`:
+    splitmix64 of the pair, so neighbouring positions (and seeds) get unrelated streams.
+    Any int is a valid API seed (wrapped to 64 bits: -1 -> 2**64 - 1)."""
+    z = ((seed & _MASK64) + (position + 1) * 0x9E37_79B9_7F4A_7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 # llguidance's resource limits, the same where the API server validates a grammar
@@ -97,10 +113,17 @@ MAX_GRAMMAR_BYTES = 1 << 20
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """A request for a rank. A continuation (a request moved from a lost or drained rank)
+    carries the tokens it already produced as the last `num_prior_outputs` prompt ids:
+    the engine prefills them with the prompt but counts them as outputs (max_tokens,
+    min_tokens, penalties, the seeded position, the grammar's state) and never sends
+    them again. `params` are the original request's, unchanged."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    num_prior_outputs: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

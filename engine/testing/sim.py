@@ -66,7 +66,9 @@ class _Seq:
         self.request_id = req.request_id
         self.prefill_left = len(req.prompt_token_ids)
         self.max_tokens = req.params.max_tokens
-        self.num_generated = 0
+        # A continuation goes on where it left off: output i is a function of the
+        # prompt's first id and i alone, so a moved answer equals an unmoved one.
+        self.num_generated = req.num_prior_outputs
         self.stop_ids = set(req.params.stop_token_ids)
         self.first = req.prompt_token_ids[0] if req.prompt_token_ids else 0
 
@@ -141,7 +143,7 @@ class SimCore(QueueCounts):
             if seq.prefill_left > 0:
                 break
             self.waiting.popleft()
-            self._emit(seq, tokens[seq.first % len(tokens)], outs, self.running)
+            self._emit(seq, tokens[(seq.first + seq.num_generated) % len(tokens)], outs, self.running)
         return outs
 
     def _emit(self, seq: _Seq, token: int, outs: list[RequestOutput], keep: list[_Seq]) -> None:

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 
 from dpserve.engine.common.config import EngineConfig
-from dpserve.engine.common.protocol import SamplingParams, TokenLogprobs
+from dpserve.engine.common.protocol import SamplingParams, TokenLogprobs, seed_for
 from dpserve.engine.memory import cpu_kv_budget_bytes
 
 # Versions whose surface this adapter was written and tested against. The CPU
@@ -147,19 +147,31 @@ def structured_outputs_kwargs(grammar: str) -> dict:
     raise ValueError("unrecognised structured-output grammar")
 
 
-def sampling_kwargs(p: SamplingParams) -> dict:
-    """vLLM SamplingParams keyword arguments for dpserve's (same names, same meanings)."""
+def sampling_kwargs(p: SamplingParams, num_prior_outputs: int = 0) -> dict:
+    """vLLM SamplingParams keyword arguments for dpserve's (same names, same meanings).
+
+    A continuation (num_prior_outputs > 0: the prompt ends with what the request produced
+    on a rank it moved from) asks vLLM for what is left. Where vLLM cannot resume exactly,
+    it is said here: vLLM sees the prior outputs as prompt, so presence and frequency
+    penalties no longer count them; a seeded request's vLLM generator is a running
+    stream, so its draws after the move are seeded from (seed, position) and differ from
+    an unmoved answer's; and vLLM has no way to start a grammar part-way, so a guided
+    request cannot continue (it fails, as before migration existed).
+    """
+    k = num_prior_outputs
+    if k and p.guided_grammar is not None:
+        raise ValueError("a structured-output request cannot continue on a vLLM rank after a move")
     kw: dict = {
         "n": 1,
-        "max_tokens": p.max_tokens,
+        "max_tokens": p.max_tokens - k,
         "temperature": p.temperature,
         "top_p": p.top_p,
         "top_k": p.top_k if p.top_k > 0 else 0,
         "min_p": p.min_p,
-        "seed": p.seed,
+        "seed": p.seed if p.seed is None or not k else seed_for(p.seed, k) >> 1,
         "stop_token_ids": list(p.stop_token_ids),
         "ignore_eos": p.ignore_eos,
-        "min_tokens": p.min_tokens,
+        "min_tokens": max(0, p.min_tokens - k),
         "presence_penalty": p.presence_penalty,
         "frequency_penalty": p.frequency_penalty,
         "repetition_penalty": p.repetition_penalty,

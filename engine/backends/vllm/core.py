@@ -193,7 +193,7 @@ class VllmCore:
         if rid in self._reqs:
             return RequestOutput(rid, [], finish_reason=FINISH_ERROR, error=f"duplicate request id {rid!r}")
         try:
-            kw = sampling_kwargs(p)
+            kw = sampling_kwargs(p, req.num_prior_outputs)
             if p.guided_grammar is not None:
                 kw["structured_outputs"] = self._Structured(**structured_outputs_kwargs(p.guided_grammar))
             params = self._SamplingParams(**kw, output_kind=self._delta)
@@ -207,13 +207,13 @@ class VllmCore:
                 pass
             return RequestOutput(rid, [], finish_reason=FINISH_ERROR, error=f"invalid request: {e}")
         n = len(req.prompt_token_ids)
-        self._reqs[rid] = [n, p.max_tokens, 0]
+        self._reqs[rid] = [n, kw["max_tokens"], 0]
         if p.prompt_logprobs is not None:
             self._prompt_ids[rid] = list(req.prompt_token_ids)
         if p.logprobs is not None or p.prompt_logprobs is not None:
             self._k[rid] = (p.logprobs or 0, p.prompt_logprobs or 0)
         self._unstarted_tokens += n
-        self._remaining += p.max_tokens
+        self._remaining += kw["max_tokens"]
         return None
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
