@@ -7,6 +7,7 @@ turns a schedule into a forward.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 
 from dpserve.engine.interface import QueueCounts
@@ -16,15 +17,24 @@ from dpserve.engine.sequence import Sequence, SequenceStatus
 # Admission keeps this share of the KV blocks free for the running sequences
 # to decode into, so a newcomer is not admitted only to be preempted at once.
 ADMIT_WATERMARK = 0.01
+# vLLM's --scheduling-policy: fcfs (arrival order), or priority (lower `priority` first, then arrival).
+POLICIES = ("fcfs", "priority")
+
+
+def _order(seq: Sequence) -> tuple[int, float]:
+    """A sequence's place under the priority policy (vLLM's (priority, arrival_time))."""
+    return seq.params.priority, seq.arrival_time
 
 
 class Scheduler(QueueCounts):
     """Chunked prefill under a token budget, paged KV admission, preemption by recompute.
 
-    Invariants: `waiting` holds WAITING sequences, a preempted one ahead of
-    every newcomer, otherwise in arrival order; `running` holds RUNNING
-    sequences in admission order (the oldest first), each owning the blocks
-    of its block_table; a request id is in at most one of them.
+    Invariants: `waiting` holds WAITING sequences; under fcfs a preempted one
+    ahead of every newcomer, otherwise in arrival order; under the priority
+    policy sorted by (priority, arrival_time), preempted ones included, equal
+    keys in the order they were added. `running` holds RUNNING sequences in
+    admission order (the oldest first), each owning the blocks of its
+    block_table; a request id is in at most one of them.
 
     A step (schedule()) gives, in this order and within max_num_batched_tokens:
     1. every running sequence that decodes one token (they never starve
@@ -37,6 +47,14 @@ class Scheduler(QueueCounts):
     sequence needs a block and none is free, the most recently admitted
     sequence is preempted: its blocks are freed and it waits at the head of
     the queue to be recomputed from its prompt and outputs so far.
+
+    Priority policy (vLLM's): the victim of a running sequence's block shortage
+    is the running sequence last in (priority, arrival_time) order; prefill
+    chunks go in that order; and a waiting sequence that finds no slot or not
+    enough blocks preempts running ones of a strictly lower priority (larger
+    number), last first, when that makes room (vLLM v0's priority preemption:
+    a waiting request never displaces one of its own priority, so there is no
+    ping-pong).
 
     Prefix caching (when the block manager has it on): on admission a
     sequence attaches the cached blocks that hold the leading full blocks of
@@ -59,9 +77,13 @@ class Scheduler(QueueCounts):
         blocks: BlockManager,
         long_prefill_token_threshold: int = 0,
         chunked_prefill: bool = True,
+        policy: str = "fcfs",
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.is_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
@@ -109,7 +131,10 @@ class Scheduler(QueueCounts):
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.is_priority:
+            self.waiting.insert(bisect_right(self.waiting, _order(seq), key=_order), seq)
+        else:
+            self.waiting.append(seq)
         self._num_waiting_tokens += seq.num_tokens
 
     def remove(self, leaving: set[str]) -> None:
@@ -131,13 +156,21 @@ class Scheduler(QueueCounts):
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """This step's (sequence, new tokens) pairs; block tables already cover them."""
-        budget = self.max_num_batched_tokens
         scheduled: dict[str, tuple[Sequence, int]] = {}
-        preempted = decoding = prefilling = False
+        preempted, decoding, prefilling = self._schedule_running(scheduled)
+        if not preempted:
+            self._schedule_waiting(scheduled, decoding, prefilling)
+        return list(scheduled.values())
 
-        # 1-2. Running sequences: decodes first, then prefill chunks, oldest first.
-        order = [s for s in self.running if not s.is_prefilling] + [s for s in self.running if s.is_prefilling]
-        for seq in order:
+    def _schedule_running(self, scheduled: dict[str, tuple[Sequence, int]]) -> tuple[bool, bool, bool]:
+        """1-2. Running sequences: decodes first, then prefill chunks, oldest first (under the
+        priority policy, in priority order). Returns (preempted, decoding, prefilling)."""
+        budget = self.max_num_batched_tokens
+        preempted = decoding = prefilling = False
+        chunks = [s for s in self.running if s.is_prefilling]
+        if self.is_priority:
+            chunks.sort(key=_order)
+        for seq in [s for s in self.running if not s.is_prefilling] + chunks:
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.request_id in self.paused:
@@ -146,7 +179,7 @@ class Scheduler(QueueCounts):
             if n == 0:
                 continue
             while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim = max(self.running, key=_order) if self.is_priority else self.running[-1]
                 self._preempt(victim, scheduled)
                 preempted = True
                 if victim is seq:
@@ -158,44 +191,79 @@ class Scheduler(QueueCounts):
             budget -= n
             decoding = decoding or n == 1
             prefilling = prefilling or n > 1
-        budget = self.max_num_batched_tokens - sum(n for _, n in scheduled.values())
+        return preempted, decoding, prefilling
 
-        # 3. Admit from the waiting queue, in order, never past a sequence that does not fit;
-        # one whose next prefix block a prefill is computing now waits in place (held).
+    def _schedule_waiting(self, scheduled: dict[str, tuple[Sequence, int]], decoding: bool, prefilling: bool) -> None:
+        """3. Admit from the waiting queue, in order, never past a sequence that does not fit
+        (under the priority policy, after preempting lower priorities for it where that makes room);
+        one whose next prefix block a prefill is computing now waits in place (held)."""
+        budget = self.max_num_batched_tokens - sum(n for _, n in scheduled.values())
         in_flight = self._blocks_in_flight() if self.waiting else set()
         i = 0
-        while i < len(self.waiting) and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
+            if seq.request_id in self.paused:
+                i += 1  # a paused victim of this step's preemption: parked before the next
+                continue
             hits = self._cached_prefix(seq)
             if self._is_held(seq, len(hits), in_flight):
                 i += 1
                 continue
+            if len(self.running) >= self.max_num_seqs:
+                if not (self.is_priority and self._preempt_for(seq, 0, scheduled)):
+                    break
+                budget = self.max_num_batched_tokens - sum(n for _, n in scheduled.values())
+                continue  # try seq again: the victims' blocks may have been its cached prefix
             seq.num_computed_tokens = len(hits) * self.blocks.block_size
             n = self._chunk(seq, budget, decoding, prefilling)
             missing = self.blocks.blocks_for(seq.num_computed_tokens + n) - len(hits)
             reserve = self._watermark if self.running else 0
             # Attaching an evictable cached block takes it out of what is free.
-            if n == 0 or missing > self.blocks.num_free_blocks - self.blocks.num_evictable(hits) - reserve:
+            short = missing - (self.blocks.num_free_blocks - self.blocks.num_evictable(hits) - reserve)
+            if n == 0 or short > 0:
                 seq.num_computed_tokens = 0  # waiting sequences own nothing
+                if n and self.is_priority and self._preempt_for(seq, short, scheduled):
+                    budget = self.max_num_batched_tokens - sum(n for _, n in scheduled.values())
+                    continue  # try seq again, with the room made
                 break
             del self.waiting[i]
-            self._num_waiting_tokens -= seq.num_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self.blocks.attach(seq.block_table, hits)
-            seq.num_registered_blocks = len(hits)
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = seq.num_computed_tokens
-            if self.blocks.enable_caching and seq.params.prompt_logprobs is None:
-                self.num_prefix_queries += seq.num_tokens
-                self.num_prefix_hits += seq.num_computed_tokens
-            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            self._admit(seq, hits, n)
             self._add_in_flight(seq, in_flight)
             scheduled[seq.request_id] = (seq, n)
             budget -= n
             decoding = decoding or n == 1
             prefilling = prefilling or n > 1
-        return list(scheduled.values())
+
+    def _admit(self, seq: Sequence, hits: list[int], n: int) -> None:
+        """seq (out of `waiting`) runs from now, its cached prefix attached and blocks for n tokens grown."""
+        self._num_waiting_tokens -= seq.num_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.blocks.attach(seq.block_table, hits)
+        seq.num_registered_blocks = len(hits)
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        if self.blocks.enable_caching and seq.params.prompt_logprobs is None:
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += seq.num_computed_tokens
+        self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+
+    def _preempt_for(self, seq: Sequence, blocks_short: int, scheduled: dict[str, tuple[Sequence, int]]) -> bool:
+        """Priority policy: preempt running sequences of a strictly lower priority than waiting `seq`,
+        last in order first, until a slot is free and `blocks_short` more blocks are; whether any was.
+        Preempts none unless all of them together could make that room. Each call that returns True
+        leaves fewer such sequences running, so the caller's retries end."""
+        victims = sorted((s for s in self.running if s.params.priority > seq.params.priority), key=_order)
+        slots_short = len(self.running) + 1 - self.max_num_seqs
+        if not victims or slots_short > len(victims) or blocks_short > sum(len(v.block_table) for v in victims):
+            return False  # the block count is an upper bound: a block another sequence shares frees nothing
+        while victims and (slots_short > 0 or blocks_short > 0):
+            victim = victims.pop()
+            free = self.blocks.num_free_blocks
+            self._preempt(victim, scheduled)
+            slots_short -= 1
+            blocks_short -= self.blocks.num_free_blocks - free
+        return True
 
     # ------------------------------------------------------------ one prompt computation
 
@@ -264,7 +332,7 @@ class Scheduler(QueueCounts):
         return min(n, self.long_prefill_token_threshold) if decoding else n
 
     def _preempt(self, seq: Sequence, scheduled: dict[str, tuple[Sequence, int]]) -> None:
-        """Free seq's blocks and put it at the head of the queue, to recompute from scratch."""
+        """Free seq's blocks and put it back in the queue (fcfs: at its head), to recompute from scratch."""
         self.running.remove(seq)
         scheduled.pop(seq.request_id, None)
         self.blocks.release(seq.block_table)
@@ -273,7 +341,10 @@ class Scheduler(QueueCounts):
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.is_priority:
+            self.waiting.insert(bisect_right(self.waiting, _order(seq), key=_order), seq)
+        else:
+            self.waiting.appendleft(seq)
         self._num_waiting_tokens += seq.num_tokens
 
     def finish(self, seqs: list[Sequence]) -> None:

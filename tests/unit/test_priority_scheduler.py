@@ -1,0 +1,160 @@
+"""The priority scheduling policy (vLLM's --scheduling-policy priority): waiting order,
+preemption of lower priorities for a higher one, and fcfs left as it was (no model, no tensors)."""
+
+from __future__ import annotations
+
+import pytest
+from dpserve.engine.common.protocol import SamplingParams
+from dpserve.engine.kv_cache import BlockManager
+from dpserve.engine.scheduler import Scheduler
+from dpserve.engine.sequence import Sequence, SequenceStatus
+
+
+def seq(rid: str, n: int, priority: int = 0, arrival: float = 0.0, max_tokens: int = 4) -> Sequence:
+    return Sequence(rid, [7] * n, SamplingParams(max_tokens=max_tokens, priority=priority), arrival, "cpu")
+
+
+def run_step(sched: Scheduler) -> dict[str, int]:
+    """schedule(), then what the engine does after a forward: advance, and sample a token for the caught-up."""
+    plan = sched.schedule()
+    for s, n in plan:
+        s.num_computed_tokens += n
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(9)
+    check_blocks(sched)
+    return {s.request_id: n for s, n in plan}
+
+
+def finish_done(sched: Scheduler) -> list[str]:
+    done = [s for s in sched.running if s.num_output_tokens >= s.params.max_tokens]
+    sched.finish(done)
+    return [s.request_id for s in done]
+
+
+def check_blocks(sched: Scheduler) -> None:
+    owned = [b for s in sched.running for b in s.block_table]
+    assert len(owned) == len(set(owned)), "a block owned twice"
+    assert len(owned) + sched.blocks.num_free_blocks == sched.blocks.num_blocks
+    assert all(not s.block_table and s.num_computed_tokens == 0 for s in sched.waiting)
+    assert all(s.status is SequenceStatus.WAITING for s in sched.waiting)
+    assert all(s.status is SequenceStatus.RUNNING for s in sched.running)
+    assert sched.num_waiting_prefill_tokens == sum(s.num_tokens for s in sched.waiting) + sum(
+        s.num_uncomputed_tokens for s in sched.running if s.is_prefilling)
+    if sched.is_priority:
+        keys = [(s.params.priority, s.arrival_time) for s in sched.waiting]
+        assert keys == sorted(keys), "the waiting queue lost its (priority, arrival) order"
+
+
+def admission_order(policy: str) -> list[str]:
+    """One slot; every request queued before the first step; the order they run in."""
+    sched = Scheduler(1, 100, BlockManager(64, 4), policy=policy)
+    for rid, prio, t in [("a", 1, 0.0), ("b", 0, 1.0), ("c", 0, 2.0), ("d", -1, 3.0), ("e", 1, 4.0)]:
+        sched.add(seq(rid, 8, prio, t, max_tokens=2))
+    order = []
+    while sched.has_unfinished:
+        plan = run_step(sched)
+        order += [rid for rid in plan if rid not in order]
+        finish_done(sched)
+    return order
+
+
+def test_waiting_requests_run_by_priority_then_arrival():
+    assert admission_order("priority") == ["d", "b", "c", "a", "e"]
+    assert admission_order("fcfs") == ["a", "b", "c", "d", "e"]  # priority ignored: arrival order
+
+
+def test_equal_keys_keep_the_order_they_were_added():
+    sched = Scheduler(1, 100, BlockManager(64, 4), policy="priority")
+    for rid in "xyz":
+        sched.add(seq(rid, 4, 0, 5.0))
+    assert [s.request_id for s in sched.waiting] == ["x", "y", "z"]
+
+
+def test_a_higher_priority_takes_the_slot_of_the_latest_lowest_one():
+    sched = Scheduler(2, 100, BlockManager(64, 4), policy="priority")
+    sched.add(seq("low-old", 8, 5, 0.0, max_tokens=50))
+    sched.add(seq("low-new", 8, 5, 1.0, max_tokens=50))
+    run_step(sched)
+    run_step(sched)
+    sched.add(seq("same", 8, 5, 2.0))  # its own priority: waits, preempts nobody
+    assert "same" not in run_step(sched) and sched.num_preemptions == 0
+    sched.add(seq("high", 8, 0, 3.0))
+    plan = run_step(sched)
+    assert plan["high"] == 8 and "low-new" not in plan and plan["low-old"] == 1
+    assert sched.num_preemptions == 1
+    # the victim waits ahead of the later arrival of its own priority, and keeps its outputs
+    assert [s.request_id for s in sched.waiting] == ["low-new", "same"]
+    assert sched.waiting[0].num_output_tokens == 3 and sched.waiting[0].num_preemptions == 1
+    # and the high one is never displaced by the low ones it displaced
+    for _ in range(3):
+        assert "high" in run_step(sched)
+    assert sched.num_preemptions == 1
+
+
+def test_a_higher_priority_preempts_for_kv_blocks():
+    sched = Scheduler(8, 100, BlockManager(12, 4), policy="priority")  # 48 tokens of KV
+    sched.add(seq("low-a", 20, 1, 0.0, max_tokens=30))
+    sched.add(seq("low-b", 20, 1, 1.0, max_tokens=30))
+    run_step(sched)
+    assert sched.blocks.num_free_blocks <= 2
+    sched.add(seq("high", 16, 0, 2.0))
+    plan = run_step(sched)
+    assert plan.get("high") == 16, plan
+    assert [s.request_id for s in sched.waiting] == ["low-b"]  # the later of the two lows
+    assert "low-a" in plan
+
+
+def test_no_preemption_when_all_lower_ones_together_cannot_make_room():
+    sched = Scheduler(8, 100, BlockManager(12, 4), policy="priority")
+    sched.add(seq("high-running", 28, 0, 0.0, max_tokens=10))
+    sched.add(seq("low", 8, 3, 1.0, max_tokens=10))
+    run_step(sched)
+    sched.add(seq("mid", 24, 1, 2.0))  # needs 6 blocks; "low" holds 2-3, "high-running" is not lower
+    plan = run_step(sched)
+    assert "mid" not in plan and sched.num_preemptions == 0
+    assert {s.request_id for s in sched.running} == {"high-running", "low"}
+
+
+def test_kv_pressure_of_running_ones_preempts_the_lowest_priority_not_the_newest():
+    def victim(policy: str) -> str:
+        sched = Scheduler(8, 100, BlockManager(6, 4), policy=policy)  # 24 tokens
+        sched.add(seq("low", 7, 1, 0.0, max_tokens=20))
+        run_step(sched)
+        sched.add(seq("high", 7, 0, 1.0, max_tokens=20))
+        run_step(sched)  # both fit: 2 blocks each
+        while not sched.num_preemptions:
+            run_step(sched)
+        return sched.waiting[0].request_id
+
+    assert victim("priority") == "low"
+    assert victim("fcfs") == "high"  # the most recently admitted, as before
+
+
+def test_prefill_chunks_go_in_priority_order():
+    def chunks(policy: str) -> dict[str, int]:
+        sched = Scheduler(8, 12, BlockManager(64, 4), long_prefill_token_threshold=10, policy=policy)
+        sched.add(seq("d", 2, 0, 0.0, max_tokens=50))
+        run_step(sched)  # d decodes from now on, so prefill chunks are at most 10
+        sched.add(seq("low", 100, 1, 1.0))
+        assert run_step(sched) == {"d": 1, "low": 10}
+        sched.add(seq("high", 100, 0, 2.0))
+        assert run_step(sched) == {"d": 1, "low": 10, "high": 1}  # what the budget left
+        return run_step(sched)
+
+    assert chunks("priority") == {"d": 1, "high": 10, "low": 1}
+    assert chunks("fcfs") == {"d": 1, "low": 10, "high": 1}
+
+
+def test_a_paused_running_one_is_preempted_for_a_higher_one_and_waits():
+    sched = Scheduler(1, 100, BlockManager(64, 4), policy="priority")
+    sched.add(seq("low", 8, 1, 0.0, max_tokens=20))
+    run_step(sched)
+    sched.paused.add("low")
+    sched.add(seq("high", 8, 0, 1.0))
+    assert run_step(sched) == {"high": 8}
+    assert [s.request_id for s in sched.waiting] == ["low"]
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="fcfs, priority"):
+        Scheduler(1, 10, BlockManager(4, 4), policy="lifo")
