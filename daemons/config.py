@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from dpserve.daemons.coordinator.routing import is_node_local
-from dpserve.engine.common.config import ENGINES, NATIVE_ENGINE, EngineConfig
+from dpserve.engine.common.config import ENGINES, NATIVE_ENGINE, SCHEDULING_POLICIES, EngineConfig
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -75,6 +75,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = _ENGINE["max_num_seqs"]
     max_num_batched_tokens: int = _ENGINE["max_num_batched_tokens"]
     enable_chunked_prefill: bool = _ENGINE["enable_chunked_prefill"]
+    scheduling_policy: str = _ENGINE["scheduling_policy"]  # also read by the API servers (a nonzero priority under fcfs: 400)
     long_prefill_token_threshold: int = _ENGINE["long_prefill_token_threshold"]
     kv_cache_memory_bytes: int = _ENGINE["kv_cache_memory_bytes"]
     gpu_memory_utilization: float = _ENGINE["gpu_memory_utilization"]
@@ -208,6 +209,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         self._validate_engine()
         if self.lb_policy not in LB_POLICIES:
             raise ValueError(f"--lb-policy must be one of {', '.join(LB_POLICIES)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.api_server_launch not in API_SERVER_LAUNCH:
             raise ValueError(f"--api-server-launch must be one of {', '.join(API_SERVER_LAUNCH)}")
         if self.restart_policy not in RESTART_POLICIES:
@@ -347,6 +350,7 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     data_parallel_size: int
     max_model_len: int
     lb_policy: str
+    scheduling_policy: str = _SERVE["scheduling_policy"]
     max_waiting_per_rank: int
     max_request_body_bytes: int
     shutdown_timeout_s: float

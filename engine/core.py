@@ -99,6 +99,7 @@ class EngineCore:
             self.blocks,
             long_prefill_token_threshold=threshold,
             chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
         )
         self.runner = ModelRunner(loaded, self.kv)
         generator = torch.Generator(device=loaded.device)

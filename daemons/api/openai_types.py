@@ -31,6 +31,7 @@ MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 MinTokens = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+Priority = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # vLLM's int64 bounds
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=100.0)]
@@ -104,6 +105,7 @@ class SamplingFields(Struct, kw_only=True):
     prompt_logprobs: NumLogprobs | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    priority: Priority = 0  # vLLM's: lower first under --scheduling-policy priority; nonzero under fcfs: 400 (serving.sampling)
     # Known but not implemented: accepted only at their default (see UNSUPPORTED).
     best_of: int | None = None
     response_format: dict[str, Any] | None = None

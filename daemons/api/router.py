@@ -335,6 +335,33 @@ class Router:
                 best = self._cache_pick(best, levels)
         return best
 
+    def pick_urgent(self, pinned: int | None = None, prompt: list[int] | None = None) -> int:
+        """The rank where a request more urgent than the default (priority < 0, under
+        --scheduling-policy priority) starts soonest. It passes every waiting request of a
+        lower priority there and may preempt running ones, so what delays it is the rank's
+        running batch, not its queue: the candidate with the fewest running sequences (plus
+        our unreported sends) wins, ties to the lower usual score, then the rotation. A scan
+        of the candidates: only such requests pay for it. Raises as pick() does."""
+        n = len(self.eligible)
+        if pinned is not None or not n:
+            return self.pick(pinned, prompt)
+        start = self._rotate
+        self._rotate = start + 1 if start + 1 < n else 0
+        best, best_key = -1, None
+        for j in range(n):
+            rank = self.eligible[start + j - n if start + j >= n else start + j]
+            score = self._key[rank] if 0 <= rank < self.size else None
+            if score is None:
+                continue  # no candidate: not routable, or at its queue limit
+            key = (self.loads[rank].num_running + self.sent[rank], score)
+            if best_key is None or key < best_key:
+                best, best_key = rank, key
+        if best_key is None:
+            return self.pick(pinned, prompt)  # raises NoRankAvailable or QueueFull
+        if self.prefix is not None and prompt is not None:
+            self._pending_keys = chain_keys(prompt)
+        return best
+
     def _cache_pick(self, best: int, levels: list[dict[int, int]]) -> int:
         """The least-loaded candidate `best`, or a candidate holding a deeper prefix
         whose saving outweighs its extra load (ties: the lighter rank).

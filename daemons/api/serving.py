@@ -257,6 +257,9 @@ class ServingBase:
         stop_ids = tuple(req.stop_token_ids or ())
         if any(t >= self.vocab_size for t in stop_ids):
             raise ApiError(400, f"stop_token_ids must be in [0, {self.vocab_size}).", param="stop_token_ids")
+        if req.priority and self.cfg.scheduling_policy != "priority":
+            raise ApiError(400, f"priority {req.priority} needs --scheduling-policy priority; this server schedules "
+                           f"{self.cfg.scheduling_policy} (first come, first served).", param="priority")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -266,6 +269,7 @@ class ServingBase:
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,
+            priority=req.priority,
         )
 
     # ---------------------------------------------------------------- tokenization
@@ -403,7 +407,9 @@ class ServingBase:
         """Send to the best rank; a rank whose socket is gone is skipped, not fatal.
         Raises RoutingError when no rank takes it."""
         for _ in range(self.router.size):
-            rank = self.router.pick(pinned, add.prompt_token_ids)
+            # A request more urgent than the default goes where it starts soonest (priority policy).
+            pick = self.router.pick_urgent if add.params.priority < 0 else self.router.pick
+            rank = pick(pinned, add.prompt_token_ids)
             try:
                 self.client.send(state, add, rank)
                 return rank

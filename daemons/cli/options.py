@@ -34,6 +34,7 @@ from dpserve.engine.common.config import (
     ENGINE_ALIASES,
     ENGINES,
     GPU_MAX_NUM_BATCHED_TOKENS,
+    SCHEDULING_POLICIES,
 )
 
 DEFAULTS = field_defaults(ServeConfig)
@@ -170,6 +171,7 @@ _SERVE = [
     flag("--max-num-seqs", type=click.IntRange(1), help="Running sequences per rank."),
     flag("--max-num-batched-tokens", type=click.IntRange(0), shows=f"0 = {GPU_MAX_NUM_BATCHED_TOKENS} on GPU, {CPU_MAX_NUM_BATCHED_TOKENS} on CPU", help="Tokens per engine step per rank."),
     flag("--enable-chunked-prefill/--no-enable-chunked-prefill", shows="on", help="Split long prompts across steps, so decoding streams keep getting tokens."),
+    flag("--scheduling-policy", type=click.Choice(SCHEDULING_POLICIES), help="vLLM's: fcfs serves requests in arrival order (a request's nonzero priority gets 400); priority serves lower `priority` first (then arrival), and a waiting request preempts running ones of a lower priority when it finds no room."),
     flag("--long-prefill-token-threshold", type=click.IntRange(0), shows=f"0 = the budget on GPU, {CPU_LONG_PREFILL_TOKEN_THRESHOLD} on CPU", help="While others decode, a prefill chunk is at most this many tokens."),
     flag("--kv-cache-memory-bytes", type=click.IntRange(0), shows="0 = auto", help="KV-cache budget per rank in bytes (auto on CPU: 40% of available memory split between local ranks, at most 4 GiB)."),
     flag("--gpu-memory-utilization", type=click.FloatRange(0.05, 1.0), help="CUDA: share of device memory for weights + KV cache (the KV cache takes what the model leaves)."),

@@ -15,6 +15,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype's choices
 # native: the engine of this package; vllm: vLLM's LLMEngine in the rank process (engine/backends/vllm/core.py)
 NATIVE_ENGINE = "native"
 ENGINES = (NATIVE_ENGINE, "vllm")
+# --scheduling-policy (vLLM's): fcfs, arrival order; priority, the request's `priority` (lower first), then arrival
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # Older spellings still accepted, for one release: --engine dpserve meant the native engine.
 ENGINE_ALIASES = {"dpserve": NATIVE_ENGINE}
 
@@ -46,6 +48,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int = 0  # 0: from the model's config
     max_num_batched_tokens: int = 0  # tokens per step at most; 0: by device (see above)
     enable_chunked_prefill: bool = True  # split long prompts across steps
+    scheduling_policy: str = "fcfs"  # vLLM's: fcfs (arrival order) or priority (the request's `priority`, lower first)
     long_prefill_token_threshold: int = 0  # chunk cap while others decode; 0: by device
     block_size: int = 0  # tokens per KV block; 0: the engine's own (native: DEFAULT_BLOCK_SIZE)
     kv_cache_memory_bytes: int = 0  # KV budget; 0: auto (CPU: share of available RAM)
