@@ -207,12 +207,14 @@ def worker(model, **opts) -> None:
 @click.option("--tokenizer", type=click.Choice(["bytelevel", "metaspace"]), default="bytelevel", show_default=True,
               help="bytelevel: GPT-2/Llama-3 style BPE; metaspace: SentencePiece style (Llama-2, Mistral, Gemma: "
                    "U+2581 for spaces, byte fallback), tiny size only.")
-def demo_model(directory: str, size: str, tokenizer: str) -> None:
+@click.option("--chat-template", "chat", type=click.Choice(["plain", "tools"]), default="plain", show_default=True,
+              help="plain: ChatML; tools: Hermes/Qwen-style, with tools, <tool_call> tags and a <think> block.")
+def demo_model(directory: str, size: str, tokenizer: str, chat: str) -> None:
     """Write a built-in random-weight Llama demo model (weights, tokenizer, chat template) to DIRECTORY."""
     from dpserve.engine.testing.demo_model import create_demo_model
 
     try:
-        path = create_demo_model(directory, size, tokenizer)
+        path = create_demo_model(directory, size, tokenizer, chat)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     click.echo(path)

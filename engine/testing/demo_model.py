@@ -13,6 +13,8 @@ import random
 import shutil
 import tempfile
 
+from dpserve.engine.testing.demo_chat import PLAIN_TEMPLATE, TOOL_TOKENS, chat_template
+
 VERSION = "demo-model-v1"
 SEED = 1234
 
@@ -50,16 +52,7 @@ REQUIRED_FILES = (
     "generation_config.json",
 )
 
-# Renders the BOS itself, like Llama 3's template: callers encode the rendered
-# chat with add_special_tokens=False (what transformers' apply_chat_template
-# and vLLM do), plain completions with it, and get exactly one BOS either way.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = PLAIN_TEMPLATE  # the plain demo model's (demo_chat.py holds both)
 
 # The corpus is generated here rather than read from the stdlib, whose
 # docstrings change between Python releases and would change the tokenizer.
@@ -130,19 +123,39 @@ def _template_processor(bos_id: int):
     )
 
 
-def _build_tokenizer(kind: str = "bytelevel"):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
+def _build_tokenizer(kind: str = "bytelevel", chat: str = "plain"):
+    """The trained tokenizer; with the "tools" chat template, its tags are added
+    tokens right after the special ones (ordinary text to decoders and grammars)."""
     if kind not in TOKENIZERS:
         raise ValueError(f"unknown demo tokenizer {kind!r} (one of {', '.join(TOKENIZERS)})")
-    if kind == "metaspace":
-        return _build_metaspace_tokenizer()
+    chat_template(chat)  # checks the name
+    extra = TOOL_TOKENS if chat == "tools" else ()
+    tok = _build_metaspace_tokenizer(extra) if kind == "metaspace" else _build_bytelevel_tokenizer(extra)
+    return _unmark_special(tok, extra) if extra else tok
+
+
+def _unmark_special(tok, contents: tuple[str, ...]):
+    """The trainer adds `contents` as special tokens: make them plain added tokens
+    (kept by skip_special_tokens, matched in any text, never normalized)."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    for added in data["added_tokens"]:
+        if added["content"] in contents:
+            added["special"] = False
+            added["normalized"] = False
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def _build_bytelevel_tokenizer(extra: tuple[str, ...] = ()):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *extra],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -154,7 +167,7 @@ def _build_tokenizer(kind: str = "bytelevel"):
     return tok
 
 
-def _build_metaspace_tokenizer():
+def _build_metaspace_tokenizer(extra: tuple[str, ...] = ()):
     """SentencePiece-style BPE: trained to VOCAB_SIZE - 256 ids, then the 256 byte
     tokens <0x00>..<0xFF> fill the top ids (byte_fallback), as in Llama-2's vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -163,7 +176,7 @@ def _build_metaspace_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_METASPACE, prepend_scheme="first")
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE - 256,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *extra],
         limit_alphabet=200,
         show_progress=False,
     )
@@ -271,12 +284,12 @@ def _weights(config: dict) -> dict:
     return tensors
 
 
-def _write_files(out: str, size: str = "tiny", tokenizer: str = "bytelevel") -> None:
+def _write_files(out: str, size: str = "tiny", tokenizer: str = "bytelevel", chat: str = "plain") -> None:
     from safetensors.torch import save_file
 
     if tokenizer != "bytelevel" and SIZES[size]["vocab_size"] != VOCAB_SIZE:
         raise ValueError(f"the {tokenizer} demo tokenizer comes in the tiny size only")
-    tok = _build_tokenizer(tokenizer)
+    tok = _build_tokenizer(tokenizer, chat)
     if SIZES[size]["vocab_size"] > VOCAB_SIZE:
         tok = _pad_vocabulary(tok, SIZES[size]["vocab_size"])
     bos_id, eos_id, im_end_id = (tok.token_to_id(t) for t in (BOS, EOS, IM_END))
@@ -288,14 +301,14 @@ def _write_files(out: str, size: str = "tiny", tokenizer: str = "bytelevel") -> 
     files = {
         "config.json": config,
         "generation_config.json": {"bos_token_id": bos_id, "eos_token_id": eos_ids},
-        "tokenizer_config.json": _tokenizer_config(config["max_position_embeddings"]),
+        "tokenizer_config.json": _tokenizer_config(config["max_position_embeddings"], chat),
     }
     _write_json_files(out, files)
     with open(os.path.join(out, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(CHAT_TEMPLATE)
+        f.write(chat_template(chat))
 
 
-def _tokenizer_config(max_length: int) -> dict:
+def _tokenizer_config(max_length: int, chat: str = "plain") -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -304,7 +317,7 @@ def _tokenizer_config(max_length: int) -> dict:
         "add_eos_token": False,
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template(chat),
     }
 
 
@@ -315,12 +328,12 @@ def _write_json_files(out: str, files: dict[str, dict]) -> None:
             f.write("\n")
 
 
-def write_tokenizer(out: str, tokenizer: str = "bytelevel") -> str:
+def write_tokenizer(out: str, tokenizer: str = "bytelevel", chat: str = "plain") -> str:
     """Write only the tiny demo model's tokenizer files (what an API server reads) into
     `out` (created): for tests and benchmarks of text handling, without torch."""
     os.makedirs(out, exist_ok=True)
-    _build_tokenizer(tokenizer).save(os.path.join(out, "tokenizer.json"))
-    _write_json_files(out, {"tokenizer_config.json": _tokenizer_config(MAX_POSITIONS)})
+    _build_tokenizer(tokenizer, chat).save(os.path.join(out, "tokenizer.json"))
+    _write_json_files(out, {"tokenizer_config.json": _tokenizer_config(MAX_POSITIONS, chat)})
     return out
 
 
@@ -328,9 +341,10 @@ def is_complete(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, name)) for name in REQUIRED_FILES)
 
 
-def create_demo_model(path: str, size: str = "tiny", tokenizer: str = "bytelevel") -> str:
-    """Write the demo model of this size (see SIZES) and tokenizer family (see
-    TOKENIZERS) into `path` (created) and return `path`.
+def create_demo_model(path: str, size: str = "tiny", tokenizer: str = "bytelevel", chat: str = "plain") -> str:
+    """Write the demo model of this size (see SIZES), tokenizer family (see
+    TOKENIZERS) and chat template (demo_chat.CHAT_TEMPLATES: "tools" adds the
+    tool-call and thinking tags) into `path` (created) and return `path`.
 
     A complete directory is left untouched. The files are written into a
     sibling temp dir that is renamed into place, so a reader (or a racing
@@ -345,7 +359,7 @@ def create_demo_model(path: str, size: str = "tiny", tokenizer: str = "bytelevel
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     try:
-        _write_files(tmp, size, tokenizer)
+        _write_files(tmp, size, tokenizer, chat)
         # mkdtemp (and safetensors) create private files; the model is meant to be shared.
         os.chmod(tmp, 0o755)
         for name in os.listdir(tmp):

@@ -1,0 +1,185 @@
+"""Tool-call parsers on recorded model answers: whole, streamed split at every point
+and character by character (the deltas must join into the whole answer's calls),
+malformed (content, never an exception), several calls; tool_choice checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from dpserve.daemons.api.openai_types import ApiError
+from dpserve.daemons.api.tools.choice import NamedToolParser, check_tools, required_schema, tool_plan
+from dpserve.daemons.api.tools.parsers import TOOL_PARSERS, JsonArrayToolParser
+
+WEATHER = {"city": "Paris", "unit": "celsius"}
+
+# (parser, answer text, expected content, expected [(name, arguments as parsed JSON)])
+RECORDED = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+     None, [("get_weather", WEATHER)]),
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+               '{"name": "b", "arguments": {"x": [1, {"y": "}{\\"<tool_call>"}], "z": "é"}}\n</tool_call>',
+     "Let me look.\n", [("a", {}), ("b", {"x": [1, {"y": '}{"<tool_call>'}], "z": "é"})]),
+    ("hermes", '<tool_call>{"arguments": {"q": "x y"}, "name": "search"}</tool_call>', None, [("search", {"q": "x y"})]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": "{\\"k\\": 2}"}\n</tool_call>', None, [("f", {"k": 2})]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
+    ("hermes", "The weather in Paris is sunny, 21 degrees.", "The weather in Paris is sunny, 21 degrees.", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None, [("get_weather", WEATHER)]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"n": 1}}; {"name": "b", "arguments": {}}', None,
+     [("a", {"n": 1}), ("b", {})]),
+    ("llama3_json", "It is sunny {really}.", "It is sunny {really}.", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, {"name": "b", "arguments": {}}]',
+     None, [("get_weather", WEATHER), ("b", {})]),
+    ("mistral", 'Sure.[TOOL_CALLS]get_weather{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]b[ARGS]{}', "Sure.",
+     [("get_weather", WEATHER), ("b", {})]),
+    ("pythonic", '[get_weather(city="Paris", unit=\'celsius\'), now()]', None, [("get_weather", WEATHER), ("now", {})]),
+    ("pythonic", '[f(a=true, b=[1, 2], c={"k": null}, d="x, ]")]', None, [("f", {"a": True, "b": [1, 2], "c": {"k": None}, "d": "x, ]"})]),
+    ("pythonic", "No call needed.", "No call needed.", []),
+]
+
+MALFORMED = [
+    ("hermes", "<tool_call>\nnot json\n</tool_call>"),
+    ("hermes", '<tool_call>{"name": 5, "arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": }}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}} trailing</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "argu'),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1'),
+    ("llama3_json", '{"nam'),
+    ("mistral", "[TOOL_CALLS] [nonsense]"),
+    ("mistral", '[TOOL_CALLS]f{"a": '),
+    ("pythonic", "[f(1, 2)]"),
+    ("pythonic", "[f(a=1), g(b=2)"),
+    ("pythonic", "[f(a=x)]"),
+]
+
+
+def whole(parser, text):
+    p = TOOL_PARSERS[parser]() if isinstance(parser, str) else parser()
+    p.feed(text)
+    content, calls = p.finish()
+    return content, [(c.name, json.loads(c.arguments)) for c in calls], calls
+
+
+def streamed(make, chunks):
+    """The deltas of a stream joined: (content, [(id, name, arguments text)])."""
+    p = make()
+    content, calls = [], []
+    for chunk in chunks + [None]:
+        if chunk is None:
+            p.finish()
+        else:
+            p.feed(chunk)
+        text, deltas = p.take_deltas()
+        content.append(text)
+        for d in deltas:
+            if d["index"] == len(calls):  # a new call: id, type and name come first, once
+                assert d["type"] == "function" and d["id"] and d["function"]["name"]
+                calls.append([d["id"], d["function"]["name"], d["function"].get("arguments", "")])
+            else:
+                assert d["index"] == len(calls) - 1 or d["index"] < len(calls)
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                calls[d["index"]][2] += d["function"]["arguments"]
+    return "".join(content), calls
+
+
+def splits(text):
+    yield [text]
+    yield list(text)
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "expected"), RECORDED)
+def test_recorded_whole(parser, text, content, expected):
+    got_content, got_calls, calls = whole(parser, text)
+    assert got_content == content
+    assert got_calls == expected
+    assert len({c.id for c in calls}) == len(calls)
+    if parser == "mistral":
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+    else:
+        assert all(c.id.startswith("chatcmpl-tool-") for c in calls)
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "expected"), RECORDED)
+def test_recorded_streamed_at_every_split(parser, text, content, expected):
+    _, _, whole_calls = whole(parser, text)
+    for chunks in splits(text):
+        got_content, got_calls = streamed(TOOL_PARSERS[parser], chunks)
+        assert got_content == (content or ""), chunks
+        assert [(n, a) for _, n, a in got_calls] == [(c.name, c.arguments) for c in whole_calls], chunks
+
+
+@pytest.mark.parametrize(("parser", "text"), MALFORMED)
+def test_malformed_is_content(parser, text):
+    content, calls, _ = whole(parser, text)
+    assert content == text and calls == []
+    for chunks in splits(text):  # never raises; whatever was not sent as a call comes as content
+        got_content, got_calls = streamed(TOOL_PARSERS[parser], chunks)
+        if not got_calls:
+            assert got_content == text, chunks
+
+
+def test_content_is_held_back_only_while_it_may_be_a_tag():
+    p = TOOL_PARSERS["hermes"]()
+    p.feed("Hello <tool")
+    assert p.take_deltas() == ("Hello ", [])
+    p.feed("box> world")
+    assert p.take_deltas() == ("<toolbox> world", [])
+
+
+def test_required_and_named_answers():
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, {"name": "now", "parameters": {}}]'
+    assert whole(JsonArrayToolParser, text)[:2] == (None, [("get_weather", WEATHER), ("now", {})])
+    for chunks in splits(text):
+        assert [n for _, n, _ in streamed(JsonArrayToolParser, chunks)[1]] == ["get_weather", "now"]
+    args = '{"city": "Paris", "unit": "celsius"}'
+    for chunks in splits(args):
+        content, calls = streamed(lambda: NamedToolParser("get_weather"), chunks)
+        assert content == "" and [(n, json.loads(a)) for _, n, a in calls] == [("get_weather", WEATHER)]
+
+
+class _Req:
+    def __init__(self, tools=None, tool_choice=None, parallel_tool_calls=None):
+        self.tools, self.tool_choice, self.parallel_tool_calls = tools, tool_choice, parallel_tool_calls
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize(("tools", "param"), [
+    ([{"type": "retrieval", "function": {"name": "f"}}], "tools[0].type"),
+    ([{"type": "function"}], "tools[0].function"),
+    ([TOOL, {"type": "function", "function": {"name": ""}}], "tools[1].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": []}}], "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "description": 3}}], "tools[0].function.description"),
+])
+def test_invalid_tools_name_the_field(tools, param):
+    with pytest.raises(ApiError) as err:
+        check_tools(tools)
+    assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize(("req", "param"), [
+    (_Req(None, "required"), "tool_choice"),
+    (_Req([TOOL], "sometimes"), "tool_choice"),
+    (_Req([TOOL], {"type": "function", "function": {"name": "other"}}), "tool_choice"),
+    (_Req([TOOL], {"type": "function", "function": {}}), "tool_choice.function.name"),
+    (_Req([TOOL], "auto"), "tool_choice"),  # auto needs --enable-auto-tool-choice
+])
+def test_invalid_tool_choice(req, param):
+    with pytest.raises(ApiError) as err:
+        tool_plan(req, False, None)
+    assert err.value.param == param
+
+
+def test_plans():
+    assert tool_plan(_Req(), True, "hermes") is None
+    assert tool_plan(_Req([TOOL]), True, "hermes").mode == "auto"
+    assert tool_plan(_Req([TOOL], "none"), False, None).mode == "none"
+    named = tool_plan(_Req([TOOL], {"type": "function", "function": {"name": "get_weather"}}), False, None)
+    assert (named.mode, named.function, named.schema) == ("named", "get_weather", TOOL["function"]["parameters"])
+    required = tool_plan(_Req([TOOL], "required", False), False, None)
+    assert required.schema["maxItems"] == 1 and required.schema["minItems"] == 1
+    assert "maxItems" not in required_schema([TOOL], None)
