@@ -1,7 +1,7 @@
 """Rank selection for one API server: load table + own unreported sends -> a rank.
 
 Pure state and arithmetic, no sockets and no HTTP, so it is tested directly;
-failures are its own exceptions (NoRankAvailable, QueueFull, RankNotEligible),
+failures are its own exceptions (NoRankAvailable, RankLost, QueueFull, RankNotEligible),
 which the API server turns into HTTP statuses. A rank is routable only while
 the coordinator says it is alive AND this API server has heard the same
 engine incarnation say hello on its own channel; otherwise a request could be
@@ -45,6 +45,17 @@ class NoRankAvailable(RoutingError):
         self.unreachable = unreachable  # routable on paper, but its socket refused the send
         self.retry_after_s = 1 if rank is not None or unreachable else 2
         super().__init__(f"rank {rank} is not routable" if rank is not None else "no rank is routable")
+
+
+class RankLost(RoutingError):
+    """A pin to a rank the table holds as lost (it died, was drained or went silent):
+    failing at once beats waiting --wait-for-engine-s for a rank that may never return.
+    A rank that is starting or registering again is waited for (NoRankAvailable)."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        self.rank = rank
+        self.reason = reason
+        super().__init__(f"rank {rank} is lost: {reason}")
 
 
 class QueueFull(RoutingError):
@@ -274,6 +285,13 @@ class Router:
         load = self.loads[rank]
         return load is not None and load.is_alive and self.hello[rank] == load.incarnation
 
+    def lost_reason(self, rank: int) -> str:
+        """Why the table holds `rank` as lost, or '' (alive, never seen, or registering again)."""
+        load = self.loads[rank]
+        if load is None or load.is_alive or load.down_reason == "registering":
+            return ""
+        return load.down_reason or "rank went down"
+
     def check_pin(self, rank: int) -> None:
         """A pin to a rank this API server does not route to is the client's error."""
         if not 0 <= rank < self.size or self._pos[rank] < 0:
@@ -317,7 +335,8 @@ class Router:
             keys = self._pending_keys = chain_keys(prompt)
         if pinned is not None:
             if not self.routable(pinned):
-                raise NoRankAvailable(pinned)
+                reason = self.lost_reason(pinned)
+                raise RankLost(pinned, reason) if reason else NoRankAvailable(pinned)
             return pinned
         start = self._rotate
         n = len(self.eligible)

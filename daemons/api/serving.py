@@ -29,7 +29,7 @@ from dpserve.daemons.api.generation import EngineFailure, Generation
 from dpserve.daemons.api.metrics import ApiMetrics
 from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse, ModelCard, ModelList, encode
 from dpserve.daemons.api.request_checks import check_unsupported, decode_request
-from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
+from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankLost, RankNotEligible, RoutingError
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.daemons.config import ApiServerConfig
 from dpserve.engine.common.protocol import AddRequest, SamplingParams
@@ -111,6 +111,8 @@ def routing_error(exc: RoutingError) -> ApiError:
         return ApiError(429, "Every rank is at its waiting-queue limit; retry shortly.", type="rate_limit_error", code="overloaded", headers=retry)
     if isinstance(exc, NoRankAvailable) and exc.unreachable:
         return ApiError(503, "No engine rank is reachable right now.", type="service_unavailable", code="rank_unavailable", headers=retry)
+    if isinstance(exc, RankLost):
+        return ApiError(503, f"Rank {exc.rank} is lost ({exc.reason}); not waiting for it.", type="service_unavailable", code="rank_unavailable", headers=retry)
     if isinstance(exc, NoRankAvailable) and exc.rank is not None:
         return ApiError(503, f"Rank {exc.rank} is not serving right now.", type="service_unavailable", code="rank_unavailable", headers=retry)
     return ApiError(503, "No engine rank is serving right now.", type="service_unavailable", code="no_rank_available", headers=retry)

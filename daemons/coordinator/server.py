@@ -25,7 +25,7 @@ from functools import partial
 import zmq
 from dpserve.daemons.config import CoordinatorConfig
 from dpserve.daemons.coordinator.handshakes import HandshakeWatch
-from dpserve.daemons.coordinator.registry import PUBLISH_KEEPALIVE_S, RankTable, publish_interval
+from dpserve.daemons.coordinator.registry import EXPIRE_EVERY_S, PUBLISH_KEEPALIVE_S, RankTable, publish_interval
 from dpserve.daemons.coordinator.routing import routes_to
 from dpserve.engine.common.auth import CurveKeys, start_authenticator
 from dpserve.engine.common.logs import setup_logging
@@ -57,7 +57,7 @@ from dpserve.engine.common.protocol import (
 from dpserve.engine.common.sockets import make_socket, peer_name
 
 GREET_LOG_EVERY_S = 10.0
-EXPIRE_EVERY_S = 0.1  # the staleness scan visits every rank: not on every message
+QUIET_REASONS = ("engine shut down", "drained")  # stops that were asked for: news, not trouble
 # One pass of the loop costs ~20 us before any message is read; at 1,024 ranks
 # reporting every 100 ms (10,240 reports/s) a pass per report would be 20% of
 # a core. Waking at most this often lets reports gather into one pass.
@@ -147,7 +147,8 @@ class Coordinator:
         if self.table.dirty:
             return max(0, int((self.publish_interval_s - (now - self.last_publish)) * 1000))
         until_full = PUBLISH_KEEPALIVE_S - (now - self.last_full_publish)
-        return max(0, int(min(until_full, self.cfg.heartbeat_interval_s) * 1000))
+        until_expire = EXPIRE_EVERY_S - (now - self.last_expire)  # a silent cluster's last rank must expire on time too
+        return max(0, int(min(until_full, until_expire, self.cfg.heartbeat_interval_s) * 1000))
 
     def _drain(self) -> None:
         now = time.monotonic()
@@ -207,10 +208,22 @@ class Coordinator:
         elif isinstance(msg, NodeHello):
             self.table.node_address(msg.node_rank, msg.address)
         elif isinstance(msg, RankDown):
-            if self.table.down(msg.rank, msg.reason):
-                self.log.warning("rank taken out of routing", rank=msg.rank, reason=msg.reason)
+            self._rank_down(identity, msg)
         elif isinstance(msg, GreetAgain):
             self._greet_again(msg, now)
+
+    def _rank_down(self, identity: bytes, msg: RankDown) -> None:
+        """A rank's death, announced by the engine itself (its last words) or by its
+        node's supervisor (a process exit it saw). An engine speaks only for its own
+        incarnation: an old incarnation's late word never takes down its successor."""
+        incarnation = None
+        if identity.startswith(b"engine-"):
+            rank, _, incarnation = identity[7:].decode(errors="replace").partition("-")
+            if rank != str(msg.rank):
+                return
+        if self.table.down(msg.rank, msg.reason, incarnation):
+            level = self.log.info if msg.reason.startswith(QUIET_REASONS) else self.log.warning
+            level("rank taken out of routing", rank=msg.rank, reason=msg.reason)
 
     def _greet_again(self, msg: GreetAgain, now: float) -> None:
         """An API server cannot route to a registered rank: pass its plea on (the rank

@@ -38,6 +38,7 @@ from dpserve.engine.common.protocol import (
     Ping,
     PleaseRegister,
     Pong,
+    RankDown,
     RegisterReply,
     RequestOutput,
     ResumeRequests,
@@ -317,12 +318,17 @@ class RankIO:
             self._send(sock, data)
 
     def announce_death(self, reason: str, linger_s: float | None = None, clean: bool = False) -> None:
-        """EngineDead to every API server (`clean`: a stop that was asked for); with
-        `linger_s`, the API sockets are closed with that linger so that the news
+        """EngineDead to every API server (`clean`: a stop that was asked for), and
+        RankDown to the coordinator, so that routing and every node's readiness
+        drop the rank at once, not after the silence limit (the coordinator
+        believes it only from this incarnation's own connection). With
+        `linger_s`, the sockets are closed with that linger so that the news
         leaves before the process does."""
         self.broadcast(EngineDead(self.rank, self.incarnation, reason, clean))
+        if self.registered:
+            self.report(RankDown(self.rank, reason))
         if linger_s is not None:
-            for sock in self.api:
+            for sock in (*self.api, self.coordinator):
                 sock.close(linger=int(linger_s * 1000))
 
     def report(self, msg: object) -> None:

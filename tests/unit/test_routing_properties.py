@@ -12,7 +12,7 @@ is full, 503 when none is routable), and the same answer to a pin.
 from __future__ import annotations
 
 import pytest
-from dpserve.daemons.api.router import NoRankAvailable, QueueFull, Router
+from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankLost, Router
 from dpserve.engine.common.protocol import LoadTable, RankLoad
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -47,7 +47,7 @@ def actual_pick(router: Router, pinned: int | None = None) -> int | str:
         return router.pick(pinned)
     except QueueFull:
         return "full"
-    except NoRankAvailable:
+    except (NoRankAvailable, RankLost):  # a pin to a lost rank fails at once: no rank either way
         return "none"
 
 
