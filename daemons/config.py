@@ -27,6 +27,9 @@ RESTART_POLICIES = ("always", "on-failure", "never")
 API_SERVER_LAUNCH = ("prefork", "exec")
 DP_BACKENDS = ("mp", "ray")
 RAY_PLACEMENTS = ("spread", "strict-spread", "pack", "strict-pack")
+# vLLM's names; the parsers are daemons/api/tools/parsers.py's and daemons/api/reasoning.py's
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def field_defaults(struct: type[msgspec.Struct]) -> dict[str, Any]:
@@ -96,9 +99,20 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_guided_schema_properties: int = 1000
     max_guided_schema_depth: int = 64
     max_response_bytes: int = 64 * 1024 * 1024  # a request whose response could be larger gets 400
+    # vLLM's: the most logprobs a request may ask for (-1: the vocabulary), /load, /tokenizer_info
+    max_logprobs: int = 20
+    enable_server_load_tracking: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    # vLLM's tool calling ("auto" parses answers with the parser) and reasoning output
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     # API servers: how long a request waits for a rank, for its first token, and HTTP limits
     wait_for_engine_s: float = 60.0
     request_first_token_timeout_s: float = 600.0
+    # a request whose rank is lost or drained moves to another rank (at most this often); pinned ones only if asked
+    max_migrations: int = 3
+    migrate_pinned: bool = False
     http_idle_timeout_s: float = 30.0
     http_body_timeout_s: float = 60.0
     http_max_connections: int = 2048
@@ -211,6 +225,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"--lb-policy must be one of {', '.join(LB_POLICIES)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.api_server_launch not in API_SERVER_LAUNCH:
             raise ValueError(f"--api-server-launch must be one of {', '.join(API_SERVER_LAUNCH)}")
         if self.restart_policy not in RESTART_POLICIES:
@@ -364,6 +380,8 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     log_level: str = _SERVE["log_level"]
     wait_for_engine_s: float = _SERVE["wait_for_engine_s"]
     request_first_token_timeout_s: float = _SERVE["request_first_token_timeout_s"]
+    max_migrations: int = _SERVE["max_migrations"]
+    migrate_pinned: bool = _SERVE["migrate_pinned"]
     http_idle_timeout_s: float = _SERVE["http_idle_timeout_s"]
     http_body_timeout_s: float = _SERVE["http_body_timeout_s"]
     http_max_connections: int = _SERVE["http_max_connections"]
@@ -377,6 +395,12 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     max_guided_schema_properties: int = _SERVE["max_guided_schema_properties"]
     max_guided_schema_depth: int = _SERVE["max_guided_schema_depth"]
     max_response_bytes: int = _SERVE["max_response_bytes"]
+    max_logprobs: int = _SERVE["max_logprobs"]
+    enable_server_load_tracking: bool = _SERVE["enable_server_load_tracking"]
+    enable_tokenizer_info_endpoint: bool = _SERVE["enable_tokenizer_info_endpoint"]
+    enable_auto_tool_choice: bool = _SERVE["enable_auto_tool_choice"]
+    tool_call_parser: str | None = _SERVE["tool_call_parser"]
+    reasoning_parser: str | None = _SERVE["reasoning_parser"]
 
 
 class CoordinatorConfig(msgspec.Struct, kw_only=True):

@@ -17,6 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 from dpserve.daemons.api.engine_peers import EnginePeers
+from dpserve.daemons.api.migration import Migrator
 from dpserve.daemons.api.router import Router
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.protocol import (
@@ -61,6 +62,13 @@ class RequestState:
         "num_output_tokens",
         "first_token_timer",
         "num_cached_tokens",
+        "prefill_left",
+        "owner",
+        "pinned",
+        "migrations",
+        "t_sent",
+        "t_first",
+        "t_last",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
@@ -80,6 +88,17 @@ class RequestState:
         self.num_output_tokens = 0
         self.first_token_timer: asyncio.TimerHandle | None = None
         self.num_cached_tokens = 0  # prompt tokens the engine found in its prefix cache (first output)
+        self.prefill_left = prompt_tokens  # tokens the current rank prefills before its first output here
+        # What it takes to move the request when its rank is lost (migration.py): the
+        # Generation it belongs to (set from send to finish only: no cycle outlives it),
+        # whether X-data-parallel-rank pinned it, and how often it moved.
+        self.owner = None
+        self.pinned = False
+        self.migrations = 0
+        # time.monotonic() of the first send, the first output and the last output (metrics)
+        self.t_sent = 0.0
+        self.t_first = 0.0
+        self.t_last = 0.0
 
     @property
     def is_finished(self) -> bool:
@@ -92,8 +111,11 @@ class RequestState:
         return ids
 
     def push(self, out: RequestOutput) -> None:
-        if out.num_cached_tokens:
-            self.num_cached_tokens = out.num_cached_tokens
+        now = time.monotonic()
+        if not self.t_first:
+            self.t_first = now
+            self.num_cached_tokens = out.num_cached_tokens  # (a continuation's first output says nothing of the prompt)
+        self.t_last = now
         self.pending.extend(out.new_token_ids)
         self.num_output_tokens += len(out.new_token_ids)
         if out.finish_reason is not None:
@@ -103,6 +125,7 @@ class RequestState:
         self.event.set()
 
     def _fail(self, reason: str, status: int = 503) -> None:
+        self.owner = None
         self.finish_reason = FINISH_ERROR
         self.error = reason
         self.error_status = status  # 503: the rank failed, not the request; 504: it never answered
@@ -119,6 +142,9 @@ class EngineClient:
         log,
         keys: CurveKeys | None = None,
         first_token_timeout_s: float = 0.0,
+        max_migrations: int = 0,
+        migrate_pinned: bool = False,
+        wait_for_engine_s: float = 0.0,
     ) -> None:
         self.ctx = ctx
         self.router = router
@@ -148,6 +174,8 @@ class EngineClient:
         # someone waits for one, so the table's hot path pays one comparison.
         self._routes_changed = asyncio.Event()
         self.num_route_waiters = 0
+        # Requests of lost ranks move on instead of failing (migration.py).
+        self.migrator = Migrator(self, max_migrations, migrate_pinned, wait_for_engine_s, log)
 
     def start(self) -> None:
         self._tasks = [
@@ -192,6 +220,11 @@ class EngineClient:
         self._send_now(rank, self._out_codec.encode(req))
         state.rank = rank
         self.requests[state.request_id] = state
+        if req.num_prior_outputs or state.migrations:  # a continuation: its prompt and what is left
+            state.prefill_left = len(req.prompt_token_ids)
+            state.remaining = state.prefill_left + req.params.max_tokens - req.num_prior_outputs
+        if not state.t_sent:
+            state.t_sent = time.monotonic()
         self.router.on_send(rank, state.remaining)
         if self.first_token_timeout_s > 0:
             loop = asyncio.get_running_loop()
@@ -199,14 +232,16 @@ class EngineClient:
 
     def _first_token_overdue(self, state: RequestState) -> None:
         state.first_token_timer = None
-        if state.request_id not in self.requests or state.num_output_tokens or state.is_finished:
+        if state.request_id not in self.requests or not state.prefill_left or state.is_finished:
             return
         self.abort(state)
         state._fail(f"no output from engine rank {state.rank} within {self.first_token_timeout_s:g} s; the request was aborted", 504)
 
     def abort(self, state: RequestState) -> None:
         """Forget a request that is not finished (client gone, stop string hit)."""
+        state.owner = None
         if self.requests.pop(state.request_id, None) is None:
+            self.migrator.forget(state)
             return
         self._stop_timer(state)
         self.router.on_finish(state.rank, state.remaining)
@@ -260,7 +295,7 @@ class EngineClient:
     def _accept(self, rank: int, incarnation: str, peer: bytes) -> None:
         self.peers.bind(rank, peer)
         if self.router.engine_hello(rank, incarnation):
-            self.fail_rank(rank, f"engine rank {rank} restarted")
+            self.lose_rank(rank, f"engine rank {rank} restarted")
         self.log.info("engine connected", rank=rank, incarnation=incarnation)
         self.notify_routes()
 
@@ -286,15 +321,28 @@ class EngineClient:
         finally:
             self.num_route_waiters -= 1
 
-    def fail_rank(self, rank: int, reason: str) -> int:
-        """End every in-flight request on `rank` with an error; returns how many."""
-        doomed = [s for s in self.requests.values() if s.rank == rank]
-        for state in doomed:
+    def lose_rank(self, rank: int, reason: str, abort: bool = False) -> tuple[int, int]:
+        """`rank` no longer holds its in-flight requests: each moves to another rank
+        (migration.py) or, if it may not, ends with an error. `abort`: the rank may
+        still be running them (it is judged down, not known dead): ask it to stop.
+        Returns (moved, failed)."""
+        lost = [s for s in self.requests.values() if s.rank == rank]
+        if abort and lost:
+            try:
+                self._send_now(rank, self._out_codec.encode(AbortRequests([s.request_id for s in lost])))
+            except zmq.ZMQError:
+                pass
+        failed = 0
+        for state in lost:
             self._finish(state)
-            state._fail(reason)
-        return len(doomed)
+            if not self.migrator.move(state, reason):
+                failed += 1
+                why = self.migrator.why_not(state)
+                state._fail(f"{reason}; the request could not move to another rank: {why}" if why else reason)
+        return len(lost) - failed, failed
 
     def fail_all(self, reason: str) -> None:
+        self.migrator.fail_all(reason)
         for state in list(self.requests.values()):
             self._finish(state)
             state._fail(reason)
@@ -340,15 +388,16 @@ class EngineClient:
                 return
             for out in msg.outputs:
                 state = requests.get(out.request_id)
-                if state is None:
+                if state is None or state.rank != msg.rank:  # (a rank it moved from)
                     continue
                 if state.first_token_timer is not None:
                     self._stop_timer(state)
                 if out.finish_reason is not None:
                     self._finish(state)
+                    state.owner = None
                 else:
-                    done = len(out.new_token_ids) + (state.prompt_tokens if not state.num_output_tokens else 0)
-                    done = min(done, state.remaining)
+                    done = min(len(out.new_token_ids) + state.prefill_left, state.remaining)
+                    state.prefill_left = 0
                     state.remaining -= done
                     self.router.on_progress(state.rank, done)
                 state.push(out)
@@ -363,10 +412,10 @@ class EngineClient:
                     pass
         elif type(msg) is EngineDead:
             if self.peers.death_notice(peer, msg.rank, msg.incarnation) and self.router.engine_dead(msg.rank, msg.incarnation):
-                n = self.fail_rank(msg.rank, msg.reason)
+                moved, failed = self.lose_rank(msg.rank, msg.reason)
                 # A stop that was asked for is news, not trouble: `journalctl -p warning` stays quiet.
-                say = self.log.info if msg.clean and not n else self.log.warning
-                say("engine announced its death", rank=msg.rank, reason=msg.reason, failed_requests=n)
+                say = self.log.info if msg.clean and not failed else self.log.warning
+                say("engine announced its death", rank=msg.rank, reason=msg.reason, moved_requests=moved, failed_requests=failed)
 
     async def _read_table(self) -> None:
         now = zmq.Socket.shadow(self.table.underlying)
@@ -387,8 +436,8 @@ class EngineClient:
             self.router.learn(table)
             return
         for rank, reason in self.router.update_table(table):
-            n = self.fail_rank(rank, f"engine rank {rank} is down: {reason}")
-            self.log.warning("rank left routing", rank=rank, reason=reason, failed_requests=n)
+            moved, failed = self.lose_rank(rank, f"engine rank {rank} is down: {reason}", abort=True)
+            self.log.warning("rank left routing", rank=rank, reason=reason, moved_requests=moved, failed_requests=failed)
         for rank, incarnation, peer in self.peers.take_heard(table):
             self._accept(rank, incarnation, peer)
         self.table_received.set()

@@ -178,7 +178,8 @@ class ApiServer:
         self.keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
         self.auth = start_authenticator(self.zctx, self.keys, log)
         self.client = EngineClient(
-            self.zctx, self.router, cfg.engine_address, cfg.table_address, log, self.keys, cfg.request_first_token_timeout_s
+            self.zctx, self.router, cfg.engine_address, cfg.table_address, log, self.keys, cfg.request_first_token_timeout_s,
+            cfg.max_migrations, cfg.migrate_pinned, cfg.wait_for_engine_s
         )
         self.client.peers.greet_again = self._greet_again
         # Tell the coordinator (maybe on another node) where engines reach us, every
@@ -220,6 +221,12 @@ class ApiServer:
         post("/v1/completions", s.completions)
         post("/v1/chat/completions", s.chat_completions)
         get("/v1/models", s.models)
+        post("/tokenize", s.tokenize_endpoint)
+        post("/detokenize", s.detokenize_endpoint)
+        if self.cfg.enable_tokenizer_info_endpoint:
+            get("/tokenizer_info", s.tokenizer_info)
+        get("/load", s.load)
+        post("/invocations", s.invocations)
         get("/health", self.health)
         get("/readyz", self.readyz)
         get("/ready", self.readyz)
@@ -270,7 +277,8 @@ class ApiServer:
         if self._openapi is None:
             s = self.serving
             limits = {field: getattr(self.cfg, field) for field, _, _ in BUDGETS_400 if hasattr(self.cfg, field)}
-            doc = build_openapi(s.model_name, s.vocab_size, s.max_model_len, api_key=bool(self.cfg.api_key), version=VERSION, limits=limits)
+            doc = build_openapi(s.model_name, s.vocab_size, s.max_model_len, api_key=bool(self.cfg.api_key), version=VERSION, limits=limits,
+                                tokenizer_info=self.cfg.enable_tokenizer_info_endpoint)
             self._openapi = encode(doc)
         return _json(self._openapi)
 

@@ -27,7 +27,7 @@ from dpserve.daemons.api.backpressure import StreamBudget, StreamCollector, Stre
 from dpserve.daemons.api.engine_client import EngineClient, RequestState
 from dpserve.daemons.api.generation import EngineFailure, Generation
 from dpserve.daemons.api.metrics import ApiMetrics
-from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse, ModelCard, ModelList, encode
+from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse, encode
 from dpserve.daemons.api.request_checks import check_unsupported, decode_request
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankLost, RankNotEligible, RoutingError
 from dpserve.daemons.api.tokenizer import TextTokenizer
@@ -119,15 +119,16 @@ def routing_error(exc: RoutingError) -> ApiError:
 
 
 def auth_middleware(api_key: str | None):
-    """Middleware that asks every /v1/ route for `Authorization: Bearer <api_key>`, or None
-    without a key. A path no route serves keeps its 404 (or 405) without a key."""
+    """Middleware that asks every /v1/ route and /invocations (it generates) for
+    `Authorization: Bearer <api_key>`, or None without a key. A path no route serves
+    keeps its 404 (or 405) without a key. vLLM's /tokenize and /detokenize stay open, as there."""
     if not api_key:
         return None
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def check_api_key(request: web.Request, handler):
-        if request.path.startswith("/v1/") and request.match_info.http_exception is None:
+        if (request.path.startswith("/v1/") or request.path == "/invocations") and request.match_info.http_exception is None:
             # aiohttp keeps undecodable header bytes as surrogates: turn them back into
             # the bytes that came, so any header compares instead of raising.
             got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
@@ -171,10 +172,6 @@ class ServingBase:
         self.max_prompt_bytes = self.max_model_len * per_token if per_token else None
         self.streams = StreamBudget(client, cfg.stream_buffer_bytes, cfg.stream_buffer_total_bytes, cfg.stream_write_timeout_s)
         metrics.registry.register(StreamCollector(self.streams, cfg.index))
-
-    async def models(self, request: web.Request) -> web.Response:
-        card = ModelCard(self.model_name, self._created, max_model_len=self.max_model_len, root=self.model_name)  # never the local path
-        return web.Response(body=encode(ModelList([card])), content_type="application/json")
 
     def new_request_id(self) -> str:
         return f"{self._id_prefix}-{next(self._ids):x}"
@@ -235,9 +232,10 @@ class ServingBase:
             raise ApiError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}.", param="model", code="model_not_found")
 
     def check_token_ids(self, ids: list[int]) -> list[int]:
-        """A prompt given as token ids: each must be in the vocabulary."""
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ApiError(400, f"Token ids must be in [0, {self.vocab_size}).", param="prompt")
+        """A prompt given as token ids: each must be in the vocabulary (vLLM's message)."""
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= self.vocab_size:
+            raise ApiError(400, f"Token id {low if low < 0 else high} is out of vocabulary (size {self.vocab_size}).", param="prompt")
         return ids
 
     def sampling(self, req, num_prompt: int, max_tokens: int) -> SamplingParams:
@@ -307,10 +305,10 @@ class ServingBase:
         self._check_prompt_size(prompt, "prompt")
         return self.tokenizer.encode(prompt)
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool, template_args: dict | None = None) -> list[int]:
         tok = self.tokenizer
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **(template_args or {}))
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         self._check_prompt_size(text, "messages")
@@ -346,6 +344,7 @@ class ServingBase:
         self.request_began()
         try:
             for gen in gens:
+                gen.state.owner, gen.state.pinned = gen, pinned is not None  # what a move needs (migration.py)
                 rank = await self.send(gen, pinned)
                 sent.append(gen.state)
                 self.metrics.routed_to(rank)
