@@ -35,7 +35,6 @@ from dpserve.engine.sequence import Sequence
 
 MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 1024  # entries
 
 

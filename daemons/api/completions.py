@@ -1,7 +1,8 @@
 """POST /v1/completions: a prompt (text or token ids, or a batch of them) to choices.
 
-Decodes and checks the request, tokenizes, and hands the engine requests to the
-one-choice fast path or, when the request uses an extra, to many_choices.
+Decodes and checks the request, tokenizes (a `suffix` through the vocabulary's
+fill-in-the-middle tokens), and hands the engine requests to the one-choice fast
+path or, when the request uses an extra, to many_choices.
 """
 
 from __future__ import annotations
@@ -10,10 +11,16 @@ import time
 
 from aiohttp import web
 from dpserve.daemons.api.guided import guided_grammar
-from dpserve.daemons.api.many_choices import ChoiceOptions, ManyChoicesServing, text_options
+from dpserve.daemons.api.many_choices import ManyChoicesServing, choice_options
 from dpserve.daemons.api.one_choice import OneChoiceServing
 from dpserve.daemons.api.openai_types import ApiError, CompletionRequest
-from dpserve.daemons.api.request_checks import completion_prompt, completion_prompts, uses_extras
+from dpserve.daemons.api.request_checks import (
+    check_logprobs,
+    completion_prompt,
+    completion_prompts,
+    truncate_prompt,
+    uses_extras,
+)
 
 
 class CompletionsServing(OneChoiceServing, ManyChoicesServing):
@@ -22,33 +29,42 @@ class CompletionsServing(OneChoiceServing, ManyChoicesServing):
         req = await self.read_request(request, CompletionRequest)
         if uses_extras(req):
             return await self._completions_with_extras(request, req, t0)
-        prompt = completion_prompt(req)
+        ids = await self._completion_ids(request, req, completion_prompt(req))
+        return await self.generate_one(request, req, ids, req.max_tokens or 16, chat=False, t0=t0)
+
+    async def _completion_ids(self, request: web.Request, req: CompletionRequest, prompt: str | list[int]) -> list[int]:
+        """One prompt's ids: text tokenized (with the suffix, as fill-in-the-middle), or
+        token ids checked; then vLLM's truncate_prompt_tokens."""
+        if req.suffix:
+            if not isinstance(prompt, str):
+                raise ApiError(400, "suffix requires text prompt input for FIM completion rendering", param="suffix")
+            fim = self.tokenizer.fim_prompt(prompt, req.suffix)
+            if fim is None:
+                raise ApiError(400, "suffix is only supported for models with FIM completion rendering: this "
+                               "model's vocabulary has no fill-in-the-middle tokens.", param="suffix")
+            prompt = fim
         if isinstance(prompt, str):
             ids = await self.tokenize(request, self.prompt_ids, prompt)
         else:
             ids = self.check_token_ids(prompt)
-        return await self.generate_one(request, req, ids, req.max_tokens or 16, chat=False, t0=t0)
+        return truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len)
 
     async def _completions_with_extras(self, request: web.Request, req: CompletionRequest, t0: float) -> web.StreamResponse:
         if req.max_tokens == 0 and not req.echo:
             raise ApiError(400, "max_tokens 0 is only accepted with echo (to score the prompt).", param="max_tokens")
-        ids_list: list[list[int]] = []
-        for prompt in completion_prompts(req):
-            if isinstance(prompt, str):
-                ids_list.append(await self.tokenize(request, self.prompt_ids, prompt))
-            else:
-                ids_list.append(self.check_token_ids(prompt))
-        text = text_options(req, req.logprobs is not None)
-        opts = ChoiceOptions(False, text, req.logprobs, req.prompt_logprobs, echo=bool(req.echo))
+        num_top = check_logprobs("logprobs", req.logprobs, self.vocab_size, self.cfg.max_logprobs)
+        num_prompt_top = check_logprobs("prompt_logprobs", req.prompt_logprobs, self.vocab_size, self.cfg.max_logprobs)
+        ids_list = [await self._completion_ids(request, req, prompt) for prompt in completion_prompts(req)]
+        opts = choice_options(False, req, num_top, num_prompt_top, echo=bool(req.echo))
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        engine_prompt_logprobs = req.prompt_logprobs
-        if opts.echo and req.logprobs is not None:
-            engine_prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
+        engine_prompt_logprobs = num_prompt_top
+        if opts.echo and num_top is not None:
+            engine_prompt_logprobs = max(num_top, num_prompt_top or 0)
         choices = []
         n = req.n or 1
-        grammar = await guided_grammar(req, self.cfg, n * len(ids_list))
+        grammar = await guided_grammar(req, self.cfg, n * len(ids_list), self.vocab_size)
         for i, ids in enumerate(ids_list):
-            echo_text = self.tokenizer.decode(ids, skip_special_tokens=text.skip_special) if opts.echo else None
+            echo_text = self.tokenizer.decode(ids, skip_special_tokens=opts.text.skip_special) if opts.echo else None
             for j in range(n):
-                choices.append(self.new_choice(req, i * n + j, ids, max_tokens, j, req.logprobs, engine_prompt_logprobs, echo_text, grammar))
+                choices.append(self.new_choice(req, i * n + j, ids, max_tokens, j, num_top, engine_prompt_logprobs, echo_text, grammar))
         return await self.generate_many(request, req, choices, opts, sum(len(ids) for ids in ids_list), t0)

@@ -1,5 +1,7 @@
-"""Structured output: response_format and vLLM's guided_json / guided_regex /
-guided_choice, turned into one llguidance grammar for the engine to follow.
+"""Structured output: response_format, vLLM's structured_outputs ({json, regex, choice,
+grammar}) and its older guided_* names (aliases), and allowed_token_ids, turned into one
+llguidance grammar for the engine to follow. A JSON schema's objects without
+`additionalProperties` allow no other keys, as vLLM's default backend.
 
 Owns the translation, its cost model and its validation. The cost model
 (check_cost) is pure Python over the request's value and runs first, so an
@@ -65,22 +67,35 @@ def _over(name: str, what: str, limit: int, flag: str) -> ApiError:
     return ApiError(400, f"{name} is too large: {what} exceeds the limit of {limit:,} ({flag}).", param=name, code="grammar_too_large")
 
 
+# structured_outputs' keys -> the guided_* name that the rest of this module speaks
+_STRUCTURED = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
+
+
 def asked_for(req) -> tuple[str, Any] | None:
-    """(parameter, value) of the request's one structured-output parameter, or None."""
+    """(parameter, value) of the request's one structured-output parameter, or None.
+    structured_outputs' keys are reported under their guided_* names."""
     asked: list[tuple[str, Any]] = []
     fmt = req.response_format
     if fmt is not None and fmt.get("type") != "text":
         asked.append(("response_format", fmt))
-    for name in ("guided_json", "guided_regex", "guided_choice"):
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         if getattr(req, name) is not None:
             asked.append((name, getattr(req, name)))
+    so = req.structured_outputs
+    if so is not None:
+        given = [(alias, getattr(so, key)) for key, alias in _STRUCTURED.items() if getattr(so, key) is not None]
+        if len(given) != 1:
+            raise ApiError(400, "structured_outputs takes exactly one of json, regex, choice and grammar.", param="structured_outputs")
+        asked += given
+    if getattr(req, "allowed_token_ids", None) is not None:
+        asked.append(("allowed_token_ids", req.allowed_token_ids))
     if len(asked) > 1:
         names = ", ".join(name for name, _ in asked)
         raise ApiError(400, f"Only one structured-output parameter per request; got {names}.", param=asked[1][0])
     return asked[0] if asked else None
 
 
-async def guided_grammar(req, cfg=None, copies: int = 1) -> str | None:
+async def guided_grammar(req, cfg=None, copies: int = 1, vocab_size: int | None = None) -> str | None:
     """The request's grammar (llguidance's JSON form), or None when it asks for none.
 
     `cfg` holds the budgets (ApiServerConfig's max_guided_* fields; None: the
@@ -92,12 +107,38 @@ async def guided_grammar(req, cfg=None, copies: int = 1) -> str | None:
     if asked is None:
         return None
     name, value = asked
+    if name == "allowed_token_ids":
+        return allowed_tokens_grammar(value, vocab_size)
     budget = GrammarBudget() if cfg is None else GrammarBudget.from_config(cfg)
     value, key = check_cost(name, value, budget, copies)
     grammar, error = await asyncio.wrap_future(_COMPILED.get(key, lambda: _build_checked(name, value)))
     if error:  # a fresh exception each time: a cached one would grow its traceback per raise
         raise ApiError(400, error, param=name)
     return grammar
+
+
+def allowed_tokens_grammar(ids: list[int], vocab_size: int | None) -> str:
+    """vLLM's allowed_token_ids as a grammar of those tokens only. As in vLLM every other
+    token is masked, EOS included: the grammar ends in a lexeme that matches nothing, so it
+    never accepts and never allows EOS for itself (an EOS id in the list is just a token)."""
+    import llguidance
+
+    if not ids:
+        raise ApiError(400, "allowed_token_ids is not None and empty!", param="allowed_token_ids")
+    if vocab_size is not None:
+        from dpserve.daemons.api.request_checks import out_of_vocab
+
+        out_of_vocab("allowed_token_ids", ids, vocab_size)
+    spans, ordered = [], sorted(set(ids))
+    start = prev = ordered[0]
+    for t in ordered[1:] + [None]:
+        if t is not None and t == prev + 1:
+            prev = t
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        if t is not None:
+            start = prev = t
+    return llguidance.LLMatcher.grammar_from_lark(f"start: <[{','.join(spans)}]>* NEVER\nNEVER: /[^\\x00-\\U0010FFFF]/")
 
 
 def check_cost(name: str, value: Any, budget: GrammarBudget, copies: int) -> tuple[Any, str]:
@@ -112,7 +153,7 @@ def check_cost(name: str, value: Any, budget: GrammarBudget, copies: int) -> tup
         if longest > min(budget.max_regex_size, MAX_GRAMMAR_PATTERN_SIZE):
             raise _over(name, f"a choice of {longest:,} bytes", min(budget.max_regex_size, MAX_GRAMMAR_PATTERN_SIZE), "--max-guided-regex-size")
         size = sum(len(c.encode()) for c in value)
-    elif name == "guided_regex":
+    elif name in ("guided_regex", "guided_grammar"):
         size = len(value.encode())
     elif name == "guided_json" and isinstance(value, str):
         size = len(value.encode())
@@ -341,12 +382,31 @@ def _build(name: str, value: Any) -> str:
 
     matcher = llguidance.LLMatcher
     if name == "response_format":
-        return matcher.grammar_from_json_schema(_response_format_schema(value), defaults=_JSON_OPTIONS)
+        schema = _response_format_schema(value)
+        return matcher.grammar_from_json_schema(schema if value.get("type") == "json_object" else strict_schema(schema), defaults=_JSON_OPTIONS)
     if name == "guided_json":
-        return matcher.grammar_from_json_schema(json.loads(value) if isinstance(value, str) else value, defaults=_JSON_OPTIONS)
+        schema = json.loads(value) if isinstance(value, str) else value
+        return matcher.grammar_from_json_schema(strict_schema(schema), defaults=_JSON_OPTIONS)
     if name == "guided_regex":
         return matcher.grammar_from_regex(value)
+    if name == "guided_grammar":  # EBNF (GBNF, `root ::= ...`) or Lark, as vLLM's guidance backend
+        return llguidance.grammar_from("grammar", value)
     return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+
+
+def strict_schema(schema: Any) -> Any:
+    """A copy of `schema` whose objects with `properties` and no `additionalProperties`
+    forbid other keys (vLLM's default backend does; JSON Schema itself allows them)."""
+    if isinstance(schema, list):
+        return [strict_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in ("enum", "const", "default", "examples") else strict_schema(value) for key, value in schema.items()}
+    if isinstance(out.get("properties"), dict):
+        props = out["properties"]
+        out["properties"] = {name: strict_schema(sub) for name, sub in schema["properties"].items()} if props else props
+        out.setdefault("additionalProperties", False)
+    return out
 
 
 def _response_format_schema(fmt: dict) -> dict:

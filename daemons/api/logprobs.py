@@ -47,21 +47,31 @@ class ScoredRequestState(RequestState):
 
 
 class TokenTexts:
-    """Each token's text as shown in logprobs, decoded once per tokenizer and id."""
+    """Each token's text as shown in logprobs, decoded once per tokenizer, mode and id.
+
+    With skip_special (the request's skip_special_tokens) a special token shows as "",
+    as it is left out of the text, so echoed text and text_offset agree; with as_ids
+    (vLLM's return_tokens_as_token_ids) every token shows as "token_id:N"."""
 
     _by_tokenizer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer, skip_special: bool = False, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
-        texts = self._by_tokenizer.get(tokenizer)
-        if texts is None:
-            texts = self._by_tokenizer[tokenizer] = {}
-        self.texts: dict[int, str] = texts
+        self.skip_special = skip_special
+        self.as_ids = as_ids
+        modes = self._by_tokenizer.get(tokenizer)
+        if modes is None:
+            modes = self._by_tokenizer[tokenizer] = {}
+        self.texts: dict[int, str] = modes.setdefault((skip_special, as_ids), {})
 
     def __getitem__(self, token_id: int) -> str:
         text = self.texts.get(token_id)
         if text is None:
-            text = self.texts[token_id] = self.tokenizer.decode((token_id,), skip_special_tokens=False)
+            if self.as_ids:
+                text = f"token_id:{token_id}"
+            else:
+                text = self.tokenizer.decode((token_id,), skip_special_tokens=self.skip_special)
+            self.texts[token_id] = text
         return text
 
 
@@ -72,9 +82,11 @@ def chat_logprobs(texts: TokenTexts, positions: Sequence[TokenLogprobs | int], n
         if isinstance(pos, int):
             continue
         token = texts[pos.token_id]
+        # vLLM's order: the chosen token first, then the top ones; num_top entries in all
+        ranked = {pos.token_id: pos.logprob, **{i: lp for i, lp in zip(pos.top_ids, pos.top_logprobs) if i != pos.token_id}}
         tops = [
             {"token": (t := texts[i]), "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
-            for i, lp in zip(pos.top_ids[:num_top], pos.top_logprobs)
+            for i, lp in list(ranked.items())[:num_top]
         ]
         content.append({"token": token, "logprob": pos.logprob, "bytes": list(token.encode("utf-8", "replace")), "top_logprobs": tops})
     return {"content": content, "refusal": None}
@@ -96,9 +108,10 @@ def completion_logprobs(texts: TokenTexts, positions: Sequence[TokenLogprobs | i
             top_logprobs.append(None)
             continue
         token_logprobs.append(pos.logprob)
-        # vLLM's dict: the top alternatives, and the chosen token (even outside them).
-        tops = {texts[i]: lp for i, lp in zip(pos.top_ids[:num_top], pos.top_logprobs)}
-        tops.setdefault(token, pos.logprob)
+        # vLLM's dict: the chosen token first (even outside the top), then the top alternatives
+        tops = {token: pos.logprob}
+        for i, lp in zip(pos.top_ids[:num_top], pos.top_logprobs):
+            tops.setdefault(texts[i], lp)
         top_logprobs.append(tops)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}, offset
 

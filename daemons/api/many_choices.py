@@ -30,8 +30,8 @@ from dpserve.daemons.api.logprobs import (
     completion_logprobs,
     prompt_logprobs,
 )
-from dpserve.daemons.api.openai_types import ApiError, encode
-from dpserve.daemons.api.request_checks import check_response_bytes, response_bytes, stop_strings
+from dpserve.daemons.api.openai_types import encode
+from dpserve.daemons.api.request_checks import check_response_bytes, logit_bias_pairs, response_bytes, stop_strings
 from dpserve.daemons.api.serving import DONE, ServingBase, failure_event
 from dpserve.engine.common.protocol import FINISH_ERROR, FINISH_LENGTH
 
@@ -63,6 +63,19 @@ class ChoiceOptions:
     num_top: int | None  # completions: logprobs; chat: top_logprobs (None: no logprobs)
     prompt_logprobs: int | None  # vLLM's extra, reported as such
     echo: bool = False
+    token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and token_ids in the answer
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
+    usage_every_chunk: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+
+    def texts(self, tokenizer) -> TokenTexts:
+        return TokenTexts(tokenizer, self.text.skip_special, self.tokens_as_ids)
+
+
+def choice_options(chat: bool, req, num_top: int | None, prompt_logprobs: int | None, echo: bool = False) -> ChoiceOptions:
+    """The options a request's extras set (both endpoints)."""
+    usage = req.stream_options is not None and bool(req.stream_options.include_usage and req.stream_options.continuous_usage_stats)
+    return ChoiceOptions(chat, text_options(req, num_top is not None), num_top, prompt_logprobs, echo,
+                         bool(req.return_token_ids), bool(req.return_tokens_as_token_ids), usage)
 
 
 def text_options(req, logprobs: bool) -> TextOptions:
@@ -76,17 +89,6 @@ def choice_seed(seed: int | None, j: int) -> int | None:
         return seed
     wrapped = (seed + j) % _INT64
     return wrapped - _INT64 if wrapped >= 2**63 else wrapped
-
-
-def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    if not bias:
-        return ()
-    out = []
-    for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
-            raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab_size}); got {key[:20]!r}.", param="logit_bias")
-        out.append((int(key), float(value)))
-    return tuple(out)
 
 
 def share_prompt_logprobs(choices: list[Choice]) -> None:
@@ -129,7 +131,7 @@ class ManyChoicesServing(ServingBase):
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_p=req.min_p or 0.0,
-            logit_bias=logit_bias(req.logit_bias, self.vocab_size),
+            logit_bias=logit_bias_pairs(req.logit_bias, self.vocab_size),
             logprobs=None if score_only else logprobs,
             prompt_logprobs=prompt_logprobs,
             guided_grammar=grammar,
@@ -230,24 +232,27 @@ class ManyChoicesServing(ServingBase):
         finally:
             for task in tasks:  # one choice failed (or the client left): the others stop waiting too
                 task.cancel()
-        texts = TokenTexts(self.tokenizer)
+        texts = opts.texts(self.tokenizer)
         out = []
         for choice, (text, positions, finish) in zip(choices, results):
             logprobs, _ = self._logprobs(texts, positions, opts, 0)
             index = choice.gen.index
+            token_ids = (choice.gen.output_ids if not choice.score_only else []) if opts.token_ids else None
             if opts.chat:
                 item = {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                        "logprobs": logprobs, "finish_reason": finish}
+                        "logprobs": logprobs, "finish_reason": finish, "token_ids": token_ids}
             else:
-                item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "token_ids": token_ids,
+                        "prompt_logprobs": None, "prompt_token_ids": choice.gen.prompt_ids if opts.token_ids else None}
                 if opts.prompt_logprobs is not None:
                     item["prompt_logprobs"] = prompt_logprobs(texts, choice.prompt_state.prompt_logprobs)
             out.append(item)
         first = choices[0].gen.state
         body = {"id": f"{'chatcmpl' if opts.chat else 'cmpl'}-{first.request_id}", "object": "chat.completion" if opts.chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": out, "usage": self._usage(choices, num_prompt)}
-        if opts.chat and opts.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs(texts, first.prompt_logprobs)  # vLLM: top level for chat
+        if opts.chat:  # vLLM: top level for chat, always sent
+            body["prompt_logprobs"] = prompt_logprobs(texts, first.prompt_logprobs) if opts.prompt_logprobs is not None else None
+            body["prompt_token_ids"] = choices[0].gen.prompt_ids if opts.token_ids else None
         return self.finish_response(web.Response(body=encode(body), headers=self.json_headers[first.rank]))
 
     async def _stream_many(self, request, choices: list[Choice], opts: ChoiceOptions, num_prompt: int,
@@ -276,11 +281,12 @@ class ManyChoicesServing(ServingBase):
         await resp.prepare(request)
         if opts.chat:
             await resp.write(b"".join(
-                chunk([{"index": c.gen.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+                chunk([{"index": c.gen.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                      self._usage(choices, num_prompt) if opts.usage_every_chunk else None)
                 for c in choices))
         tasks = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
-            if not await self._pump_events(resp, queue, choices, opts, chunk):
+            if not await self._pump_events(resp, queue, choices, opts, chunk, num_prompt):
                 return resp
         finally:
             for task in tasks:
@@ -290,10 +296,10 @@ class ManyChoicesServing(ServingBase):
         return resp
 
     async def _pump_events(self, resp: web.StreamResponse, queue: asyncio.Queue, choices: list[Choice],
-                           opts: ChoiceOptions, chunk) -> bool:
+                           opts: ChoiceOptions, chunk, num_prompt: int) -> bool:
         """Write each choice's pieces as they come until all finished (True) or one failed
         (False: the failure event ended the stream)."""
-        texts = TokenTexts(self.tokenizer)
+        texts = opts.texts(self.tokenizer)
         offsets = {c.gen.index: 0 for c in choices}
         remaining = len(choices)
         while remaining:
@@ -311,7 +317,7 @@ class ManyChoicesServing(ServingBase):
                 item = {"index": index, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish}
                 if opts.prompt_logprobs is not None and piece.finish is not None:
                     item["prompt_logprobs"] = prompt_logprobs(texts, choice.prompt_state.prompt_logprobs)
-            await resp.write(chunk([item]))
+            await resp.write(chunk([item], self._usage(choices, num_prompt) if opts.usage_every_chunk else None))
             if piece.finish is not None:
                 remaining -= 1
         return True

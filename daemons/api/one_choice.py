@@ -70,7 +70,8 @@ class OneChoiceServing(ServingBase):
         rid = gen.state.request_id
         if chat:
             body = ChatCompletionResponse(f"chatcmpl-{rid}", int(time.time()), self.model_name,
-                                          [ChatChoice(0, AssistantMessage(answer), None, reason)], usage=_usage(gen))
+                                          [ChatChoice(0, AssistantMessage(answer), None, reason)], usage=_usage(gen),
+                                          prompt_logprobs=None, prompt_token_ids=None)
         else:
             body = CompletionResponse(f"cmpl-{rid}", int(time.time()), self.model_name,
                                       [CompletionChoice(0, answer, None, reason)], usage=_usage(gen))

@@ -38,8 +38,11 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=100.0)]
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs bound
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+# vLLM's -1: the whole vocabulary; bounded by --max-logprobs (request_checks.logprobs_bound)
+AllLogprobs = Annotated[int, Meta(ge=-1, le=INT32_MAX)]
 MAX_LOGIT_BIAS = 1024  # entries, as the engine (engine/core.py)
 LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS)]
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 MAX_CHOICES = 256  # prompts x n in one completions request
 CompletionMaxTokens = Annotated[int, Meta(ge=0, le=INT32_MAX)]  # 0: only with echo (prompt scoring)
 StopString = Annotated[str, Meta(max_length=MAX_STOP_LENGTH)]
@@ -71,10 +74,22 @@ class ApiError(Exception):
 
 class StreamOptions(Struct, omit_defaults=True):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk (with include_usage)
 
     def __post_init__(self) -> None:
         if self.include_usage is None:
             self.include_usage = False
+        if self.continuous_usage_stats is None:
+            self.continuous_usage_stats = False
+
+
+class StructuredOutputs(Struct, forbid_unknown_fields=False):
+    """vLLM's structured_outputs: one of json, regex, choice, grammar (the guided_* aliases)."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -102,7 +117,7 @@ class SamplingFields(Struct, kw_only=True):
     logit_bias: LogitBias | None = None
     include_stop_str_in_output: bool | None = None
     min_p: MinP | None = None
-    prompt_logprobs: NumLogprobs | None = None
+    prompt_logprobs: AllLogprobs | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     priority: Priority = 0  # vLLM's: lower first under --scheduling-policy priority; nonzero under fcfs: 400 (serving.sampling)
@@ -111,13 +126,17 @@ class SamplingFields(Struct, kw_only=True):
     response_format: dict[str, Any] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's extras, implemented
+    allowed_token_ids: Annotated[list[int], Meta(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
 
     def __post_init__(self) -> None:
         if self.stream is None:
@@ -132,7 +151,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Any]
     max_tokens: CompletionMaxTokens | None = None
     echo: bool | None = None
-    logprobs: NumLogprobs | None = None
+    logprobs: AllLogprobs | None = None
     suffix: str | None = None
 
 
@@ -152,7 +171,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     add_generation_prompt: bool | None = True
     logprobs: bool | None = None
-    top_logprobs: NumLogprobs | None = None
+    top_logprobs: AllLogprobs | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -200,6 +221,10 @@ class CompletionChoice(Struct):
     text: str
     logprobs: dict[str, Any] | None  # set only with logprobs (many_choices.py)
     finish_reason: str | None
+    # vLLM's, always sent (null unless asked for): the openai client reads them
+    token_ids: list[int] | None = None
+    prompt_logprobs: list | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Envelope[CompletionChoice], tag="text_completion"):
@@ -217,10 +242,13 @@ class ChatChoice(Struct):
     message: AssistantMessage
     logprobs: dict[str, Any] | None  # set only with logprobs (many_choices.py)
     finish_reason: str
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
-class ChatCompletionResponse(_Envelope[ChatChoice], tag="chat.completion"):
-    pass
+class ChatCompletionResponse(_Envelope[ChatChoice], tag="chat.completion", kw_only=True):
+    # vLLM's, always sent (null unless asked for); required, so omit_defaults keeps them
+    prompt_logprobs: list | None
+    prompt_token_ids: list[int] | None
 
 
 class Delta(Struct, omit_defaults=True):
@@ -244,7 +272,41 @@ class ModelCard(Struct, tag_field="object", tag="model"):
     created: int
     owned_by: str = "dpserve"
     max_model_len: int = 0
-    root: str = ""
+    root: str = ""  # vLLM's: the model's path
+    parent: str | None = None
+    permission: list[dict[str, Any]] = []
+
+
+# ------------------------------------------------------------------ vLLM's utility endpoints
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """vLLM's /tokenize: a completion `prompt` or chat `messages` (exactly one)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # vLLM: true for a prompt, false for messages
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[Annotated[int, Meta(ge=0, le=2**63 - 1)]]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
 
 
 class ModelList(Struct, tag_field="object", tag="list"):

@@ -19,12 +19,17 @@ from dpserve.daemons.api.openai_types import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from dpserve.daemons.api.request_checks import UNSUPPORTED
 
 _REF = "#/components/schemas/{name}"
+# OpenAI's roles; any other (vLLM's custom roles) reaches the chat template as it is
 ROLES = ["system", "developer", "user", "assistant", "tool"]
 
 
@@ -43,6 +48,10 @@ RULES_400 = (
     "more than one of `guided_json`, `guided_regex`, `guided_choice`, `response_format` (json)",
     "a JSON schema with a non-local or self-referencing `$ref`, or a regex that does not compile",
     "`top_logprobs` without `logprobs: true` (chat)",
+    "`logprobs`, `top_logprobs` or `prompt_logprobs` (-1: the vocabulary) over --max-logprobs",
+    "`stream_options` without `stream: true`; `suffix` for a model without fill-in-the-middle tokens",
+    "`structured_outputs` with other than exactly one of json, regex, choice, grammar; a grammar that does not parse",
+    "`truncate_prompt_tokens` over the context length; `continue_final_message` with `add_generation_prompt`",
     "`max_tokens: 0` without `echo` (completions)",
     "`min_tokens` over `max_tokens`; a prompt plus `max_tokens` over the context",
     "token ids (prompt, `stop_token_ids`, `logit_bias` keys) outside the vocabulary",
@@ -112,6 +121,7 @@ def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_mode
                 # answer is longer than this; the type's own bound is larger.
                 props[field]["anyOf"][0]["maximum"] = max_model_len - 1
         props["stop_token_ids"]["anyOf"][0]["items"] = token_id
+        props["allowed_token_ids"]["anyOf"][0].update(items=token_id, minItems=1)
         if "guided_choice" in props:  # an empty list, or an empty choice, is a 400
             choice = props["guided_choice"]["anyOf"][0]
             choice.update(minItems=1, items={"type": "string", "minLength": 1})
@@ -140,7 +150,8 @@ def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_mode
         ],
     }
     schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] = 1
-    schemas["ChatMessage"]["properties"]["role"] = {"type": "string", "enum": ROLES}
+    _restrict_utility(schemas, model_name, token_id)
+    schemas["ChatMessage"]["properties"]["role"] = {"type": "string", "minLength": 1, "maxLength": 64, "examples": ROLES}
     schemas["ContentPart"] = {
         "title": "ContentPart",
         "type": "object",
@@ -149,14 +160,70 @@ def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_mode
     }
 
 
+def _restrict_utility(schemas: dict, model_name: str, token_id: dict) -> None:
+    """/tokenize takes exactly one of prompt and messages; /detokenize ids in the vocabulary."""
+    model = {"type": "string", "enum": [model_name], "description": "The served model name (others get 404)."}
+    tokenize = schemas["TokenizeRequest"]
+    tokenize["properties"]["model"] = model
+    tokenize["properties"]["prompt"] = {"type": "string"}
+    tokenize["properties"]["messages"] = {"type": "array", "items": {"$ref": _REF.format(name="ChatMessage")}, "minItems": 1}
+    tokenize["required"] = ["model"]
+    tokenize["oneOf"] = [{"required": ["prompt"], "not": {"required": ["messages"]}},
+                         {"required": ["messages"], "not": {"required": ["prompt"]}}]
+    detokenize = schemas["DetokenizeRequest"]
+    detokenize["properties"]["model"] = model
+    detokenize["properties"]["tokens"] = {"type": "array", "items": token_id}
+    detokenize["required"] = ["model", "tokens"]
+
+
+def _utility_paths(auth: list, api_key: bool, tokenizer_info: bool) -> dict:
+    """vLLM's utility endpoints (utility.py); /invocations generates, so it is secured."""
+    def post(summary: str, op: str, request: dict, ok: dict, *, secured: bool = False) -> dict:
+        responses = {"200": ok, "400": _error("Invalid request (`error.param` names it)."), "404": _error("Unknown model."),
+                     "413": _error("Request body over --max-request-body-bytes."), "415": _error("Content-Type is not application/json."),
+                     "417": _error("An Expect header other than 100-continue (`param`: Expect).")}
+        item = {"summary": summary, "operationId": op, "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                "responses": responses}
+        if secured:
+            item["security"] = auth
+            responses.update({"429": _error("Every rank's waiting queue is full."), "503": _error("No engine rank can serve it now.")})
+            if api_key:
+                responses["401"] = _error("Missing or invalid API key.")
+        return {"post": item}
+
+    ref = lambda name: {"$ref": _REF.format(name=name)}  # noqa: E731
+    paths = {
+        "/tokenize": post("Token ids of a prompt or of a chat (vLLM's)", "tokenize", ref("TokenizeRequest"),
+                          _json("The ids, their count and the context length.", ref("TokenizeResponse"))),
+        "/detokenize": post("Text of token ids (vLLM's)", "detokenize", ref("DetokenizeRequest"),
+                            _json("The text.", ref("DetokenizeResponse"))),
+        "/invocations": post("SageMaker's: a chat (messages) or completion (prompt) body, served by that endpoint", "invocations",
+                             {"anyOf": [ref("ChatCompletionRequest"), ref("CompletionRequest")]},
+                             {"description": "The endpoint's answer.", "content": {
+                                 "application/json": {"schema": {"anyOf": [ref("ChatCompletionResponse"), ref("CompletionResponse")]}},
+                                 "text/event-stream": {"schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}},
+                             secured=True),
+        "/load": {"get": {"summary": "Requests in progress on this API server (vLLM's; 0 without --enable-server-load-tracking)",
+                          "operationId": "load", "responses": {"200": _json("The count.", {
+                              "type": "object", "properties": {"server_load": {"type": "integer", "minimum": 0}}, "required": ["server_load"]})}}},
+    }
+    if tokenizer_info:
+        paths["/tokenizer_info"] = {"get": {"summary": "The tokenizer's configuration and chat template (vLLM's)", "operationId": "tokenizerInfo",
+                                            "responses": {"200": _json("tokenizer_config.json without file paths.", {
+                                                "type": "object", "properties": {"tokenizer_class": {"type": "string"}}, "required": ["tokenizer_class"]})}}}
+    return paths
+
+
 def build_openapi(
-    model_name: str, vocab_size: int, max_model_len: int, *, api_key: bool, version: str, limits: dict[str, int] | None = None
+    model_name: str, vocab_size: int, max_model_len: int, *, api_key: bool, version: str, limits: dict[str, int] | None = None,
+    tokenizer_info: bool = False,
 ) -> dict[str, Any]:
     """The whole document, as plain JSON-able data; `limits` are the serving budgets
     (ServeConfig fields named in BUDGETS_400) that the 400's description states."""
     limits = limits or {}
     _, schemas = msgspec.json.schema_components(
-        [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, ModelList, ErrorResponse],
+        [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, ModelList, ErrorResponse,
+         TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse],
         ref_template=_REF,
     )
     _restrict_requests(schemas, model_name, vocab_size, max_model_len, limits)
@@ -213,6 +280,7 @@ def build_openapi(
             "/version": get("dpserve's version", "version", {"200": _json("The version.", {"type": "object", "properties": {"version": {"type": "string"}}, "required": ["version"]})}),
             "/metrics": get("Prometheus metrics", "metrics", {"200": {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}}),
             "/openapi.json": get("This document", "openapi", {"200": _json("OpenAPI 3.1.", {"type": "object"})}),
+            **_utility_paths(auth, api_key, tokenizer_info),
         },
         "components": {"schemas": schemas},
     }

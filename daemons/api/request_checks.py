@@ -85,13 +85,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,),
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
-    "allowed_token_ids": (),
     "bad_words": ([],),
-    "guided_grammar": (),
-    "structured_outputs": (),
-    "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
     "audio": (),
@@ -102,24 +96,89 @@ UNSUPPORTED: dict[str, tuple] = {
 
 # What the 400 adds for a few of them, so a user knows it is a gap, not a typo.
 _UNSUPPORTED_WHY = {
-    "tools": " yet: tool calling is not implemented",
-    "tool_choice": " yet: tool calling is not implemented",
-    "functions": " yet: tool calling is not implemented",
-    "function_call": " yet: tool calling is not implemented",
-    **dict.fromkeys(
-        ("guided_grammar", "structured_outputs"),
-        " yet (structured output takes response_format, guided_json, guided_regex or guided_choice)",
-    ),
+    "functions": ": it is OpenAI's deprecated form of tools (use tools and tool_choice)",
+    "function_call": ": it is OpenAI's deprecated form of tool_choice (use tools and tool_choice)",
+    "use_beam_search": ": beam search is not implemented (sample n choices instead)",
 }
 
 
 def check_unsupported(req: SamplingFields) -> None:
-    """Reject parameters we would otherwise silently ignore."""
+    """Reject parameters we would otherwise silently ignore, and stream_options that ask
+    for something without a stream (vLLM's 400; all-null options change nothing)."""
     for name, accepted in UNSUPPORTED.items():
         value = getattr(req, name, None)
         if value is not None and not any(type(value) is type(a) and value == a for a in accepted):
             why = _UNSUPPORTED_WHY.get(name, "")
             raise ApiError(400, f"{name} is not supported by this server{why} (got {_short(value)}).", param=name)
+    opts = req.stream_options
+    if opts is not None and not req.stream and (opts.include_usage or opts.continuous_usage_stats):
+        raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+
+
+def check_logprobs(name: str, value: int | None, vocab_size: int, max_logprobs: int) -> int | None:
+    """A logprobs count with vLLM's -1 (the whole vocabulary) resolved, bounded by
+    --max-logprobs (-1 there: the vocabulary); vLLM's message past it."""
+    if value is None:
+        return None
+    num = vocab_size if value == -1 else value
+    bound = vocab_size if max_logprobs == -1 else max_logprobs
+    if num > bound:
+        raise ApiError(400, f"Requested {name} of {num}, which is greater than max allowed: {bound} (--max-logprobs).", param=name)
+    return num
+
+
+def chat_logprob_counts(req: ChatCompletionRequest, vocab_size: int, max_logprobs: int) -> tuple[int | None, int | None]:
+    """(top_logprobs, prompt_logprobs) of a chat request, -1 resolved and bounded;
+    top_logprobs is None without logprobs: true."""
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
+    num_top = check_logprobs("top_logprobs", req.top_logprobs or 0, vocab_size, max_logprobs) if req.logprobs else None
+    return num_top, check_logprobs("prompt_logprobs", req.prompt_logprobs, vocab_size, max_logprobs)
+
+
+def chat_template_args(req: ChatCompletionRequest) -> dict[str, Any]:
+    """What a chat request hands its template beyond messages: chat_template_kwargs
+    (never overriding the request's own fields) and continue_final_message."""
+    args = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in ("messages", "add_generation_prompt")}
+    if req.continue_final_message:
+        args["continue_final_message"] = True
+    return args
+
+
+def out_of_vocab(name: str, ids, vocab_size: int) -> None:
+    """vLLM's 400 naming every id outside the vocabulary (at most 20 shown)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        shown = str(bad[:20])[:-1] + (", ...]" if len(bad) > 20 else "]")
+        raise ApiError(400, f"token_id(s) {shown} in {name} contain out-of-vocab token ids. Vocabulary size: {vocab_size}", param=name)
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` ids (-1: the context length)."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise ApiError(400, f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len}). "
+                       "Please, select a smaller truncation size.", param="truncate_prompt_tokens")
+    return ids[-keep:] if keep else []
+
+
+def logit_bias_pairs(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs; a 400 naming every key that is not a token id."""
+    if not bias:
+        return ()
+    out, bad = [], []
+    for key, value in bias.items():
+        if key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size:
+            out.append((int(key), float(value)))
+        else:
+            bad.append(key[:20])
+    if bad:
+        raise ApiError(400, f"token_id(s) {bad[:20]} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+                       param="logit_bias")
+    return tuple(out)
 
 
 # Set to anything (even its default), these send a request down the full path
@@ -128,7 +187,8 @@ def check_unsupported(req: SamplingFields) -> None:
 _EXTRA_FIELDS = (
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "include_stop_str_in_output",
     "min_p", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "logprobs",
-    "response_format", "guided_json", "guided_regex", "guided_choice",
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "allowed_token_ids", "return_token_ids", "return_tokens_as_token_ids",
 )
 
 
@@ -137,6 +197,8 @@ def uses_extras(req: SamplingFields) -> bool:
     for name in _EXTRA_FIELDS:
         if getattr(req, name) is not None:
             return True
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        return True
     if isinstance(req, CompletionRequest):
         return req.echo is not None or req.max_tokens == 0 or (isinstance(req.prompt, list) and len(req.prompt) > 1
                                                               and not isinstance(req.prompt[0], int))
@@ -196,14 +258,15 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
                    param="prompt")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """Messages as plain dicts for the chat template; text parts joined."""
+def chat_messages(req: ChatCompletionRequest | Any) -> list[dict]:
+    """Messages as plain dicts for the chat template; text parts joined. A role other
+    than OpenAI's reaches the template as it is (vLLM's custom roles)."""
     if not req.messages:
         raise ApiError(400, "messages must not be empty.", param="messages")
     out = []
     for i, msg in enumerate(req.messages):
-        if msg.role not in ("system", "developer", "user", "assistant", "tool"):
-            raise ApiError(400, f"Unknown role {msg.role!r}.", param=f"messages[{i}].role")
+        if not msg.role or len(msg.role) > 64:
+            raise ApiError(400, "A message role must be a non-empty string of at most 64 characters.", param=f"messages[{i}].role")
         content = msg.content
         if isinstance(content, list):
             texts = []

@@ -176,6 +176,30 @@ def _text_content(content: Any) -> Any:
     return "\n".join(texts)
 
 
+# (prefix, suffix, middle) token triples of the FIM vocabularies in use: Qwen2.5-Coder /
+# StarCoder2 style, StarCoder / SantaCoder, CodeLlama, DeepSeek-Coder.
+_FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<PRE>", "<SUF>", "<MID>"),
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),
+)
+
+
+def _continue_final(text: str, messages: list[dict]) -> str:
+    """The rendered chat cut right after the final message's content, so the model
+    continues it (transformers' continue_final_message rule)."""
+    if not messages:
+        raise ValueError("continue_final_message needs at least one message")
+    content = messages[-1].get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a final message with text content")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the final message's content is not in the rendered chat")
+    return text[: at + len(content.strip())]
+
+
 class TextTokenizer:
     """A Hugging Face tokenizer directory, loaded with the `tokenizers` library only.
 
@@ -190,6 +214,8 @@ class TextTokenizer:
         tokenizer.no_truncation()  # a tokenizer.json may carry a max_length: never cut prompts
         tokenizer.no_padding()
         self._tok = tokenizer
+        self.config = tokenizer_config  # tokenizer_config.json as read (/tokenizer_info)
+        self.chat_template_source = chat_template
         self._encode_batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch  # _fast: 0.20.2+
         self.model_name = model_name
         # Passed to templates as variables, as transformers passes its special_tokens_map.
@@ -275,8 +301,23 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (transformers' convert_ids_to_tokens)."""
+        lookup = self._tok.id_to_token
+        return [lookup(i) or "" for i in ids]
+
+    def fim_prompt(self, prompt: str, suffix: str) -> str | None:
+        """A fill-in-the-middle prompt for this vocabulary's FIM tokens, or None without them.
+
+        Prefix-suffix-middle order, as the models that define these tokens were trained."""
+        vocab = self._tok.token_to_id
+        for begin, hole, end in _FIM_TOKENS:
+            if vocab(begin) is not None and vocab(hole) is not None and vocab(end) is not None:
+                return f"{begin}{prompt}{hole}{suffix}{end}"
+        return None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> str:
+                            continue_final_message: bool = False, **template_kwargs: Any) -> str:
         """Render `messages` to prompt text. Extra kwargs (tools, enable_thinking, ...) reach
         the template as variables. Raises ValueError for a model without a template, for
         non-text content and for errors the template raises (e.g. roles not alternating)."""
@@ -288,12 +329,15 @@ class TextTokenizer:
             {**m, "content": _text_content(m["content"])} if "content" in m else dict(m)
             for m in messages
         ]
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         try:
-            return self._chat_template.render(
+            text = self._chat_template.render(
                 messages=rendered_messages, add_generation_prompt=add_generation_prompt,
                 **self._special_tokens, **template_kwargs)
         except (jinja2.TemplateError, TypeError) as exc:  # TypeError: e.g. None + str
             raise ValueError(f"chat template error: {exc}") from exc
+        return _continue_final(text, rendered_messages) if continue_final_message else text
 
     def encode_chat_prompt(self, prompt: str) -> list[int]:
         """Ids for a rendered chat prompt, with exactly one BOS when the model uses one.

@@ -221,11 +221,11 @@ def test_nullable_fields_accept_null(server):
 # ------------------------------------------------------------------ item 14: unsupported is a 400, unknown is ignored
 
 UNSUPPORTED_SET = [
-    ("best_of", 2), ("suffix", "tail"), ("guided_grammar", "start: a"), ("structured_outputs", {"json": {}}),
+    ("best_of", 2), ("use_beam_search", True), ("bad_words", ["x"]),
 ]
 CHAT_UNSUPPORTED_SET = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
-    ("guided_grammar", "start: a"),
+    ("functions", [{"name": "f", "parameters": {}}]), ("tool_choice", "required"),  # (required: without tools)
+    ("use_beam_search", True),
 ]
 
 

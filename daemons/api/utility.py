@@ -1,0 +1,123 @@
+"""vLLM's utility endpoints: /tokenize, /detokenize, /tokenizer_info, /v1/models, /load
+and SageMaker's /invocations, with vLLM's request and response shapes.
+
+They never reach an engine: each answers from this API server's tokenizer and
+counters alone. /invocations only picks the endpoint a body belongs to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from dpserve.daemons.api.openai_types import (
+    ApiError,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    encode,
+)
+from dpserve.daemons.api.request_checks import chat_messages, decode_request, out_of_vocab
+from dpserve.daemons.api.serving import ServingBase
+
+# tokenizer_config.json fields that name files on this machine: never shown.
+_PRIVATE_FIELDS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+
+
+def _plain(value: Any) -> Any:
+    """tokenizer_config values as JSON: an AddedToken-like {"content": ...} becomes its text."""
+    if isinstance(value, dict):
+        if "content" in value and "__type" in value:
+            return value["content"]
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+class UtilityServing(ServingBase):
+    async def tokenize_endpoint(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a `prompt` (special tokens added by default) or chat
+        `messages` rendered by the chat template (the ids a chat completion would send)."""
+        req: TokenizeRequest = decode_request(await self.read_body(request), TokenizeRequest, self.note_unknown_field)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "Send exactly one of prompt (text) and messages (a chat).", param="prompt" if req.prompt is None else "messages")
+        if req.prompt is not None:
+            add_special = req.add_special_tokens is not False
+            ids = await self.tokenize(request, self._prompt_ids_special, req.prompt, add_special)
+        else:
+            ids = await self.tokenize(request, self._chat_ids_for, req)
+        strs = self.tokenizer.token_strs(ids) if req.return_token_strs else None
+        return self._json(TokenizeResponse(len(ids), self.max_model_len, ids, strs))
+
+    def _prompt_ids_special(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        self._check_prompt_size(prompt, "prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def _chat_ids_for(self, req: TokenizeRequest) -> list[int]:
+        tok = self.tokenizer
+        kwargs = dict(req.chat_template_kwargs or {})
+        for reserved in ("messages", "add_generation_prompt", "continue_final_message"):
+            kwargs.pop(reserved, None)
+        try:
+            text = tok.apply_chat_template(chat_messages(req), add_generation_prompt=bool(req.add_generation_prompt),
+                                           continue_final_message=bool(req.continue_final_message), **kwargs)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        self._check_prompt_size(text, "messages")
+        if req.add_special_tokens:
+            return tok.encode(text, add_special_tokens=True)
+        return tok.encode_chat_prompt(text)
+
+    async def detokenize_endpoint(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: token ids to text, special tokens kept."""
+        req: DetokenizeRequest = decode_request(await self.read_body(request), DetokenizeRequest, self.note_unknown_field)
+        self.check_model(req.model)
+        out_of_vocab("tokens", req.tokens, self.vocab_size)
+        text = self.tokenizer.decode(req.tokens, skip_special_tokens=False)
+        return self._json(DetokenizeResponse(text))
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenizer_info (behind --enable-tokenizer-info-endpoint): the
+        tokenizer's configuration, without file paths, and its chat template."""
+        tok = self.tokenizer
+        info = {k: _plain(v) for k, v in tok.config.items() if k not in _PRIVATE_FIELDS}
+        info["tokenizer_class"] = str(tok.config.get("tokenizer_class") or "PreTrainedTokenizerFast")
+        if tok.chat_template_source:
+            info["chat_template"] = tok.chat_template_source
+        return self._json(info)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """vLLM's /v1/models: the served name, `root` the model's path."""
+        card = ModelCard(self.model_name, self._created, owned_by="vllm", max_model_len=self.max_model_len, root=self.cfg.model_dir)
+        return self._json(ModelList([card]))
+
+    async def load(self, request: web.Request) -> web.Response:
+        """vLLM's /load: this API server's requests in progress, counted with
+        --enable-server-load-tracking (0 without it, as vLLM)."""
+        load = self.num_active if self.cfg.enable_server_load_tracking else 0
+        return self._json({"server_load": load})
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's /invocations: a chat body (messages) or a completion body (prompt),
+        served by that endpoint; anything else is vLLM's 400."""
+        body = await self.read_body(request)
+        try:
+            keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ApiError(400, f"JSON decode error: {exc}") from None
+        # (aiohttp keeps the body read: the endpoint reads the same bytes again)
+        if "messages" in keys:
+            return await self.chat_completions(request)
+        if "prompt" in keys:
+            return await self.completions(request)
+        raise ApiError(400, "Cannot find suitable handler for request. Expected one of: "
+                       "['ChatCompletionRequest', 'CompletionRequest']")
+
+    def _json(self, body: Any) -> web.Response:
+        return web.Response(body=encode(body), content_type="application/json")
