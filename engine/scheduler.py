@@ -10,6 +10,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 
+from dpserve.engine.common.config import SCHEDULING_POLICIES
 from dpserve.engine.interface import QueueCounts
 from dpserve.engine.kv_cache import BlockManager
 from dpserve.engine.sequence import Sequence, SequenceStatus
@@ -17,8 +18,7 @@ from dpserve.engine.sequence import Sequence, SequenceStatus
 # Admission keeps this share of the KV blocks free for the running sequences
 # to decode into, so a newcomer is not admitted only to be preempted at once.
 ADMIT_WATERMARK = 0.01
-# vLLM's --scheduling-policy: fcfs (arrival order), or priority (lower `priority` first, then arrival).
-POLICIES = ("fcfs", "priority")
+POLICIES = SCHEDULING_POLICIES  # vLLM's --scheduling-policy: fcfs, or priority (lower `priority` first, then arrival)
 
 
 def _order(seq: Sequence) -> tuple[int, float]:

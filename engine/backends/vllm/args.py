@@ -95,6 +95,7 @@ def engine_args_kwargs(config: EngineConfig, max_model_len: int, on_gpu: bool, a
         "max_model_len": max_model_len,
         "max_num_seqs": config.max_num_seqs,
         "enable_chunked_prefill": config.enable_chunked_prefill,
+        "scheduling_policy": config.scheduling_policy,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "tensor_parallel_size": config.tensor_parallel_size,
         "seed": config.seed,

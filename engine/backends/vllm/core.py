@@ -197,7 +197,8 @@ class VllmCore:
             if p.guided_grammar is not None:
                 kw["structured_outputs"] = self._Structured(**structured_outputs_kwargs(p.guided_grammar))
             params = self._SamplingParams(**kw, output_kind=self._delta)
-            self.engine.add_request(rid, self._tokens_input(list(req.prompt_token_ids)), params, arrival_time=req.arrival_time)
+            self.engine.add_request(rid, self._tokens_input(list(req.prompt_token_ids)), params, arrival_time=req.arrival_time,
+                                    priority=p.priority)
         except Exception as e:  # vLLM's validation (or anything else): this request fails alone
             # vLLM may have recorded the request before refusing it (0.32/0.33 do for some
             # checks): forget it there too, or it would count as unfinished for good.
