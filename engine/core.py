@@ -369,6 +369,7 @@ class EngineCore:
                 out.logprobs = [logprobs[i]]
             if seq.num_output_tokens == 1:
                 out.num_cached_tokens = max(0, seq.num_cached_tokens)
+                out.queue_s = max(0.0, seq.t_scheduled - seq.t_received)
                 if seq.prompt_logprobs is not None:
                     out.prompt_logprobs = seq.prompt_logprobs
             outputs.append(out)

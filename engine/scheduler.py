@@ -7,6 +7,7 @@ turns a schedule into a forward.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_right
 from collections import deque
 
@@ -243,6 +244,7 @@ class Scheduler(QueueCounts):
         seq.num_registered_blocks = len(hits)
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = seq.num_computed_tokens
+            seq.t_scheduled = time.monotonic()  # its first schedule: the engine's queue time ends (queue_s)
         if self.blocks.enable_caching and seq.params.prompt_logprobs is None:
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += seq.num_computed_tokens

@@ -8,6 +8,7 @@ scheduler does).
 from __future__ import annotations
 
 import enum
+import time
 
 import torch
 from dpserve.engine.common.protocol import SamplingParams
@@ -61,6 +62,8 @@ class Sequence:
         "block_hashes",
         "num_registered_blocks",
         "num_cached_tokens",
+        "t_received",
+        "t_scheduled",
     )
 
     def __init__(
@@ -92,6 +95,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.num_cached_tokens = -1
+        # Monotonic times of its receipt and first schedule: the first output reports the wait (queue_s).
+        self.t_received = time.monotonic()
+        self.t_scheduled = 0.0
         # Reseeded before every draw from (seed, output position): see seeded_position.
         self.generator: torch.Generator | None = torch.Generator(device=device) if params.seed is not None else None
 

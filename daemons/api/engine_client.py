@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -69,6 +70,7 @@ class RequestState:
         "t_sent",
         "t_first",
         "t_last",
+        "queue_s",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
@@ -99,6 +101,7 @@ class RequestState:
         self.t_sent = 0.0
         self.t_first = 0.0
         self.t_last = 0.0
+        self.queue_s = 0.0  # the engine's wait before the first schedule (first output)
 
     @property
     def is_finished(self) -> bool:
@@ -115,6 +118,7 @@ class RequestState:
         if not self.t_first:
             self.t_first = now
             self.num_cached_tokens = out.num_cached_tokens  # (a continuation's first output says nothing of the prompt)
+            self.queue_s = out.queue_s
         self.t_last = now
         self.pending.extend(out.new_token_ids)
         self.num_output_tokens += len(out.new_token_ids)
@@ -176,6 +180,7 @@ class EngineClient:
         self.num_route_waiters = 0
         # Requests of lost ranks move on instead of failing (migration.py).
         self.migrator = Migrator(self, max_migrations, migrate_pinned, wait_for_engine_s, log)
+        self.on_step: Callable[[int, int], None] | None = None  # (rank, tokens) per engine step's outputs (metrics)
 
     def start(self) -> None:
         self._tasks = [
@@ -386,10 +391,12 @@ class EngineClient:
         if type(msg) is EngineOutputs:
             if not self.peers.outputs_from(peer, msg.rank):
                 return
+            step_tokens = 0  # this API server's share of the step's tokens (vllm:iteration_tokens_total)
             for out in msg.outputs:
                 state = requests.get(out.request_id)
                 if state is None or state.rank != msg.rank:  # (a rank it moved from)
                     continue
+                step_tokens += len(out.new_token_ids) + state.prefill_left
                 if state.first_token_timer is not None:
                     self._stop_timer(state)
                 if out.finish_reason is not None:
@@ -401,6 +408,8 @@ class EngineClient:
                     state.remaining -= done
                     self.router.on_progress(state.rank, done)
                 state.push(out)
+            if self.on_step is not None:
+                self.on_step(msg.rank, step_tokens)
         elif type(msg) is EngineHello:
             if self.peers.hello(peer, msg):
                 self._accept(msg.rank, msg.incarnation, peer)

@@ -3,12 +3,16 @@
 Per-rank figures (finished requests, running, waiting, alive) come from the
 coordinator's table, so every API server behind the shared port answers a
 scrape with the same cluster-wide numbers. Counters owned by this process
-are labelled with its index.
+are labelled with its index; vLLM's request metrics (request_metrics.py) are
+the node's API servers' sum, whichever of them answers.
 """
 
 from __future__ import annotations
 
+import os
+
 from aiohttp import web
+from dpserve.daemons.api.request_metrics import RequestMetrics
 from dpserve.daemons.api.router import Router
 from dpserve.daemons.config import ApiServerConfig
 from prometheus_client import (
@@ -22,8 +26,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class _RankCollector:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, model_name: str) -> None:
         self.router = router
+        self.model_name = model_name
 
     def collect(self):
         finished = CounterMetricFamily(
@@ -42,6 +47,9 @@ class _RankCollector:
         # Prefix caching, in tokens (exposed with _total): the hit rate is hits / queries.
         queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache per rank (current incarnation).", labels=["rank"])
         hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache per rank (current incarnation).", labels=["rank"])
+        # vLLM's scheduler gauges with vLLM's labels (engine: the rank)
+        vllm_running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.", labels=["model_name", "engine"])
+        vllm_waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=["model_name", "engine"])
         for rank, load in enumerate(self.router.loads):
             label = [str(rank)]
             alive.add_metric(label, 1.0 if self.router.routable(rank) else 0.0)
@@ -52,11 +60,13 @@ class _RankCollector:
             aborted.add_metric(label, load.num_requests_aborted)
             running.add_metric(label, load.num_running)
             waiting.add_metric(label, load.num_waiting)
+            vllm_running.add_metric([self.model_name, str(rank)], load.num_running)
+            vllm_waiting.add_metric([self.model_name, str(rank)], load.num_waiting)
             kv.add_metric(label, load.kv_usage)
             preempted.add_metric(label, load.num_preemptions)
             queries.add_metric(label, load.num_prefix_queries)
             hits.add_metric(label, load.num_prefix_hits)
-        yield from (finished, aborted, running, waiting, alive, inflight, kv, preempted, queries, hits)
+        yield from (finished, aborted, running, waiting, alive, inflight, kv, preempted, queries, hits, vllm_running, vllm_waiting)
 
 
 class ApiMetrics:
@@ -79,7 +89,17 @@ class ApiMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=self.registry,
         ).labels(idx)
-        self.registry.register(_RankCollector(router))
+        self.registry.register(_RankCollector(router, cfg.served_model_name))
+        # vLLM's request metrics, shared with the node's other API servers through the run directory
+        probe_path = getattr(cfg, "probe_path", None)
+        directory = os.path.join(os.path.dirname(probe_path), "request-metrics") if probe_path else None
+        if directory is not None:
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError:
+                directory = None
+        self.vllm = RequestMetrics(cfg.served_model_name, router.size, cfg.max_model_len, directory, cfg.index)
+        self.registry.register(self.vllm)
         self._idx = idx
         self._req_children: dict[tuple[str, int], object] = {}
         self._routed_children = [self.routed.labels(idx, str(r)) for r in range(router.size)]
@@ -92,6 +112,17 @@ class ApiMetrics:
         child.inc()
         if seconds is not None:
             self.latency.observe(seconds)
+
+    def requests_ended(self, gens, answered: bool) -> None:
+        """vLLM's request metrics of a request's engine requests (generation.Generation), each
+        observed once. One the engine did not finish was ended here: by a stop string when
+        the response was answered ('stop'), else by the client or a failure ('abort')."""
+        observe = self.vllm.observe
+        for gen in gens:
+            s = gen.state
+            reason = s.finish_reason or ("stop" if answered else "abort")
+            observe(s.rank, s.prompt_tokens, s.num_output_tokens, gen.params.max_tokens, reason,
+                    s.t_sent, s.t_first, s.t_last, s.queue_s)
 
     def routed_to(self, rank: int) -> None:
         self._routed_children[rank].inc()

@@ -195,6 +195,7 @@ class ApiServer:
             self.router.origin = incarnation
             self.router.on_routed = self._prefix_routed
         self.metrics = ApiMetrics(cfg, self.router)
+        self.client.on_step = self.metrics.vllm.step
         self.serving = OpenAIServing(cfg, self.tokenizer, self.client, self.metrics, log)
         self.stop_event = asyncio.Event()
         self.runner: web.AppRunner | None = None
@@ -322,6 +323,7 @@ class ApiServer:
         await self.stop_event.wait()
         heartbeat.cancel()
         await self.drain()
+        self.metrics.vllm.save()
         await self.runner.cleanup()
         await self.probe_runner.cleanup()
         await self.client.close()
@@ -371,6 +373,7 @@ class ApiServer:
     async def _heartbeat(self) -> None:
         while True:
             self.supervisor.heartbeat(len(self.client.requests))
+            self.metrics.vllm.save()  # vLLM's request metrics, for the node's other API servers' scrapes
             self.client.probe_idle()
             self.client.peers.heal(time.monotonic())
             try:

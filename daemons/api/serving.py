@@ -342,6 +342,7 @@ class ServingBase:
         sent: list[RequestState] = []
         in_flight = _IN_FLIGHT.set(sent)
         self.request_began()
+        answered = False
         try:
             for gen in gens:
                 gen.state.owner, gen.state.pinned = gen, pinned is not None  # what a move needs (migration.py)
@@ -349,6 +350,7 @@ class ServingBase:
                 sent.append(gen.state)
                 self.metrics.routed_to(rank)
             resp = await respond()
+            answered = True
             self.metrics.observe(endpoint, resp.status, time.perf_counter() - t0)
             return resp
         except EngineFailure as exc:
@@ -360,6 +362,7 @@ class ServingBase:
         finally:
             _IN_FLIGHT.reset(in_flight)
             self.request_ended()
+            self.metrics.requests_ended(gens[: len(sent)], answered)  # vLLM's request metrics, once per request
             for state in sent:
                 if not state.is_finished:
                     self.client.abort(state)  # client went away, or a stop string ended it early

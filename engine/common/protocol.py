@@ -186,6 +186,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[TokenLogprobs] | None = None
     # With the first token: prompt tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens).
     num_cached_tokens: int = 0
+    # With the first token: seconds from the engine's receipt to its first schedule (vLLM's queue time).
+    queue_s: float = 0.0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -237,3 +237,38 @@ def test_echoed_special_tokens_agree_with_offsets(client):
     lp = got.choices[0].logprobs
     text = got.choices[0].text
     assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+
+
+# ------------------------------------------------------------------ part 5: vLLM's request metrics
+
+
+def scrape_metrics(server) -> str:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:  # a new connection: either API server
+        return resp.read().decode()
+
+
+def metric_total(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") and 'model_name="demo"' in line)
+
+
+def test_every_series_of_vllms_dashboard_is_served_and_summed_over_the_api_servers(server, client):
+    import time
+    from pathlib import Path
+
+    names = [line for line in (Path(__file__).parents[1] / "data" / "vllm_grafana_metrics.txt").read_text().splitlines()
+             if line and not line.startswith("#")]
+    time.sleep(1.2)  # every API server has saved its totals since the last request
+    before = metric_total(scrape_metrics(server), "vllm:prompt_tokens_total")
+    prompt_tokens = 0
+    for i in range(6):
+        got = client.completions.create(model="demo", prompt=f"metrics {i}", max_tokens=4, temperature=0)
+        prompt_tokens += got.usage.prompt_tokens
+    time.sleep(1.2)
+    scrapes = [scrape_metrics(server) for _ in range(6)]
+    for text in scrapes:
+        missing = [n for n in names if not re.search(rf'^{re.escape(n)}\{{[^}}]*model_name="demo"', text, re.M)]
+        assert not missing or missing == ["vllm:kv_cache_usage_perc"], missing  # (that one is labelled by rank only)
+        assert 'vllm:kv_cache_usage_perc{rank="0"}' in text
+        # whichever API server answers, the node's sum: this test's prompts exactly on top of before
+        assert metric_total(text, "vllm:prompt_tokens_total") - before == prompt_tokens
+        assert metric_total(text, "vllm:e2e_request_latency_seconds_count") >= 6
