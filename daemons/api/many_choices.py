@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from dpserve.daemons.api.logprobs import (
 from dpserve.daemons.api.openai_types import encode
 from dpserve.daemons.api.request_checks import check_response_bytes, logit_bias_pairs, response_bytes, stop_strings
 from dpserve.daemons.api.serving import DONE, ServingBase, failure_event
+from dpserve.daemons.api.tools.answer import ChatAnswer
 from dpserve.engine.common.protocol import FINISH_ERROR, FINISH_LENGTH
 
 _INT64 = 2**64
@@ -66,6 +68,7 @@ class ChoiceOptions:
     token_ids: bool = False  # vLLM's return_token_ids: prompt_token_ids and token_ids in the answer
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
     usage_every_chunk: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    answer: Callable[[], ChatAnswer] | None = None  # chat: each choice's reasoning / tool-call reader
 
     def texts(self, tokenizer) -> TokenTexts:
         return TokenTexts(tokenizer, self.text.skip_special, self.tokens_as_ids)
@@ -239,8 +242,12 @@ class ManyChoicesServing(ServingBase):
             index = choice.gen.index
             token_ids = (choice.gen.output_ids if not choice.score_only else []) if opts.token_ids else None
             if opts.chat:
-                item = {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                        "logprobs": logprobs, "finish_reason": finish, "token_ids": token_ids}
+                message = {"role": "assistant", "content": text, "refusal": None}
+                if opts.answer is not None:
+                    answer = opts.answer()
+                    message.update(answer.message(text))
+                    finish = answer.finish_reason(finish)
+                item = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish, "token_ids": token_ids}
             else:
                 item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "token_ids": token_ids,
                         "prompt_logprobs": None, "prompt_token_ids": choice.gen.prompt_ids if opts.token_ids else None}
@@ -301,6 +308,7 @@ class ManyChoicesServing(ServingBase):
         (False: the failure event ended the stream)."""
         texts = opts.texts(self.tokenizer)
         offsets = {c.gen.index: 0 for c in choices}
+        answers = {c.gen.index: opts.answer() for c in choices} if opts.answer is not None else None
         remaining = len(choices)
         while remaining:
             choice, piece = await queue.get()
@@ -310,7 +318,13 @@ class ManyChoicesServing(ServingBase):
                 return False
             index = choice.gen.index
             logprobs, offsets[index] = self._logprobs(texts, piece.positions, opts, offsets[index])
-            if opts.chat:
+            if opts.chat and answers:
+                delta = answers[index].feed(piece.text, piece.finish is not None)
+                finish = answers[index].finish_reason(piece.finish) if piece.finish is not None else None
+                if not delta and finish is None and logprobs is None:
+                    continue  # text held back (it may be a tag): nothing to send yet
+                item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            elif opts.chat:
                 delta = {"content": piece.text} if piece.text or piece.finish is None else {}
                 item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": piece.finish}
             else:

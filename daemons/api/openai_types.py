@@ -164,6 +164,11 @@ class ChatMessage(Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # history of tool calling and reasoning, for the template (daemons/api/tools/choice.history_fields)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -176,6 +181,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool | None = None  # vLLM's: false leaves reasoning_content out
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None

@@ -20,6 +20,7 @@ from dpserve.daemons.api.openai_types import (
     CompletionRequest,
     SamplingFields,
 )
+from dpserve.daemons.api.tools.choice import history_fields
 from msgspec import Struct
 
 
@@ -202,7 +203,7 @@ def uses_extras(req: SamplingFields) -> bool:
     if isinstance(req, CompletionRequest):
         return req.echo is not None or req.max_tokens == 0 or (isinstance(req.prompt, list) and len(req.prompt) > 1
                                                               and not isinstance(req.prompt[0], int))
-    return req.top_logprobs is not None
+    return req.top_logprobs is not None or req.tools is not None or req.tool_choice is not None
 
 
 def _short(value: Any) -> str:
@@ -288,6 +289,8 @@ def chat_messages(req: ChatCompletionRequest | Any) -> list[dict]:
         item = {"role": "system" if msg.role == "developer" else msg.role, "content": content or ""}
         if msg.name:
             item["name"] = msg.name
+        if msg.tool_calls or msg.tool_call_id is not None or msg.reasoning_content is not None or msg.reasoning is not None:
+            item.update(history_fields(msg, i))
         out.append(item)
     return out
 

@@ -335,7 +335,8 @@ def test_pinned_n_choices_all_run_on_the_pinned_rank(server):
         ("/v1/completions", {"guided_grammar": "start: a"}, "guided_grammar"),
         ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto: off here
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": ""}}], "tool_choice": "none"}, "tools[0].function.name"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
     ],

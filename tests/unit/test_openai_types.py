@@ -110,8 +110,7 @@ NON_DEFAULT = {
     "best_of": 3, "use_beam_search": True, "length_penalty": 0.5, "bad_words": ["x"],
 }
 CHAT_NON_DEFAULT = {
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"},
+    "functions": [{"name": "f"}], "function_call": {"name": "f"},  # (tools and tool_choice are served: test_tool_parsers)
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "web_search_options": {},
 }
 

@@ -183,3 +183,11 @@ def test_plans():
     required = tool_plan(_Req([TOOL], "required", False), False, None)
     assert required.schema["maxItems"] == 1 and required.schema["minItems"] == 1
     assert "maxItems" not in required_schema([TOOL], None)
+
+
+def test_the_flags_name_every_parser():
+    from dpserve.daemons.api.reasoning import REASONING_PARSERS
+    from dpserve.daemons.config import REASONING_PARSERS as REASONING_FLAG
+    from dpserve.daemons.config import TOOL_CALL_PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(TOOL_PARSERS) and set(REASONING_FLAG) == set(REASONING_PARSERS)

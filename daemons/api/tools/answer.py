@@ -20,16 +20,17 @@ FINISH_TOOL_CALLS = "tool_calls"
 
 
 class ChatAnswer:
-    """`named`: the call was forced by name; its finish stays "stop" (as OpenAI's)."""
+    """`named`: the call was forced by name; its finish stays "stop" (as OpenAI's).
+    `show_reasoning`: false (vLLM's include_reasoning) leaves the reasoning out."""
 
-    __slots__ = ("reasoning", "tools", "named", "_reasoning_parts", "_content_parts", "_called")
+    __slots__ = ("reasoning", "tools", "named", "show_reasoning", "_called")
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, named: bool = False) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, named: bool = False,
+                 show_reasoning: bool = True) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.named = named
-        self._reasoning_parts: list[str] = []
-        self._content_parts: list[str] = []
+        self.show_reasoning = show_reasoning
         self._called = False
 
     def feed(self, text: str, final: bool) -> dict:
@@ -50,7 +51,7 @@ class ChatAnswer:
                 self.tools.finish()
             answer, calls = self.tools.take_deltas()
         delta: dict = {}
-        if thought:
+        if thought and self.show_reasoning:
             delta["reasoning_content"] = delta["reasoning"] = thought
         if answer:
             delta["content"] = answer
@@ -73,7 +74,7 @@ class ChatAnswer:
             if calls:
                 msg["tool_calls"] = [call.as_openai() for call in calls]
                 self._called = True
-        if self.reasoning is not None:
+        if self.reasoning is not None and self.show_reasoning:
             msg["reasoning_content"] = msg["reasoning"] = thought
         if msg["content"] is None and "tool_calls" not in msg:
             msg["content"] = ""  # (an answer that is all reasoning, or empty)

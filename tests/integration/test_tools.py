@@ -1,0 +1,189 @@
+"""Tool calling and reasoning output through a real node, with the official openai client.
+
+The demo model with the tools chat template (Hermes / Qwen-style tags, a <think>
+block), served with --enable-auto-tool-choice --tool-call-parser hermes
+--reasoning-parser qwen3. A random-weight model calls no tool by itself: forced
+calls (required, named) come from the grammar, and "auto" answers are made to be
+recorded answers with guided_regex, so that the parser runs on the server.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tests.server import DpServer
+
+openai = pytest.importorskip("openai")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+CALL_JSON = '\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+
+
+def spelled(*parts: str) -> str:
+    """A Lark grammar of exactly this text; the tags are the tokenizer's single tokens (as a
+    Hermes / Qwen model writes them; a regex spelling them out would take other tokens)."""
+    return "start: " + " ".join(p if p in ("<tool_call>", "</tool_call>") else json.dumps(p) for p in parts)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from dpserve.engine.testing.demo_model import create_demo_model
+
+    model = create_demo_model(str(tmp_path_factory.mktemp("tools-model") / "model"), chat="tools")
+    srv = DpServer(model, "--max-model-len", "1024", "--dtype", "float32", "--enable-auto-tool-choice",
+                   "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def ask(client, **kw):
+    base = {"model": "demo", "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 120}
+    return client.chat.completions.create(**{**base, **kw})
+
+
+def joined_stream(client, **kw):
+    """(content, reasoning, {index: [id, name, arguments]}, finish_reason, raw chunks) of a streamed answer."""
+    content, reasoning, calls, finish, chunks = "", "", {}, None, []
+    for chunk in ask(client, stream=True, **kw):
+        chunks.append(chunk.model_dump(exclude_unset=True))
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            for tc in delta.tool_calls or ():
+                if tc.index not in calls:
+                    assert tc.id and tc.function.name and tc.type == "function"  # id and name first, once
+                    calls[tc.index] = [tc.id, tc.function.name, ""]
+                else:
+                    assert tc.id is None and tc.function.name is None
+                calls[tc.index][2] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, reasoning, calls, finish, chunks
+
+
+def assert_valid_calls(calls, only=None):
+    assert calls
+    for call in calls:
+        assert call.function.name in SCHEMAS and (only is None or call.function.name == only)
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_openai_tool_calling_flow(client):
+    """tools -> a tool_calls answer -> the tool's result -> the final answer, whole and streamed."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = ask(client, messages=messages, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                seed=1, extra_body=NO_THINKING)
+    msg, choice = first.choices[0].message, first.choices[0]
+    assert choice.finish_reason == "tool_calls" and msg.content is None and len(msg.tool_calls) == 1
+    assert_valid_calls(msg.tool_calls)
+    call = msg.tool_calls[0]
+    messages += [msg.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21})}]
+    final = ask(client, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=16, temperature=0, extra_body=NO_THINKING)
+    assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason in ("stop", "length")
+    # the history's call and result are in the prompt: it is longer than the question and the tools alone
+    bare = ask(client, tools=TOOLS, tool_choice="none", max_tokens=1, extra_body=NO_THINKING)
+    assert final.usage.prompt_tokens > bare.usage.prompt_tokens + 20
+    content, _, calls, finish, _ = joined_stream(client, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=16,
+                                                 temperature=0, extra_body=NO_THINKING)
+    assert not calls and finish in ("stop", "length") and content == final.choices[0].message.content
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_required_and_named_arguments_are_schema_valid(client, temperature):
+    for seed in range(4):
+        named = ask(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                    temperature=temperature, seed=seed, n=2, extra_body=NO_THINKING)
+        for choice in named.choices:
+            assert choice.finish_reason == "stop"  # OpenAI's finish for a named function
+            assert_valid_calls(choice.message.tool_calls, only="get_weather")
+        required = ask(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=temperature,
+                       seed=seed, max_tokens=200, extra_body=NO_THINKING)
+        assert required.choices[0].finish_reason == "tool_calls"
+        assert len(required.choices[0].message.tool_calls) == 1
+        assert_valid_calls(required.choices[0].message.tool_calls)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_streamed_fragments_reassemble_to_the_whole_call(client, openai_schema, choice):
+    kw = dict(tools=TOOLS, tool_choice=choice, temperature=1.0, seed=7, max_tokens=200, extra_body=NO_THINKING)
+    whole = ask(client, **kw)
+    content, _, calls, finish, chunks = joined_stream(client, **kw)
+    expected = [[c.function.name, c.function.arguments] for c in whole.choices[0].message.tool_calls]
+    assert [[name, args] for _, name, args in calls.values()] == expected
+    assert finish == whole.choices[0].finish_reason and content == ""
+    openai_schema(whole.model_dump(exclude_unset=True), "CreateChatCompletionResponse")
+    for chunk in chunks:
+        openai_schema(chunk, "CreateChatCompletionStreamResponse")
+
+
+def test_auto_parses_the_answer_with_the_hermes_parser(client):
+    kw = dict(tools=TOOLS, guided_grammar=spelled("Checking.\n", "<tool_call>", CALL_JSON, "</tool_call>"))
+    whole = ask(client, extra_body={**NO_THINKING, **kw})
+    msg = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and msg.content == "Checking.\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [("get_weather", {"city": "Paris", "days": 3})]
+    content, _, calls, finish, _ = joined_stream(client, extra_body={**NO_THINKING, **kw})
+    assert content == "Checking.\n" and finish == "tool_calls"
+    assert [(name, json.loads(args)) for _, name, args in calls.values()] == [("get_weather", {"city": "Paris", "days": 3})]
+
+
+def test_text_that_does_not_parse_is_content(client):
+    text = "<tool_call>\nnot json at all\n</tool_call>"
+    grammar = spelled("<tool_call>", "\nnot json at all\n", "</tool_call>")
+    whole = ask(client, extra_body={**NO_THINKING, "tools": TOOLS, "guided_grammar": grammar})
+    assert whole.choices[0].message.content == text and whole.choices[0].message.tool_calls is None
+    assert whole.choices[0].finish_reason == "stop"
+    content, _, calls, finish, _ = joined_stream(client, extra_body={**NO_THINKING, "tools": TOOLS, "guided_grammar": grammar})
+    assert content == text and not calls and finish == "stop"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "object"}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_invalid_tool_requests_are_400s_naming_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, extra_body=body)
+    assert err.value.body["param"] == param
+
+
+def test_reasoning_content_apart_from_the_answer(client):
+    """Thinking on: the reasoning (pushed to end soon by a bias on </think>) comes apart
+    from the answer, which the JSON schema binds; streamed deltas join to the same."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8}}, "required": ["answer"]}
+    kw = dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+              logit_bias={"7": 6.0}, seed=3, temperature=1.0, max_tokens=200)  # 7: </think>
+    whole = ask(client, **kw)
+    msg = whole.choices[0].message
+    reasoning = msg.model_extra["reasoning_content"]
+    assert whole.choices[0].finish_reason == "stop" and reasoning is not None and msg.model_extra["reasoning"] == reasoning
+    jsonschema.validate(json.loads(msg.content), schema)
+    content, streamed_reasoning, calls, finish, _ = joined_stream(client, **kw)
+    assert (content, streamed_reasoning, finish) == (msg.content, reasoning, "stop") and not calls
+    hidden = ask(client, extra_body={"include_reasoning": False}, **kw).choices[0].message
+    assert "reasoning_content" not in (hidden.model_extra or {}) and hidden.content == msg.content
