@@ -175,3 +175,20 @@ def test_answers_equal_transformers_generate(budget_server, small_model_dir):
                              eos_token_id=None, pad_token_id=0)
     expected = AutoTokenizer.from_pretrained(small_model_dir).decode(out[0, len(prompt):], skip_special_tokens=True)
     assert text == expected
+
+
+# ---------------------------------------------------------------- a rank lost mid-answer
+
+
+def test_a_stream_whose_rank_is_killed_ends_as_the_uninterrupted_answer(small_model_dir):
+    """The realistic model, DP 2, greedy: the rank answering a stream is SIGKILLed after
+    16 tokens; the other rank prefills prompt + those tokens and goes on, and the text
+    equals the same request's uninterrupted answer (issue 25)."""
+    from tests.integration.test_migration import stream_killing_its_rank
+
+    with DpServer(small_model_dir, "--data-parallel-size", "2", "--api-server-count", "1", "--dtype", "float32",
+                  "--dp-supervisor-probe-interval-s", "0.5", "--kill-grace-s", "1") as server, openai_client(server) as client:
+        payload = {"model": "demo", "prompt": prompt_ids(7, 40), "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        want = client.completions.create(**{k: v for k, v in payload.items() if k != "ignore_eos"}, extra_body={"ignore_eos": True})
+        text, finish, tokens, _ = stream_killing_its_rank(server, payload, after_events=16)
+        assert (text, finish, tokens) == (want.choices[0].text, "length", 48)

@@ -192,3 +192,37 @@ def test_a_pinned_stream_still_fails_with_its_rank(node):
     err = asyncio.run(main())
     assert "pinned" in str(err.message if hasattr(err, "message") else err)
     recover(node)
+
+
+def stream_killing_its_rank(node: DpServer, payload: dict, after_events: int) -> tuple[str, str, int, int]:
+    """POST a streamed completion; after `after_events` text events SIGKILL the rank that
+    answers it. (text, finish_reason, completion tokens, the killed rank). Used by the
+    realistic-model and vLLM-engine tests too."""
+    import http.client
+    import json as _json
+
+    conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=300)
+    conn.request("POST", "/v1/completions", _json.dumps({**payload, "stream": True, "stream_options": {"include_usage": True}}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    rank = int(resp.getheader("X-data-parallel-rank"))
+    text, finish, tokens, events = [], None, 0, 0
+    try:
+        for line in resp:
+            if not line.startswith(b"data: {"):
+                continue
+            event = _json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                text.append(choice["text"])
+                finish = choice["finish_reason"] or finish
+                events += 1
+                if events == after_events:
+                    os.kill(node.child(f"engine-dp{rank}")["pid"], signal.SIGKILL)
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    finally:
+        conn.close()
+    assert events > after_events, "the answer ended before the kill"
+    return "".join(text), finish, tokens, rank

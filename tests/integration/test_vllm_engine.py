@@ -270,3 +270,19 @@ def test_multi_node_head_and_headless_worker_with_vllm_ranks(venv, demo_model_di
     finally:
         for n in reversed(started):
             n.stop()
+
+
+def test_a_stream_whose_vllm_rank_is_killed_ends_as_the_uninterrupted_answer(node):
+    """Migration with vLLM ranks (issue 25): greedy, the answering rank SIGKILLed after 12
+    tokens; vLLM on the other rank prefills prompt + those tokens and the text equals the
+    uninterrupted answer."""
+    from tests.integration.test_migration import stream_killing_its_rank
+
+    payload = {"model": "demo", "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    client = _client(node.url)
+    want = client.completions.create(**{k: v for k, v in payload.items() if k != "ignore_eos"}, extra_body={"ignore_eos": True})
+    client.close()
+    text, finish, tokens, rank = stream_killing_its_rank(node, payload, after_events=12)
+    assert (text, finish, tokens) == (want.choices[0].text, "length", 40)
+    wait_until(lambda: node.child(f"engine-dp{rank}")["state"] == "ready", START_TIMEOUT_S, 0.5, f"rank {rank} back")
+    node.refresh_child_pids()

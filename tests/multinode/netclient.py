@@ -8,6 +8,7 @@ and time and talks only to the namespaces' own addresses.
   wait-ready URL TIMEOUT                poll until 200
   burst URL N CONCURRENCY [PIN]         N completions; counts by status and serving rank
   loop URL SECONDS CONCURRENCY          closed loop; every request's (start, end, status, rank)
+  streams URL N MAX_TOKENS              N greedy streamed completions at once; each one's text, error, rank
   rogue HEAD_ADDR RPC_PORT API_ADDR KEYFILE   try to join without the key, with a wrong key, with a wrong config
 """
 
@@ -68,6 +69,27 @@ async def loop(url: str, seconds: float, concurrency: int) -> dict:
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return {"records": records, "started_wall": time.time() - (time.monotonic() - t0)}
+
+
+async def streams(url: str, n: int, max_tokens: int) -> dict:
+    async def one(session, i):
+        body = {"model": "demo", "prompt": f"stream {i} across nodes", "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        text, error = [], None
+        try:
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                rank = resp.headers.get("X-data-parallel-rank")
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        event = json.loads(line[6:])
+                        error = event.get("error", {}).get("message") if "error" in event else error
+                        text += [c["text"] for c in event.get("choices", ())]
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return {"text": "".join(text), "error": repr(exc), "rank": None}
+        return {"text": "".join(text), "error": error, "rank": rank}
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as session:
+        return {"results": await asyncio.gather(*(one(session, i) for i in range(n)))}
 
 
 async def get(url: str) -> dict:
@@ -169,6 +191,8 @@ def main() -> None:
         out = asyncio.run(burst(args[0], int(args[1]), int(args[2]), pin))
     elif cmd == "loop":
         out = asyncio.run(loop(args[0], float(args[1]), int(args[2])))
+    elif cmd == "streams":
+        out = asyncio.run(streams(args[0], int(args[1]), int(args[2])))
     elif cmd == "rogue":
         print(json.dumps(rogue(args[0], int(args[1]), args[2], args[3])), flush=True)
         os._exit(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -190,6 +191,37 @@ def test_internal_mode_link_cut_head_restart_and_outsiders(network, demo_model_d
     assert dep.worker_proc.poll() is None  # the worker was never touched
     worker_log = (tmp_path / "worker.log").read_text()
     assert "registered again with the coordinator" in worker_log
+
+
+def test_streams_of_a_torn_down_worker_finish_on_the_heads_ranks(network, demo_model_dir, key_file, tmp_path):
+    """Issue 25: the worker node vanishes mid-stream (its cable cut, every process in it
+    SIGKILLed); the head judges its ranks lost by their silence, and their streams move to
+    the head's ranks and end exactly as the undisturbed reference, with no error (float32:
+    bf16 answers depend on the batch)."""
+    dep = start(network, demo_model_dir, key_file, tmp_path, ["--dtype", "float32"], headless=True)
+    head, worker = dep.head, dep.worker
+    url = dep.url(head)
+    want = head.client("streams", url, "16", "400")["results"]
+    assert all(r["error"] is None for r in want), want
+    assert {"2", "3"} & {r["rank"] for r in want}, "no reference stream reached the worker"
+    proc = subprocess.Popen(
+        ["nsenter", "-t", str(head.sleeper.pid), "-n", "--", sys.executable, CLIENT, "streams", url, "16", "400"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        time.sleep(1.0)
+        worker.link(False)
+        worker.stop_all(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    got = json.loads(out)["results"]
+    moved = [r for r in got if r["rank"] in ("2", "3")]
+    assert moved, "no stream was on the worker's ranks"
+    assert [r["error"] for r in got] == [None] * 16, [r["error"] for r in got]
+    assert [r["text"] for r in got] == [r["text"] for r in want]
+    assert "moved_requests" in (tmp_path / "head.log").read_text()
 
 
 def test_global_mode_frontends_on_every_node_route_cluster_wide(network, demo_model_dir, key_file, tmp_path):
