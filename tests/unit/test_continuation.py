@@ -12,6 +12,7 @@ import asyncio
 
 import pytest
 from dpserve.engine.common.protocol import AddRequest, SamplingParams, seed_for
+
 from tests.unit.test_sampler import make_engine, prompt, run
 
 pytestmark = pytest.mark.timeout(120)
