@@ -52,6 +52,8 @@ def header(data: dict) -> list[str]:
         parts = [f"{cluster['ranks_routable']}/{data['data_parallel_size']} ranks routable", f"{cluster['ranks_registered']} registered"]
         if cluster["ranks_lost"]:
             parts.append(f"{cluster['ranks_lost']} LOST")
+        if cluster.get("ranks_drained"):
+            parts.append(f"{cluster['ranks_drained']} drained")
         if cluster["ranks_absent"]:
             parts.append(f"{cluster['ranks_absent']} not started")
         if cluster.get("min_ready_ranks"):
@@ -70,7 +72,7 @@ def rank_rows(ranks: list[dict]) -> list[str]:
         tokens = r["waiting_prefill_tokens"] + r["remaining_decode_tokens"]
         state = r["state"].upper() if r["state"] == "lost" else r["state"]
         mark = "*" if r.get("local") else " "
-        note = r["routed_by"] if r["state"] != "lost" else (r.get("reason") or "out of routing")
+        note = r["routed_by"] if r["state"] not in ("lost", "drained") else (r.get("reason") or "out of routing")
         kv = f"{100 * r['kv_cache_usage_perc']:.1f}%" if active else "-"
         lines.append(
             f"{r['rank']:>3}{mark} {_dash(r['node']):>4} {_dash(r.get('address') or r['host'])[:16]:<16} {state:<10} {age(r['for_s']):>7} "

@@ -27,6 +27,7 @@ class ChildState(enum.Enum):
     STOPPING = "stopping"  # asked to stop (SIGTERM sent)
     BACKOFF = "backoff"  # exited; waiting to be restarted
     EXITED = "exited"  # exited and stays down (shutdown, policy, or gave up)
+    DRAINED = "drained"  # stopped by `dpserve drain`; stays down until `dpserve undrain` or a restart of the node
 
 
 class Child:
@@ -64,6 +65,7 @@ class Child:
         "failure",
         "extra_env",
         "detail",
+        "drained",
     )
 
     def __init__(
@@ -112,6 +114,7 @@ class Child:
         self.failure = ""  # why the supervisor stopped this process for failing (probes, late start)
         self.extra_env = extra_env or {}
         self.detail = ""  # what the process said of itself when ready (a Ray rank: node, actor)
+        self.drained = False  # `dpserve drain` asked for it to stay stopped (until undrain)
 
     @property
     def is_running(self) -> bool:

@@ -13,6 +13,7 @@ A rank's state (field names are a documented contract, see README "Status"):
     ready       in the coordinator's routing table: API servers route to it
     lost        was registered, now out of routing (stopped reporting, its
                 process exited, its node is gone); since = when it was lost
+    drained     out of routing on purpose (`dpserve drain`): stays down until undrained
 `since` is when the coordinator saw the state change (its wall clock, the
 same on every node); for `absent`, when this node started.
 """
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 
 from dpserve.engine.common.protocol import RankLoad
 
-RANK_STATES = ("absent", "registered", "ready", "lost")
+RANK_STATES = ("absent", "registered", "ready", "lost", "drained")
+DRAINED_PREFIX = "drained"  # a down_reason saying the rank was drained (engine/rank/process.DRAINED_REASON)
 # The coordinator publishes every rank at least once a second; a node that
 # hears nothing for this long (or the probe budget, if longer) has lost the head.
 HEAD_SILENCE_MIN_S = 3.0
@@ -43,7 +45,9 @@ class RankView:
 def state_of(entry: RankLoad) -> str:
     if entry.is_alive:
         return "ready"
-    return "registered" if entry.down_reason == "registering" else "lost"
+    if entry.down_reason == "registering":
+        return "registered"
+    return "drained" if entry.down_reason.startswith(DRAINED_PREFIX) else "lost"
 
 
 class ClusterState:

@@ -20,8 +20,8 @@ import time
 import zmq
 import zmq.asyncio
 from dpserve.daemons.config import ServeConfig
+from dpserve.daemons.supervisor import draining, rolling, startup
 from dpserve.daemons.supervisor import events as ev
-from dpserve.daemons.supervisor import rolling, startup
 from dpserve.daemons.supervisor.boot import prepare, write_ports_file
 from dpserve.daemons.supervisor.children import Child, ChildState, launch, started
 from dpserve.daemons.supervisor.cluster import ClusterState
@@ -73,7 +73,7 @@ class Supervisor:
         self.cluster = ClusterState(cfg.data_parallel_size, cfg.probe_interval_s * cfg.probe_failure_threshold, time.time())
         self.table_sub = None
         self.view = NodeView(self)
-        self.health = HealthServer(self.view)
+        self.health = HealthServer(self.view, draining.DrainEndpoints(self.post, cfg.key_file))
         self.prober = Prober(self.view, self.post)
         self.tasks: list[asyncio.Task] = []
         self.spawn_tasks: set[asyncio.Task] = set()
@@ -175,6 +175,8 @@ class Supervisor:
                 self.rolling.waiting_for_launcher = False
         elif isinstance(event, ev.Spawned | ev.SpawnFailed):
             self.on_spawned(event)
+        elif isinstance(event, ev.DrainRequested):
+            draining.apply(self, event)
         else:
             child = self.children.get(event.name)
             if child is None:
@@ -310,6 +312,9 @@ class Supervisor:
         if self.phase != "serving":
             child.state = ChildState.EXITED
             return
+        if child.drained:
+            draining.settle(self, child)
+            return
         planned = was == ChildState.STOPPING and child.restart_requested
         level = self.log.info if planned else self.log.error
         level("child exited", child=child.name, pid=child.pid, how=how, **({"after": child.failure} if child.failure else {}))
@@ -377,6 +382,9 @@ class Supervisor:
         _kill(child.pid, signal.SIGTERM)
         if cont:
             _kill(child.pid, signal.SIGCONT)
+
+    def signal_child(self, child: Child, sig: int) -> None:
+        _kill(child.pid, sig)
 
     def sweep_strays(self) -> None:
         known = {c.pid for c in self.children.values() if c.proc is not None}

@@ -92,6 +92,16 @@ class LauncherRestarted:
 
 
 @dataclass(frozen=True, slots=True)
+class DrainRequested:
+    """`dpserve drain` (drain=True) or `dpserve undrain` for a local rank, from the
+    health port; the loop answers through `reply` (a future: (HTTP status, body))."""
+
+    rank: int
+    drain: bool
+    reply: Any
+
+
+@dataclass(frozen=True, slots=True)
 class Fatal:
     """Stop the node with this exit code (a worker whose key the head refuses)."""
 
@@ -99,4 +109,7 @@ class Fatal:
     reason: str
 
 
-Event = SignalReceived | Spawned | SpawnFailed | Exited | Ready | Heartbeat | ProbeResult | ClusterSeen | TableSeen | LauncherRestarted | Fatal
+Event = (
+    SignalReceived | Spawned | SpawnFailed | Exited | Ready | Heartbeat | ProbeResult | ClusterSeen | TableSeen | LauncherRestarted
+    | DrainRequested | Fatal
+)

@@ -1,8 +1,9 @@
-"""The node's aggregated health port (default 9256): /health, /readyz, /status, /metrics.
+"""The node's aggregated health port (default 9256): /health, /readyz, /status, /metrics,
+and POST /drain, /undrain (draining.py: checked there, applied by the loop).
 
 It listens from the supervisor's first second, so an operator or router can
 see a node that is loading, degraded or stopping, not just a dark port.
-Reads a NodeView; never changes the node's state.
+Reads a NodeView; never changes the node's state itself.
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ def cluster_metrics(view: NodeView):
 
 
 class HealthServer:
-    def __init__(self, view: NodeView) -> None:
+    def __init__(self, view: NodeView, admin=None) -> None:
         self.view = view
+        self.admin = admin  # draining.DrainEndpoints: the only verbs that ask the node to change
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(NodeCollector(view))
         self.runner: web.AppRunner | None = None
@@ -109,6 +111,8 @@ class HealthServer:
         app.router.add_get("/ready", self.readyz)
         app.router.add_get("/status", self.status)
         app.router.add_get("/metrics", self.metrics)
+        if self.admin is not None:
+            self.admin.add_routes(app)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, reuse_port=False)

@@ -42,6 +42,8 @@ class NodeView:
         for c in self.children():
             if self.phase == "starting" and c.state in (ChildState.NEW, ChildState.STARTING):
                 continue
+            if c.drained:
+                continue  # down on purpose (`dpserve drain`): /status says so, /health need not
             # One failed probe is a blip; the child is unhealthy once it reaches the threshold.
             if c.state != ChildState.READY or c.consecutive_failures >= self.probe_failure_threshold:
                 bad.append({"name": c.name, "state": c.state.value, "consecutive_failures": c.consecutive_failures, "last_exit": c.last_exit or None})
@@ -96,6 +98,7 @@ class NodeView:
             "ranks_routable": cluster.routable(),
             "ranks_registered": cluster.count("registered") + cluster.count("ready"),
             "ranks_lost": cluster.count("lost"),
+            "ranks_drained": cluster.count("drained"),
             "data_parallel_size": self.data_parallel_size,
             "min_ready_ranks": self.min_ready_ranks if self._sup.cfg.runs_api_servers else 0,
             "head_connected": cluster.head_connected,
@@ -115,9 +118,11 @@ class NodeView:
                 text += f", {ready_a}/{len(apis)} API servers ready"
             registered = cluster.count("registered") + cluster.count("ready")
             text += f", {registered}/{self.data_parallel_size} ranks registered, {cluster.routable()} routable"
-            lost = cluster.count("lost")
+            lost, drained = cluster.count("lost"), cluster.count("drained")
             if lost:
                 text += f", {lost} lost"
+            if drained:
+                text += f", {drained} drained"
             if not cluster.head_connected and self.phase != "starting":
                 text += ", HEAD LOST" if cluster.head_reached else ", head not reached yet"
         if self.phase == "starting":
@@ -150,7 +155,7 @@ class NodeView:
                 "state": r.state,
                 "since": round(r.since, 3),
                 "for_s": round(max(0.0, wall - r.since), 1),
-                "reason": e.down_reason if r.state == "lost" else "",
+                "reason": e.down_reason if r.state in ("lost", "drained") else "",
                 "running": e.num_running,
                 "waiting": e.num_waiting,
                 "waiting_prefill_tokens": e.num_waiting_prefill_tokens,
@@ -203,6 +208,7 @@ class NodeView:
                 "ranks_routable": readiness["ranks_routable"],
                 "ranks_registered": readiness["ranks_registered"],
                 "ranks_lost": readiness["ranks_lost"],
+                "ranks_drained": readiness["ranks_drained"],
                 "ranks_absent": cluster.count("absent"),
                 "unroutable": readiness["unroutable"],
                 "min_ready_ranks": readiness["min_ready_ranks"],

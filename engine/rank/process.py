@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 import uuid
 
@@ -27,6 +28,11 @@ from dpserve.engine.rank.io import COORDINATOR, LOAD_REPORT_MIN_INTERVAL_S, WELC
 # engine whose API servers are already gone (node shutdown) still exits well
 # within the supervisor's kill grace (5 s by default).
 DEATH_LINGER_S = 1.0
+# The supervisor drains a rank (`dpserve drain`) with this signal instead of SIGTERM:
+# the engine stops at once the same way, but its last words say it was drained, so
+# its API servers move its requests and every view shows "drained", not a failure.
+DRAIN_SIGNAL = signal.SIGUSR1
+DRAINED_REASON = "drained (dpserve drain)"
 
 
 class EngineProcess:
@@ -50,12 +56,21 @@ class EngineProcess:
             node_rank=cfg.node_rank, coordinator_address=cfg.coordinator_address, log=log,
             watch=lambda sock: self.poller.register(sock, zmq.POLLIN),
         )
+        # Signals wake the busy loop's poll at once (pyzmq resumes an interrupted poll,
+        # so a SIGTERM or a drain would otherwise wait out an idle poll's heartbeat_s).
+        self._wake_r, self._wake_w = socket.socketpair()
+        for end in (self._wake_r, self._wake_w):
+            end.setblocking(False)
+        self.poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self.core: RankEngine | None = None
         self.should_stop = False
+        self.stop_reason = "engine shut down"  # what EngineDead says when the loop ends as asked
         self._last_heartbeat = 0.0
 
     def _on_signal(self, signum, _frame) -> None:
         self.should_stop = True  # the loop notices; nothing else happens here
+        if signum == DRAIN_SIGNAL:
+            self.stop_reason = DRAINED_REASON
 
     def _make_core(self) -> RankEngine:
         """The rank's engine: the native EngineCore, or vLLM's engine behind the same interface."""
@@ -114,6 +129,9 @@ class EngineProcess:
             else:
                 timeout_ms = int(heartbeat_s * 1000)
             for sock, _ in self.poller.poll(timeout_ms):
+                if sock == self._wake_r.fileno():
+                    self._wake_r.recv(64)  # a signal: its handler already set what the loop reads
+                    continue
                 for index, msg in io.read(sock):
                     if index == COORDINATOR:
                         self._from_coordinator(msg)
@@ -153,8 +171,14 @@ class EngineProcess:
         """
         self.io.announce_death(reason, linger_s=DEATH_LINGER_S, clean=clean)
 
+    def wake_on_signals(self) -> None:
+        """From the main thread: a signal's byte lands on the loop's wake-up socket."""
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+
     def close(self) -> None:
         self.ctx.destroy(linger=0)  # already-closed sockets keep their own linger
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 def serve(proc: EngineProcess, log) -> int:
@@ -167,7 +191,7 @@ def serve(proc: EngineProcess, log) -> int:
             code = EXIT_OK
         else:
             code = proc.run()
-            proc.announce_death("engine shut down", clean=True)
+            proc.announce_death(proc.stop_reason, clean=True)
             log.info("engine stopped")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else EXIT_ERROR
@@ -188,6 +212,8 @@ def main() -> None:
     proc = EngineProcess(cfg, log)
     signal.signal(signal.SIGTERM, proc._on_signal)
     signal.signal(signal.SIGINT, proc._on_signal)
+    signal.signal(DRAIN_SIGNAL, proc._on_signal)
+    proc.wake_on_signals()
     os._exit(serve(proc, log))
 
 

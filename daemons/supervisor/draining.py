@@ -1,0 +1,171 @@
+"""`dpserve drain` / `dpserve undrain`: a local rank taken out of service on purpose.
+
+Two halves. The health port's POST /drain and /undrain (handlers below) check
+who asks and post a DrainRequested; the loop applies it (drain / undrain, the
+loop's verbs, writing the child record) and answers through the event's
+future. This module never touches a child outside those verbs.
+
+Drain: the engine gets DRAIN_SIGNAL and stops at once, announcing EngineDead
+(clean, "drained (dpserve drain)") to its API servers, which move its
+requests, and RankDown to the coordinator, so every view shows it drained
+within milliseconds. Its child then stays DRAINED: the restart policy does
+not apply, /health does not count it as unhealthy, and only undrain (or a
+restart of the node) starts it again.
+
+Who may ask: with a data-parallel key file (multi-node), a bearer token
+derived from that key (admin_token); without one, only a loopback peer
+(the health port listens on 127.0.0.1 by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+from typing import TYPE_CHECKING
+
+import msgspec
+from aiohttp import web
+from dpserve.daemons.supervisor.children import Child, ChildState
+from dpserve.daemons.supervisor.events import DrainRequested
+from dpserve.engine.rank.process import DRAIN_SIGNAL, DRAINED_REASON
+
+if TYPE_CHECKING:
+    from dpserve.daemons.supervisor.core import Supervisor
+
+REPLY_TIMEOUT_S = 5.0
+_encode = msgspec.json.Encoder().encode
+
+
+def admin_token(key_file: str) -> str:
+    """The bearer token of the health port's mutating verbs: HMAC-SHA256 of a fixed
+    label under the deployment's shared secret (never the secret itself)."""
+    with open(key_file, "rb") as f:
+        secret = f.read().strip()
+    return hmac.new(secret, b"dpserve-supervisor-admin", hashlib.sha256).hexdigest()
+
+
+def _is_loopback(peer: str | None) -> bool:
+    try:
+        return peer is not None and ipaddress.ip_address(peer.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------- the loop's verbs
+
+
+def apply(sup: Supervisor, event: DrainRequested) -> None:
+    """The loop's verb for a DrainRequested: answer it, changing the child if it must."""
+    status, body = (drain if event.drain else undrain)(sup, event.rank)
+    if not event.reply.done():
+        event.reply.set_result((status, body))
+
+
+def _engine(sup: Supervisor, rank: int) -> tuple[Child | None, tuple[int, dict] | None]:
+    if sup.phase != "serving":
+        return None, (409, {"error": f"the node is {sup.phase}; drain and undrain act on a serving node"})
+    if sup.cfg.uses_ray:
+        return None, (409, {"error": "ranks placed by Ray (--data-parallel-backend ray) cannot be drained"})
+    child = sup.children.get(f"engine-dp{rank}")
+    if child is None:
+        local = list(sup.cfg.local_ranks)
+        return None, (404, {"error": f"rank {rank} is not on this node (its ranks: {local[0]}-{local[-1]}); ask the rank's node"})
+    return child, None
+
+
+def drain(sup: Supervisor, rank: int) -> tuple[int, dict]:
+    child, refused = _engine(sup, rank)
+    if refused:
+        return refused
+    if child.drained:
+        return 200, {"rank": rank, "state": child.state.value, "detail": "already drained"}
+    child.drained = True
+    sup.log.info("draining rank", child=child.name, pid=child.pid, state=child.state.value)
+    if child.proc is not None and child.proc.returncode is None:
+        child.state = ChildState.STOPPING
+        child.deadline = sup.clock() + sup.cfg.kill_grace_s
+        sup.signal_child(child, DRAIN_SIGNAL)
+        return 202, {"rank": rank, "state": "draining"}
+    settle(sup, child)  # not running (waiting to restart, or given up on): drained now
+    return 200, {"rank": rank, "state": child.state.value}
+
+
+def undrain(sup: Supervisor, rank: int) -> tuple[int, dict]:
+    child, refused = _engine(sup, rank)
+    if refused:
+        return refused
+    if not child.drained:
+        return 200, {"rank": rank, "state": child.state.value, "detail": "not drained"}
+    child.drained = False
+    sup.log.info("undraining rank", child=child.name)
+    if child.state == ChildState.DRAINED:
+        child.state = ChildState.BACKOFF  # the next tick starts it
+        child.next_start_at = sup.clock()
+        child.gave_up = ""
+    else:
+        child.restart_requested = True  # still stopping: its exit restarts it whatever the policy
+    return 202, {"rank": rank, "state": "starting"}
+
+
+def settle(sup: Supervisor, child: Child) -> None:
+    """A drained child's process is gone: it stays down, out of routing, until undrain."""
+    child.state = ChildState.DRAINED
+    child.proc = None
+    sup.take_out_of_routing(child, DRAINED_REASON)
+    sup.log.info("rank drained; it stays stopped until `dpserve undrain`", child=child.name)
+
+
+# ---------------------------------------------------------------- the health port's handlers
+
+
+class DrainEndpoints:
+    """POST /drain and /undrain with {"rank": R}: checked here, applied by the loop."""
+
+    def __init__(self, post, key_file: str) -> None:
+        self.post = post
+        self.token = admin_token(key_file) if key_file else ""
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/drain", self.drain)
+        app.router.add_post("/undrain", self.undrain)
+
+    async def drain(self, request: web.Request) -> web.Response:
+        return await self._ask(request, drain=True)
+
+    async def undrain(self, request: web.Request) -> web.Response:
+        return await self._ask(request, drain=False)
+
+    def _refusal(self, request: web.Request) -> web.Response | None:
+        if self.token:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                return _json({"error": "a valid admin token is required (dpserve drain --data-parallel-key-file KEY)"}, 401)
+            return None
+        if not _is_loopback(request.remote):
+            return _json({"error": "drain and undrain are accepted from this machine only (or with a data-parallel key file)"}, 403)
+        return None
+
+    async def _ask(self, request: web.Request, drain: bool) -> web.Response:
+        refused = self._refusal(request)
+        if refused is not None:
+            return refused
+        try:
+            body = await request.json()
+            rank = body["rank"]
+            if type(rank) is not int or rank < 0:
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            return _json({"error": 'the body must be JSON {"rank": R} with a rank >= 0', "param": "rank"}, 400)
+        reply = asyncio.get_running_loop().create_future()
+        self.post(DrainRequested(rank, drain, reply))
+        try:
+            status, answer = await asyncio.wait_for(reply, REPLY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return _json({"error": "the supervisor's loop did not answer in time"}, 503)
+        return _json(answer, status)
+
+
+def _json(obj, status: int) -> web.Response:
+    return web.Response(body=_encode(obj), status=status, content_type="application/json")

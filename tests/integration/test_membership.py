@@ -1,0 +1,138 @@
+"""Ranks leaving and joining a running node on purpose: `dpserve drain` / `undrain`.
+
+One DP=2 node (no key file: the health port's verbs are for loopback peers).
+A drained rank is out of routing and every view within a second, says
+"drained" (not lost, not unhealthy), is not restarted by the policy, and
+serves again after undrain. The admin token of a node with a key file is
+checked on the health port's own handlers (aiohttp's test server).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.server import DpServer, http_get, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def node(demo_model_dir):
+    srv = DpServer(demo_model_dir, "--data-parallel-size", "2", "--api-server-count", "1")
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def dpserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", *args], capture_output=True, text=True, timeout=60)
+
+
+def rank_row(srv: DpServer, rank: int) -> dict:
+    return next(r for r in srv.status()["cluster"]["ranks"] if r["rank"] == rank)
+
+
+def post(url: str, body: bytes, headers: dict | None = None) -> int:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_drain_checks_its_rank(node):
+    url = node.health_url
+    assert post(url + "/drain", b'{"rank": "1"}') == 400
+    assert post(url + "/drain", b"{}") == 400
+    assert post(url + "/drain", b'{"rank": 7}') == 404  # not this node's
+    assert rank_row(node, 1)["state"] == "ready"
+
+
+def test_a_drained_rank_leaves_at_once_stays_stopped_and_returns_on_undrain(node):
+    pid = node.child("engine-dp1")["pid"]
+    t0 = time.monotonic()
+    assert post(node.health_url + "/drain", b'{"rank": 1}') == 202  # what `dpserve drain --rank 1` sends
+    wait_until(lambda: rank_row(node, 1)["state"] == "drained", 5, 0.01, "rank 1 drained in /status")
+    drained_after = time.monotonic() - t0
+    print(f"\ndrained in /status after {drained_after:.3f} s")
+    assert drained_after < 1.0
+    row = rank_row(node, 1)
+    assert "drained" in row["reason"]
+    wait_until(lambda: node.child("engine-dp1")["state"] == "drained", 10, 0.05, "the child drained")
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
+    # a pin to it fails at once, unpinned requests go to rank 0
+    with openai.OpenAI(base_url=node.url + "/v1", api_key="x", max_retries=0, timeout=30) as client:
+        t1 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model="demo", prompt="x", max_tokens=2, extra_headers={"X-data-parallel-rank": "1"})
+        assert err.value.status_code == 503 and "drained" in err.value.body["message"]
+        assert time.monotonic() - t1 < 1.0
+        raw = client.completions.with_raw_response.create(model="demo", prompt="x", max_tokens=2)
+        assert raw.headers["X-data-parallel-rank"] == "0"
+    # drained, not failed: /health stays 200, the views say so
+    assert http_get(node.health_url + "/health")[0] == 200
+    readyz = json.loads(http_get(node.health_url + "/readyz")[1])
+    assert readyz["ranks_drained"] == 1 and readyz["ranks_lost"] == 0
+    metrics = http_get(node.health_url + "/metrics")[1].decode()
+    assert 'dpserve_cluster_ranks{state="drained"} 1.0' in metrics
+    table = dpserve("status", node.health_url).stdout
+    assert "1 drained" in table and "drained (dpserve drain)" in table
+    # not restarted by the policy (its backoff would be 0.5 s)
+    time.sleep(2.0)
+    child = node.child("engine-dp1")
+    assert child["state"] == "drained" and child["pid"] is None
+    # a second drain is no error
+    again = dpserve("drain", "--rank", "1", node.health_url)
+    assert again.returncode == 0 and "already drained" in again.stdout
+    # undrain: started again, routed again
+    out = dpserve("undrain", "--rank", "1", node.health_url)
+    assert out.returncode == 0 and "rank 1: starting" in out.stdout, out
+    wait_until(lambda: rank_row(node, 1)["state"] == "ready", 120, 0.1, "rank 1 ready again")
+    with openai.OpenAI(base_url=node.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
+        pinned = client.completions.create(model="demo", prompt="x", max_tokens=2, extra_headers={"X-data-parallel-rank": "1"})
+        assert pinned.usage.completion_tokens == 2
+
+
+def test_the_token_and_loopback_rules(tmp_path):
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+    from dpserve.daemons.supervisor.draining import DrainEndpoints, _is_loopback, admin_token
+
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1")
+    assert not _is_loopback("10.0.0.1") and not _is_loopback(None) and not _is_loopback("unix")
+    key = tmp_path / "dp.key"
+    key.write_bytes(b"0123456789abcdef0123456789abcdef")
+    asked = []
+
+    def post(event):  # the loop's part: answer at once
+        asked.append((event.rank, event.drain))
+        event.reply.set_result((202, {"rank": event.rank, "state": "draining"}))
+
+    async def run() -> list[int]:
+        app = web.Application()
+        DrainEndpoints(post, str(key)).add_routes(app)
+        async with TestClient(TestServer(app)) as client:
+            good = {"Authorization": f"Bearer {admin_token(str(key))}"}
+            codes = []
+            for headers in ({}, {"Authorization": "Bearer nope"}, good):
+                resp = await client.post("/drain", json={"rank": 3}, headers=headers)
+                codes.append(resp.status)
+            codes.append((await client.post("/undrain", json={"rank": 3}, headers=good)).status)
+            return codes
+
+    assert asyncio.run(run()) == [401, 401, 202, 202]
+    assert asked == [(3, True), (3, False)]
+    assert admin_token(str(key)) != key.read_text()  # derived, never the secret
