@@ -109,7 +109,7 @@ def test_ranks_not_started_yet_and_api_servers_name_their_ranks(head):
     assert status["cluster"]["ranks_absent"] == 2 and "2 not started" in screen
     table(head, [entry(1, True), entry(2, False, "registering"), entry(1, False, "gone"), entry(1, True)])
     kept = head.cluster.counts  # kept with each change, read on every wake of the loop
-    assert kept == {s: sum(r.state == s for r in head.cluster.ranks) for s in kept} == {"absent": 1, "registered": 1, "ready": 2, "lost": 0}
+    assert kept == {s: sum(r.state == s for r in head.cluster.ranks) for s in kept} == {"absent": 1, "registered": 1, "ready": 2, "lost": 0, "drained": 0}
     apis = [c for c in status["children"] if c["kind"] == "api"]
     assert [(c["rank"], c["index"], c["routes_to"]) for c in apis] == [(None, 0, [0, 1, 2, 3]), (None, 1, [0, 1, 2, 3])]
     assert "ranks 0,1,2,3" in screen
