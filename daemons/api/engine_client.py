@@ -342,6 +342,7 @@ class EngineClient:
             self._finish(state)
             if not self.migrator.move(state, reason):
                 failed += 1
+                self.migrator.num_failed += 1
                 why = self.migrator.why_not(state)
                 state._fail(f"{reason}; the request could not move to another rank: {why}" if why else reason)
         return len(lost) - failed, failed

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RoutingError
 from dpserve.engine.common.protocol import AddRequest
 
@@ -129,3 +130,20 @@ class Migrator:
         self.waiting.clear()
         if self._task is not None:
             self._task.cancel()
+
+
+class MigrationCollector:
+    """The moves on /metrics (labelled with the API server's index)."""
+
+    def __init__(self, migrator: Migrator, index: int) -> None:
+        self.migrator, self.label = migrator, [str(index)]
+
+    def collect(self):
+        m, label = self.migrator, self.label
+        moved = CounterMetricFamily("dpserve_api_requests_migrated", "Requests sent again to another rank after theirs was lost or stopped.", labels=["api_server"])
+        moved.add_metric(label, m.num_moved)
+        failed = CounterMetricFamily("dpserve_api_requests_migration_failed", "Requests whose rank was lost and that could not move (pinned, moved too often, no rank in time).", labels=["api_server"])
+        failed.add_metric(label, m.num_failed)
+        moving = GaugeMetricFamily("dpserve_api_requests_moving", "Requests whose rank was lost, waiting for another rank now.", labels=["api_server"])
+        moving.add_metric(label, len(m.waiting))
+        yield from (moved, failed, moving)

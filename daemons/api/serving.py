@@ -27,6 +27,7 @@ from dpserve.daemons.api.backpressure import StreamBudget, StreamCollector, Stre
 from dpserve.daemons.api.engine_client import EngineClient, RequestState
 from dpserve.daemons.api.generation import EngineFailure, Generation
 from dpserve.daemons.api.metrics import ApiMetrics
+from dpserve.daemons.api.migration import MigrationCollector
 from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse, encode
 from dpserve.daemons.api.request_checks import check_unsupported, decode_request
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankLost, RankNotEligible, RoutingError
@@ -172,6 +173,7 @@ class ServingBase:
         self.max_prompt_bytes = self.max_model_len * per_token if per_token else None
         self.streams = StreamBudget(client, cfg.stream_buffer_bytes, cfg.stream_buffer_total_bytes, cfg.stream_write_timeout_s)
         metrics.registry.register(StreamCollector(self.streams, cfg.index))
+        metrics.registry.register(MigrationCollector(client.migrator, cfg.index))
 
     def new_request_id(self) -> str:
         return f"{self._id_prefix}-{next(self._ids):x}"

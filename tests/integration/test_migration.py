@@ -173,6 +173,38 @@ def test_a_whole_answer_waits_out_the_kill(node):
     recover(node)
 
 
+def test_a_sigtermed_rank_hands_its_streams_on_at_once(node):
+    """A stop that was asked for (SIGTERM: the rank stops stepping and announces it) moves
+    its streams at once: none waits for the rank's longest answer, none fails."""
+    victim = node.child("engine-dp1")
+
+    def requests(api):
+        return [lambda started, p=p: stream_completion(api, p, started, max_tokens=300, temperature=0,
+                                                       extra_body={"ignore_eos": True}) for p in PROMPTS]
+
+    async def reference():
+        return await asyncio.gather(*(make([]) for make in requests(client(node))))
+
+    want = asyncio.run(reference())
+
+    async def main():
+        started: list = []
+        tasks = [asyncio.create_task(make(started)) for make in requests(client(node))]
+        while len(started) < 8 * 10:
+            await asyncio.sleep(0.005)
+        os.kill(victim["pid"], signal.SIGTERM)
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(main())
+    assert any(r["rank"] == 1 for r in results)
+    assert [r["text"] for r in results] == [r["text"] for r in want]
+    metrics = node.metrics()
+    moved = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("dpserve_api_requests_migrated_total{"))
+    assert moved >= 1, [line for line in metrics.splitlines() if "migrat" in line]
+    recover(node)
+    assert node.child("engine-dp1")["last_exit"] == "exit code 0 (clean exit)"
+
+
 def test_a_pinned_stream_still_fails_with_its_rank(node):
     victim = node.child("engine-dp1")
 
