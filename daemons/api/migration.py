@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RoutingError
 from dpserve.engine.common.protocol import AddRequest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from dpserve.daemons.api.engine_client import EngineClient, RequestState
