@@ -145,6 +145,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     role: str = "serve"  # serve: one node; head: coordinator + local ranks; worker: joins a head
     data_parallel_size_local: int = 0  # 0: all ranks on this node
     data_parallel_start_rank: int = 0
+    # Ranks may join a running head up to this many (0: --data-parallel-size). Every node of a
+    # deployment gives the same value; --data-parallel-size stays the ranks the head starts with.
+    data_parallel_size_max: int = 0
     data_parallel_address: str = "127.0.0.1"  # the head's address
     data_parallel_rpc_port: int = 29550
     # First port of this node's API servers' engine channels (API server i: base+i); 0: rpc-port+2.
@@ -180,13 +183,18 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         return self.data_parallel_size_local or self.data_parallel_size
 
     @property
+    def size_max(self) -> int:
+        """The most ranks the deployment may hold: the size of every rank-indexed array."""
+        return max(self.data_parallel_size_max, self.data_parallel_size)
+
+    @property
     def local_ranks(self) -> range:
         return range(self.data_parallel_start_rank, self.data_parallel_start_rank + self.size_local)
 
     @property
     def is_multi_node(self) -> bool:
-        """Ranks live on other nodes too (a head holding every rank is a single node)."""
-        return self.size_local < self.data_parallel_size
+        """Ranks live on other nodes too, or may join (a head holding every rank, for good, is a single node)."""
+        return self.size_local < self.size_max
 
     @property
     def runs_coordinator(self) -> bool:
@@ -200,7 +208,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         """Ranks this node's API servers route to (per API server in external mode: see api_ranks)."""
         if is_node_local(self.lb_mode):
             return list(self.local_ranks)
-        return list(range(self.data_parallel_size))
+        return list(range(self.size_max))  # ranks that have not joined (yet) are simply not routable
 
     @property
     def api_rpc_port_base(self) -> int:
@@ -238,12 +246,16 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         if self.lb_mode not in LB_MODES:
             raise ValueError(f"load-balancing mode must be one of {', '.join(LB_MODES)}")
         size, local, start = self.data_parallel_size, self.size_local, self.data_parallel_start_rank
-        if local < 1 or local > size:
-            raise ValueError(f"--data-parallel-size-local {local} must be in [1, --data-parallel-size {size}]")
-        if start < 0 or start + local > size:
-            raise ValueError(
-                f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} exceeds --data-parallel-size {size}"
-            )
+        if self.data_parallel_size_max and self.data_parallel_size_max < size:
+            raise ValueError(f"--data-parallel-size-max {self.data_parallel_size_max} is below --data-parallel-size {size}")
+        # A worker may hold ranks past the starting size (it joins a running head), up to the max.
+        bound, flag = (self.size_max, "--data-parallel-size-max") if self.role == "worker" else (size, "--data-parallel-size")
+        if local < 1 or local > bound:
+            raise ValueError(f"--data-parallel-size-local {local} must be in [1, {flag} {bound}]")
+        if start < 0 or start + local > bound:
+            raise ValueError(f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} exceeds {flag} {bound}")
+        if self.role == "serve" and self.size_max != size:
+            raise ValueError("ranks join a running head: --data-parallel-size-max is for `dpserve head` and `dpserve worker`")
         if self.role == "serve" and (local != size or start != 0 or self.headless):
             raise ValueError("`dpserve serve` runs every rank on this node; use `dpserve head` / `dpserve worker` for multi-node")
         if self.role == "head" and start != 0:

@@ -1,6 +1,6 @@
-"""`dpserve drain` and `dpserve undrain`: ask a node's supervisor, on its health port,
-to take one of its ranks out of service (its requests move to other ranks) or to
-start it again.
+"""`dpserve drain`, `undrain` and `retire`: ask a node's supervisor, on its health port,
+to take one of its ranks out of service (its requests move to other ranks), to
+start it again, or to take it (or all of the node's) out of the cluster.
 
 Owns only the HTTP call and its answer in words; the supervisor decides
 (daemons/supervisor/draining.py). It never signals a process itself.
@@ -23,14 +23,15 @@ _KEY_HELP = (
 )
 
 
-def ask(url: str, verb: str, rank: int, key_file: str | None) -> tuple[int, dict]:
-    """POST /{verb} {"rank": rank} to the supervisor at `url`: (HTTP status, JSON answer)."""
+def ask(url: str, verb: str, rank: int | None, key_file: str | None) -> tuple[int, dict]:
+    """POST /{verb} {"rank": rank} ({"node": true} for None) to the supervisor at `url`:
+    (HTTP status, JSON answer)."""
     from dpserve.daemons.supervisor.draining import admin_token
 
     headers = {"Content-Type": "application/json"}
     if key_file:
         headers["Authorization"] = f"Bearer {admin_token(key_file)}"
-    req = urllib.request.Request(f"{url.rstrip('/')}/{verb}", data=json.dumps({"rank": rank}).encode(), headers=headers)
+    req = urllib.request.Request(f"{url.rstrip('/')}/{verb}", data=json.dumps({"rank": rank} if rank is not None else {"node": True}).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, json.load(resp)
@@ -41,17 +42,19 @@ def ask(url: str, verb: str, rank: int, key_file: str | None) -> tuple[int, dict
             return exc.code, {"error": exc.reason}
 
 
-def _run(verb: str, rank: int, url: str, key_file: str | None) -> None:
+def _run(verb: str, rank: int | None, url: str, key_file: str | None) -> None:
+    what = f"rank {rank}" if rank is not None else "the node"
     try:
         status, body = ask(url, verb, rank, key_file)
     except (urllib.error.URLError, OSError) as exc:
         click.echo(f"cannot reach the supervisor at {url}: {exc}", err=True)
         sys.exit(1)
     if status >= 400:
-        click.echo(f"{verb} rank {rank}: refused ({status}): {body.get('error', body)}", err=True)
+        click.echo(f"{verb} {what}: refused ({status}): {body.get('error', body)}", err=True)
         sys.exit(1)
-    detail = f" ({body['detail']})" if body.get("detail") else ""
-    click.echo(f"rank {rank}: {body.get('state')}{detail}")
+    for one in body.get("ranks", [body]):
+        detail = f" ({one['detail']})" if one.get("detail") else ""
+        click.echo(f"rank {one.get('rank')}: {one.get('state')}{detail}")
 
 
 _url = click.argument("url", required=False, default=DEFAULT_URL)
@@ -76,3 +79,17 @@ def drain(url: str, rank: int, key_file: str | None) -> None:
 def undrain(url: str, rank: int, key_file: str | None) -> None:
     """Start a drained rank again; it is routed to once it is ready."""
     _run("undrain", rank, url, key_file)
+
+
+@click.command("retire")
+@_url
+@click.option("--rank", type=click.IntRange(0), default=None, help="The DP rank to retire (on the node at URL).")
+@click.option("--node", is_flag=True, help="Retire every rank of the node at URL (before it is stopped and removed).")
+@_key
+def retire(url: str, rank: int | None, node: bool, key_file: str | None) -> None:
+    """Take a rank (or every rank of a node) out of the cluster: drained as by `dpserve
+    drain`, then out of every node's membership, so the node can be stopped and removed.
+    A new worker with the same ranks (or `dpserve undrain`) brings them back."""
+    if (rank is None) == (not node):
+        raise click.UsageError("give exactly one of --rank R and --node")
+    _run("retire", rank, url, key_file)

@@ -278,12 +278,13 @@ def status(url: str, as_json: bool, watch: bool, interval: float, old_interval: 
         click.echo()
 
 
-from dpserve.daemons.cli.drain import drain, undrain  # noqa: E402
+from dpserve.daemons.cli.drain import drain, retire, undrain  # noqa: E402
 from dpserve.daemons.cli.install import install_units  # noqa: E402
 
 main.add_command(install_units)
 main.add_command(drain)
 main.add_command(undrain)
+main.add_command(retire)
 
 
 if __name__ == "__main__":

@@ -252,6 +252,7 @@ SERVE_ONLY = [
 MULTINODE = [
     flag("--data-parallel-size-local", "-dpl", default=None, shows="all ranks", type=click.IntRange(1), help="Ranks on this node."),
     flag("--data-parallel-start-rank", "-dpr", type=click.IntRange(0), help="First rank on this node."),
+    flag("--data-parallel-size-max", default=None, shows="--data-parallel-size", type=click.IntRange(1), help="Ranks may join a running head up to this many (workers with ranks from --data-parallel-size on); the same on every node."),
     flag("--data-parallel-address", "-dpa", default="", shows="127.0.0.1; Ray backend: the head's address on the route to the Ray cluster", help="The head node's address."),
     _RPC_PORT,
     _API_RPC_PORT_BASE,

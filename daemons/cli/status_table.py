@@ -92,7 +92,7 @@ def child_rows(children: list[dict]) -> list[str]:
         running = str(c["running"]) if engine else "-"
         waiting = str(c["waiting"]) if engine else "-"
         kv = f"{100 * c.get('kv_cache_usage_perc', 0.0):.1f}%" if engine else "-"
-        note = c["last_exit"] or ""
+        note = c.get("drained") or c["last_exit"] or ""  # a drained child: why it stays stopped
         if not note and c["kind"] in ("engine", "placement") and (c.get("detail") or "").startswith(("ray node", "dpserve-")):
             note = c["detail"]  # Ray backend: the rank's Ray node and actor, the placement group's name
         if c.get("routes_to") is not None and not note:

@@ -167,6 +167,19 @@ class RankTable:
         self._touch(rank)
         return True
 
+    def retire(self, rank: int, reason: str) -> bool:
+        """The rank left the cluster on purpose (`dpserve retire`): out of routing and of
+        every node's membership until an engine registers for it again (a replacement)."""
+        entry = self.ranks.get(rank)
+        if entry is None or entry.down_reason == reason:
+            return False
+        entry.is_alive = False
+        entry.down_reason = reason
+        entry.since = time.time()
+        entry.num_running = entry.num_waiting = 0
+        self._touch(rank)
+        return True
+
     def expire(self, now: float) -> list[int]:
         """Ranks that stopped reporting: marked down, returned for the log."""
         gone = [

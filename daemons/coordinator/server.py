@@ -58,6 +58,7 @@ from dpserve.engine.common.sockets import make_socket, peer_name
 
 GREET_LOG_EVERY_S = 10.0
 QUIET_REASONS = ("engine shut down", "drained")  # stops that were asked for: news, not trouble
+RETIRED_PREFIX = "retired"  # a supervisor's RankDown whose reason says so retires the rank (dpserve retire)
 # One pass of the loop costs ~20 us before any message is read; at 1,024 ranks
 # reporting every 100 ms (10,240 reports/s) a pass per report would be 20% of
 # a core. Waking at most this often lets reports gather into one pass.
@@ -214,8 +215,14 @@ class Coordinator:
 
     def _rank_down(self, identity: bytes, msg: RankDown) -> None:
         """A rank's death, announced by the engine itself (its last words) or by its
-        node's supervisor (a process exit it saw). An engine speaks only for its own
-        incarnation: an old incarnation's late word never takes down its successor."""
+        node's supervisor (a process exit it saw, or a retirement). An engine speaks
+        only for its own incarnation: an old incarnation's late word never takes down
+        its successor."""
+        if msg.reason.startswith(RETIRED_PREFIX) and not identity.startswith(b"engine-"):
+            if self.table.retire(msg.rank, msg.reason):  # its node's supervisor: the rank leaves the cluster
+                self.engine_peers.pop(msg.rank, None)
+                self.log.info("rank retired: out of the cluster", rank=msg.rank, reason=msg.reason)
+            return
         incarnation = None
         if identity.startswith(b"engine-"):
             rank, _, incarnation = identity[7:].decode(errors="replace").partition("-")

@@ -114,7 +114,7 @@ class Child:
         self.failure = ""  # why the supervisor stopped this process for failing (probes, late start)
         self.extra_env = extra_env or {}
         self.detail = ""  # what the process said of itself when ready (a Ray rank: node, actor)
-        self.drained = False  # `dpserve drain` asked for it to stay stopped (until undrain)
+        self.drained = ""  # why it stays stopped (draining.DRAINED_REASON or RETIRED_REASON) until undrain
 
     @property
     def is_running(self) -> bool:
@@ -141,6 +141,7 @@ class Child:
             "waiting": self.num_waiting,
             "kv_cache_usage_perc": round(self.kv_usage, 4),
             "detail": (self.detail or None) if self.is_running else None,
+            "drained": self.drained or None,  # why it stays stopped until undrain (drained or retired)
         }
 
 

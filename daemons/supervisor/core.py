@@ -70,7 +70,7 @@ class Supervisor:
         self.coord_codec = Codec(CoordinatorInput)
         self.all_ranks_routable = False
         self.num_alive_ranks = 0  # as the API servers see the cluster (coordinator's table)
-        self.cluster = ClusterState(cfg.data_parallel_size, cfg.probe_interval_s * cfg.probe_failure_threshold, time.time())
+        self.cluster = ClusterState(cfg.data_parallel_size, cfg.probe_interval_s * cfg.probe_failure_threshold, time.time(), cfg.size_max)
         self.table_sub = None
         self.view = NodeView(self)
         self.health = HealthServer(self.view, draining.DrainEndpoints(self.post, cfg.key_file))

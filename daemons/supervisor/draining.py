@@ -1,16 +1,20 @@
-"""`dpserve drain` / `dpserve undrain`: a local rank taken out of service on purpose.
+"""`dpserve drain` / `undrain` / `retire`: a local rank taken out of service on purpose.
 
-Two halves. The health port's POST /drain and /undrain (handlers below) check
-who asks and post a DrainRequested; the loop applies it (drain / undrain, the
-loop's verbs, writing the child record) and answers through the event's
-future. This module never touches a child outside those verbs.
+Two halves. The health port's POST /drain, /undrain and /retire (handlers
+below) check who asks and post a DrainRequested; the loop applies it (stop /
+undrain, the loop's verbs, writing the child record) and answers through the
+event's future. This module never touches a child outside those verbs.
 
 Drain: the engine gets DRAIN_SIGNAL and stops at once, announcing EngineDead
 (clean, "drained (dpserve drain)") to its API servers, which move its
 requests, and RankDown to the coordinator, so every view shows it drained
 within milliseconds. Its child then stays DRAINED: the restart policy does
 not apply, /health does not count it as unhealthy, and only undrain (or a
-restart of the node) starts it again.
+restart of the node) starts it again. Retire is a drain whose end also takes
+the rank out of the cluster's membership (the supervisor's RankDown, reason
+RETIRED_REASON, once the engine is gone), so that the node can be stopped and
+removed; a new engine registering for the rank (a replacement node, or
+undrain) makes it a member again.
 
 Who may ask: with a data-parallel key file (multi-node), a bearer token
 derived from that key (admin_token); without one, only a loopback peer
@@ -35,6 +39,8 @@ if TYPE_CHECKING:
     from dpserve.daemons.supervisor.core import Supervisor
 
 REPLY_TIMEOUT_S = 5.0
+RETIRED_REASON = "retired (dpserve retire)"  # cluster.RETIRED_PREFIX, the coordinator's RETIRED_PREFIX
+VERBS = ("drain", "undrain", "retire")
 _encode = msgspec.json.Encoder().encode
 
 
@@ -57,15 +63,22 @@ def _is_loopback(peer: str | None) -> bool:
 
 
 def apply(sup: Supervisor, event: DrainRequested) -> None:
-    """The loop's verb for a DrainRequested: answer it, changing the child if it must."""
-    status, body = (drain if event.drain else undrain)(sup, event.rank)
+    """The loop's verb for a DrainRequested: answer it, changing children if it must."""
+    if event.rank is None:  # retire the whole node: every local rank
+        answers = [stop(sup, rank, RETIRED_REASON) for rank in sup.cfg.local_ranks]
+        status = max(code for code, _ in answers)
+        body = {"ranks": [a for _, a in answers]} if status < 400 else next(a for code, a in answers if code == status)
+    elif event.verb == "undrain":
+        status, body = undrain(sup, event.rank)
+    else:
+        status, body = stop(sup, event.rank, RETIRED_REASON if event.verb == "retire" else DRAINED_REASON)
     if not event.reply.done():
         event.reply.set_result((status, body))
 
 
 def _engine(sup: Supervisor, rank: int) -> tuple[Child | None, tuple[int, dict] | None]:
     if sup.phase != "serving":
-        return None, (409, {"error": f"the node is {sup.phase}; drain and undrain act on a serving node"})
+        return None, (409, {"error": f"the node is {sup.phase}; drain, undrain and retire act on a serving node"})
     if sup.cfg.uses_ray:
         return None, (409, {"error": "ranks placed by Ray (--data-parallel-backend ray) cannot be drained"})
     child = sup.children.get(f"engine-dp{rank}")
@@ -75,21 +88,28 @@ def _engine(sup: Supervisor, rank: int) -> tuple[Child | None, tuple[int, dict] 
     return child, None
 
 
-def drain(sup: Supervisor, rank: int) -> tuple[int, dict]:
+def stop(sup: Supervisor, rank: int, reason: str) -> tuple[int, dict]:
+    """Drain (reason DRAINED_REASON) or retire (RETIRED_REASON) a local rank."""
     child, refused = _engine(sup, rank)
     if refused:
         return refused
-    if child.drained:
-        return 200, {"rank": rank, "state": child.state.value, "detail": "already drained"}
-    child.drained = True
-    sup.log.info("draining rank", child=child.name, pid=child.pid, state=child.state.value)
+    word = "retired" if reason == RETIRED_REASON else "drained"
+    if child.drained == reason:
+        return 200, {"rank": rank, "state": child.state.value, "detail": f"already {word}"}
+    child.drained = reason
+    sup.log.info("retiring rank" if word == "retired" else "draining rank", child=child.name, pid=child.pid, state=child.state.value)
     if child.proc is not None and child.proc.returncode is None:
-        child.state = ChildState.STOPPING
-        child.deadline = sup.clock() + sup.cfg.kill_grace_s
-        sup.signal_child(child, DRAIN_SIGNAL)
-        return 202, {"rank": rank, "state": "draining"}
-    settle(sup, child)  # not running (waiting to restart, or given up on): drained now
-    return 200, {"rank": rank, "state": child.state.value}
+        if child.state != ChildState.STOPPING:
+            child.state = ChildState.STOPPING
+            child.deadline = sup.clock() + sup.cfg.kill_grace_s
+            sup.signal_child(child, DRAIN_SIGNAL)
+        if reason == RETIRED_REASON:
+            # Out of membership now (within the second), not after the engine's exit; settle()
+            # says it again once no engine of it can report any more (a late report's re-registration).
+            sup.take_out_of_routing(child, reason)
+        return 202, {"rank": rank, "state": "retiring" if word == "retired" else "draining"}
+    settle(sup, child)  # not running (drained, waiting to restart, or given up on): done now
+    return 200, {"rank": rank, "state": word}
 
 
 def undrain(sup: Supervisor, rank: int) -> tuple[int, dict]:
@@ -98,7 +118,7 @@ def undrain(sup: Supervisor, rank: int) -> tuple[int, dict]:
         return refused
     if not child.drained:
         return 200, {"rank": rank, "state": child.state.value, "detail": "not drained"}
-    child.drained = False
+    child.drained = ""
     sup.log.info("undraining rank", child=child.name)
     if child.state == ChildState.DRAINED:
         child.state = ChildState.BACKOFF  # the next tick starts it
@@ -110,32 +130,36 @@ def undrain(sup: Supervisor, rank: int) -> tuple[int, dict]:
 
 
 def settle(sup: Supervisor, child: Child) -> None:
-    """A drained child's process is gone: it stays down, out of routing, until undrain."""
+    """A drained (or retired) child's process is gone: it stays down until undrain. A
+    retired rank's RankDown, sent only now that no engine can report for it any more,
+    takes it out of the cluster's membership as well."""
     child.state = ChildState.DRAINED
     child.proc = None
-    sup.take_out_of_routing(child, DRAINED_REASON)
-    sup.log.info("rank drained; it stays stopped until `dpserve undrain`", child=child.name)
+    sup.take_out_of_routing(child, child.drained)
+    word = "retired" if child.drained == RETIRED_REASON else "drained"
+    sup.log.info(f"rank {word}; it stays stopped until `dpserve undrain`", child=child.name)
 
 
 # ---------------------------------------------------------------- the health port's handlers
 
 
 class DrainEndpoints:
-    """POST /drain and /undrain with {"rank": R}: checked here, applied by the loop."""
+    """POST /drain, /undrain and /retire with {"rank": R} (/retire also {"node": true}:
+    every rank of this node): checked here, applied by the loop."""
 
     def __init__(self, post, key_file: str) -> None:
         self.post = post
         self.token = admin_token(key_file) if key_file else ""
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/drain", self.drain)
-        app.router.add_post("/undrain", self.undrain)
+        for verb in VERBS:
+            app.router.add_post(f"/{verb}", self._handler(verb))
 
-    async def drain(self, request: web.Request) -> web.Response:
-        return await self._ask(request, drain=True)
+    def _handler(self, verb: str):
+        async def handle(request: web.Request) -> web.Response:
+            return await self._ask(request, verb)
 
-    async def undrain(self, request: web.Request) -> web.Response:
-        return await self._ask(request, drain=False)
+        return handle
 
     def _refusal(self, request: web.Request) -> web.Response | None:
         if self.token:
@@ -144,22 +168,26 @@ class DrainEndpoints:
                 return _json({"error": "a valid admin token is required (dpserve drain --data-parallel-key-file KEY)"}, 401)
             return None
         if not _is_loopback(request.remote):
-            return _json({"error": "drain and undrain are accepted from this machine only (or with a data-parallel key file)"}, 403)
+            return _json({"error": "drain, undrain and retire are accepted from this machine only (or with a data-parallel key file)"}, 403)
         return None
 
-    async def _ask(self, request: web.Request, drain: bool) -> web.Response:
+    async def _ask(self, request: web.Request, verb: str) -> web.Response:
         refused = self._refusal(request)
         if refused is not None:
             return refused
         try:
             body = await request.json()
-            rank = body["rank"]
-            if type(rank) is not int or rank < 0:
-                raise ValueError
-        except (ValueError, KeyError, TypeError):
-            return _json({"error": 'the body must be JSON {"rank": R} with a rank >= 0', "param": "rank"}, 400)
+            if verb == "retire" and body.get("node") is True and "rank" not in body:
+                rank = None
+            else:
+                rank = body["rank"]
+                if type(rank) is not int or rank < 0:
+                    raise ValueError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            shape = '{"rank": R} or {"node": true}' if verb == "retire" else '{"rank": R}'
+            return _json({"error": f"the body must be JSON {shape} with a rank >= 0", "param": "rank"}, 400)
         reply = asyncio.get_running_loop().create_future()
-        self.post(DrainRequested(rank, drain, reply))
+        self.post(DrainRequested(verb, rank, reply))
         try:
             status, answer = await asyncio.wait_for(reply, REPLY_TIMEOUT_S)
         except asyncio.TimeoutError:

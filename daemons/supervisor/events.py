@@ -93,11 +93,12 @@ class LauncherRestarted:
 
 @dataclass(frozen=True, slots=True)
 class DrainRequested:
-    """`dpserve drain` (drain=True) or `dpserve undrain` for a local rank, from the
-    health port; the loop answers through `reply` (a future: (HTTP status, body))."""
+    """`dpserve drain`, `undrain` or `retire` (the verb) for a local rank (None: every
+    local rank, retire only), from the health port; the loop answers through `reply`
+    (a future: (HTTP status, body))."""
 
-    rank: int
-    drain: bool
+    verb: str
+    rank: int | None
     reply: Any
 
 

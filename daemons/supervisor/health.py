@@ -52,7 +52,7 @@ class NodeCollector:
         running = GaugeMetricFamily("dpserve_rank_running", "Running sequences per local rank.", labels=["rank"])
         waiting = GaugeMetricFamily("dpserve_rank_waiting", "Waiting requests per local rank.", labels=["rank"])
         kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage per rank of the cluster (1 = every block in use).", labels=["rank"])
-        kv_by_rank = {r.rank: r.load.kv_usage for r in view.cluster.ranks if r.state != "absent"}
+        kv_by_rank = {r.rank: r.load.kv_usage for r in view.cluster.members if r.state != "absent"}
         for c in view.children("engine"):
             running.add_metric([str(c.rank)], c.num_running)
             waiting.add_metric([str(c.rank)], c.num_waiting)
@@ -70,7 +70,8 @@ def cluster_metrics(view: NodeView):
     vLLM has one (vllm:num_requests_running/waiting, label `rank` as above)."""
     cluster = view.cluster
     wall = time.time()
-    yield GaugeMetricFamily("dpserve_cluster_data_parallel_size", "Ranks the deployment is configured with.", value=view.data_parallel_size)
+    yield GaugeMetricFamily("dpserve_cluster_data_parallel_size", "Ranks of the deployment now: those it started with and those that joined, less the retired.", value=cluster.num_members)
+    yield GaugeMetricFamily("dpserve_cluster_data_parallel_size_max", "Ranks the deployment may grow to (--data-parallel-size-max).", value=cluster.size)
     yield GaugeMetricFamily("dpserve_cluster_ranks_routable", "Ranks in the coordinator's routing table (0 while the head is lost).", value=cluster.routable())
     yield GaugeMetricFamily("dpserve_cluster_min_ready_ranks", "Routable ranks this node's /readyz needs (0: it runs no API server).", value=view.readiness()["min_ready_ranks"])
     yield GaugeMetricFamily("dpserve_cluster_head_connected", "1 while this node receives the coordinator's load table.", value=int(cluster.head_connected))
@@ -84,7 +85,7 @@ def cluster_metrics(view: NodeView):
     running = GaugeMetricFamily("vllm:num_requests_running", "Requests running on each rank of the cluster.", labels=labels)
     waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting on each rank of the cluster.", labels=labels)
     finished = CounterMetricFamily("dpserve_cluster_rank_requests_finished", "Requests finished by each rank (its current incarnation).", labels=labels)
-    for r in cluster.ranks:
+    for r in cluster.members:
         lv = [str(r.rank), str(r.load.node_rank) if r.load.node_rank >= 0 else ""]
         for s in RANK_STATES:
             state.add_metric([*lv, s], int(r.state == s))

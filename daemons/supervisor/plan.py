@@ -156,7 +156,8 @@ def plan_children(
     facts = NodeFacts(
         addr=addr,
         key_file=os.path.abspath(cfg.key_file) if cfg.key_file else "",
-        fingerprint=config_fingerprint(model_identity(cfg.model), cfg.dtype, max_model_len, cfg.data_parallel_size, cfg.engine),
+        # the max, not the starting size: a worker joining later must agree on it (the same as before without it)
+        fingerprint=config_fingerprint(model_identity(cfg.model), cfg.dtype, max_model_len, cfg.size_max, cfg.engine),
         max_model_len=max_model_len,
         heartbeat_interval_s=heartbeat_interval_s,
         parent_pid=os.getpid(),
@@ -176,6 +177,7 @@ def coordinator_child(cfg: ServeConfig, facts: NodeFacts) -> Child:
         CoordinatorConfig,
         cfg,
         name="coordinator",
+        data_parallel_size=cfg.size_max,  # every rank that may ever register
         key_file=facts.key_file,
         engines_address=facts.addr.coordinator_engines,
         table_address=facts.addr.coordinator_table,
@@ -276,6 +278,7 @@ def api_children(cfg: ServeConfig, facts: NodeFacts, listen_socks: list[socket.s
             name=f"api-{i}",
             index=i,
             node_rank=cfg.data_parallel_start_rank,
+            data_parallel_size=cfg.size_max,  # the router's arrays: ranks that join later have a slot
             coordinator_address=facts.addr.coordinator_engines,
             eligible_ranks=[cfg.data_parallel_start_rank + i] if external else cfg.eligible_ranks(),
             key_file=facts.key_file,

@@ -82,15 +82,16 @@ class Prober:
 
     def _judge(self, results: list[tuple[int, bytes]]) -> ClusterSeen:
         """Routability of the cluster from API servers' /readyz answers (all of them)."""
-        size = self.view.data_parallel_size
+        size = self.view.data_parallel_size  # the ranks the deployment starts with (--data-parallel-size)
         ok = True
         alive = size
         for status, body in results:
             info = msgspec.json.decode(body) if body else {}
-            routable, eligible = info.get("routable_ranks", []), info.get("eligible_ranks", [None])
+            routable, eligible = set(info.get("routable_ranks", [])), info.get("eligible_ranks", [None])
             alive = min(alive, len(info.get("alive_ranks", [])))
-            ok = ok and status == 200 and routable == eligible
-        return ClusterSeen(ok and alive == size, alive)
+            # every starting rank it routes to; slots past the starting size are for ranks that may join
+            ok = ok and status == 200 and all(r in routable for r in eligible if r is None or r < size)
+        return ClusterSeen(ok and alive >= size, alive)
 
     async def _probe(self, child: Child) -> None:
         view = self.view

@@ -78,8 +78,15 @@ class NodeView:
             eligible = cfg.eligible_ranks()
             routable, need = cluster.routable(eligible), self.min_ready_ranks
             if routable < need:
-                return False, f"{routable}/{len(eligible)} ranks routable, below --min-ready-ranks {need}"
+                return False, f"{routable}/{self.num_members(eligible)} ranks routable, below --min-ready-ranks {need}"
         return True, ""
+
+    def num_members(self, ranks: list[int]) -> int:
+        """Members of the cluster among `ranks` (all of them: the deployment's size now)."""
+        cluster = self.cluster
+        if len(ranks) == cluster.size:
+            return cluster.num_members
+        return sum(cluster.is_member(cluster.ranks[r]) for r in ranks)
 
     def unroutable(self) -> dict[str, list[int]]:
         """API server name -> ranks alive in the table that it cannot route to, from its
@@ -99,7 +106,8 @@ class NodeView:
             "ranks_registered": cluster.count("registered") + cluster.count("ready"),
             "ranks_lost": cluster.count("lost"),
             "ranks_drained": cluster.count("drained"),
-            "data_parallel_size": self.data_parallel_size,
+            "data_parallel_size": cluster.num_members,
+            "data_parallel_size_max": cluster.size,
             "min_ready_ranks": self.min_ready_ranks if self._sup.cfg.runs_api_servers else 0,
             "head_connected": cluster.head_connected,
         }
@@ -117,7 +125,7 @@ class NodeView:
             if apis:
                 text += f", {ready_a}/{len(apis)} API servers ready"
             registered = cluster.count("registered") + cluster.count("ready")
-            text += f", {registered}/{self.data_parallel_size} ranks registered, {cluster.routable()} routable"
+            text += f", {registered}/{cluster.num_members} ranks registered, {cluster.routable()} routable"
             lost, drained = cluster.count("lost"), cluster.count("drained")
             if lost:
                 text += f", {lost} lost"
@@ -144,7 +152,7 @@ class NodeView:
             for rank in ranks:
                 not_routed.setdefault(rank, []).append(name)
         rows = []
-        for r in self.cluster.ranks:
+        for r in self.cluster.members:
             e = r.load
             rows.append({
                 "rank": r.rank,
@@ -197,7 +205,8 @@ class NodeView:
             "port": sup.port if cfg.runs_api_servers else None,
             "supervisor_port": sup.health.port,
             "model": cfg.served_model_name,
-            "data_parallel_size": self.data_parallel_size,
+            "data_parallel_size": cluster.num_members,  # the ranks of the deployment now (members)
+            "data_parallel_size_max": cluster.size,
             "lb_mode": cfg.lb_mode,
             "api_server_count": cfg.api_server_count if cfg.runs_api_servers else 0,
             "cluster": {

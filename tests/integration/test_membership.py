@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -118,7 +119,7 @@ def test_the_token_and_loopback_rules(tmp_path):
     asked = []
 
     def post(event):  # the loop's part: answer at once
-        asked.append((event.rank, event.drain))
+        asked.append((event.rank, event.verb))
         event.reply.set_result((202, {"rank": event.rank, "state": "draining"}))
 
     async def run() -> list[int]:
@@ -134,5 +135,136 @@ def test_the_token_and_loopback_rules(tmp_path):
             return codes
 
     assert asyncio.run(run()) == [401, 401, 202, 202]
-    assert asked == [(3, True), (3, False)]
+    assert asked == [(3, "drain"), (3, "undrain")]
     assert admin_token(str(key)) != key.read_text()  # derived, never the secret
+
+
+# ---------------------------------------------------------------- ranks that join and leave a running head
+
+
+class Node:
+    """One `dpserve head|worker` on loopback in its own process group, stopped by the test."""
+
+    def __init__(self, tmp, name: str, role: str, model: str, key: str, rpc: int, *extra: str) -> None:
+        self.log_path = tmp / f"{name}.log"
+        self.ports_file = tmp / f"{name}.ports"
+        cmd = [
+            sys.executable, "-m", "dpserve.daemons.cli.main", role, model, "--served-model-name", "demo",
+            "--data-parallel-size", "1", "--data-parallel-size-max", "3", "--data-parallel-size-local", "1",
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc),
+            "--data-parallel-key-file", key, "--port", "0", "--data-parallel-supervisor-port", "0",
+            "--ports-file", str(self.ports_file), "--kill-grace-s", "2", *extra,
+        ]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "DPSERVE_DIE_WITH_PARENT": "1"})
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def ports(self) -> dict:
+        wait_until(lambda: self.ports_file.exists() or self.proc.poll() is not None, 60, what="ports file")
+        assert self.proc.poll() is None, self.log()
+        return json.loads(self.ports_file.read_text())
+
+    @property
+    def health(self) -> str:
+        return f"http://127.0.0.1:{self.ports()['supervisor_port']}"
+
+    def status(self) -> dict:
+        return json.loads(http_get(self.health + "/status")[1])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def cluster_nodes():
+    started: list[Node] = []
+    yield started
+    for n in started:
+        n.stop()
+
+
+def members(head: Node) -> dict[int, str]:
+    return {r["rank"]: r["state"] for r in head.status()["cluster"]["ranks"]}
+
+
+def test_a_worker_joins_a_running_head_retires_and_is_replaced(demo_model_dir, tmp_path, cluster_nodes):
+    from tests.server import free_port_run
+
+    key = tmp_path / "dp.key"
+    key.write_bytes(os.urandom(32).hex().encode())
+    key.chmod(0o600)
+    rpc = free_port_run(4)
+    head = Node(tmp_path, "head", "head", demo_model_dir, str(key), rpc, "--api-server-count", "1")
+    cluster_nodes.append(head)
+    wait_until(lambda: http_get(head.health + "/readyz")[0] == 200, 180, 0.2, "the head ready")
+    status = head.status()
+    assert (status["data_parallel_size"], status["data_parallel_size_max"], members(head)) == (1, 3, {0: "ready"})
+    url = f"http://127.0.0.1:{head.ports()['port']}/v1"
+
+    def pin(rank: int):
+        with openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60) as client:
+            return client.completions.create(model="demo", prompt="x", max_tokens=2, extra_headers={"X-data-parallel-rank": str(rank)})
+
+    # 1. a worker with a rank the head has never seen joins: no restart of the head
+    worker = Node(tmp_path, "worker", "worker", demo_model_dir, str(key), rpc, "--headless", "--data-parallel-start-rank", "1")
+    cluster_nodes.append(worker)
+    wait_until(lambda: http_get(worker.health + "/readyz")[0] == 200, 180, 0.05, "the worker ready")
+    joined = time.monotonic()
+    wait_until(lambda: members(head).get(1) == "ready", 5, 0.02, "rank 1 a member of the head's cluster")
+    api = json.loads(http_get(f"http://127.0.0.1:{head.ports()['port']}/readyz")[1])
+    wait_until(lambda: 1 in json.loads(http_get(f"http://127.0.0.1:{head.ports()['port']}/readyz")[1])["routable_ranks"],
+               2, 0.02, "rank 1 routable by the head's API server")
+    print(f"\nrank 1 routable {time.monotonic() - joined:.2f} s after its node said ready")
+    assert pin(1).usage.completion_tokens == 2
+    status = head.status()
+    assert status["data_parallel_size"] == 2 and status["cluster"]["ranks_routable"] == 2
+    assert "dpserve_cluster_data_parallel_size 2.0" in http_get(head.health + "/metrics")[1].decode()
+    assert api["eligible_ranks"] == [0, 1, 2]  # sized by the max; rank 2 simply is no member
+
+    # 2. the worker's node retires: out of every view within a second, a pin fails at once
+    from dpserve.daemons.cli.drain import ask
+
+    t0 = time.monotonic()
+    status, answer = ask(worker.health, "retire", None, str(key))  # what `dpserve retire --node` sends
+    assert status == 202 and answer["ranks"][0]["state"] == "retiring", answer
+    wait_until(lambda: 1 not in members(head), 5, 0.01, "rank 1 out of the head's cluster")
+    print(f"retired out of the head's /status after {time.monotonic() - t0:.3f} s")
+    assert time.monotonic() - t0 < 1.0
+    out = dpserve("retire", "--node", "--data-parallel-key-file", str(key), worker.health)
+    assert out.returncode == 0 and "rank 1: drained (already retired)" in out.stdout, (out.stdout, out.stderr)
+    assert head.status()["data_parallel_size"] == 1
+    assert "dpserve_cluster_data_parallel_size 1.0" in http_get(head.health + "/metrics")[1].decode()
+    assert "retired" in dpserve("status", worker.health).stdout  # the worker's own child says why
+    with pytest.raises(openai.APIStatusError) as err:
+        pin(1)
+    assert err.value.status_code == 503 and "retired" in err.value.body["message"]
+    worker.stop()
+    assert http_get(head.health + "/readyz")[0] == 200  # the head never needed it
+
+    # 3. a new worker with the same rank replaces the node
+    again = Node(tmp_path, "worker2", "worker", demo_model_dir, str(key), rpc, "--headless", "--data-parallel-start-rank", "1")
+    cluster_nodes.append(again)
+    wait_until(lambda: members(head).get(1) == "ready", 180, 0.1, "rank 1 back on the new node")
+    assert pin(1).usage.completion_tokens == 2
+    again.stop()
+
+    # 4. a worker that disagrees on the max (the fingerprint) is refused as before
+    wrong = Node(tmp_path, "wrong", "worker", demo_model_dir, str(key), rpc, "--headless", "--data-parallel-start-rank", "2",
+                 "--data-parallel-size-max", "4")
+    cluster_nodes.append(wrong)
+    assert wrong.proc.wait(180) != 0
+    assert "config fingerprint" in head.log() or "registration refused" in head.log()
+    assert 2 not in members(head)
