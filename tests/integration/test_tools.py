@@ -187,3 +187,17 @@ def test_reasoning_content_apart_from_the_answer(client):
     assert (content, streamed_reasoning, finish) == (msg.content, reasoning, "stop") and not calls
     hidden = ask(client, extra_body={"include_reasoning": False}, **kw).choices[0].message
     assert "reasoning_content" not in (hidden.model_extra or {}) and hidden.content == msg.content
+
+
+def test_a_forced_call_follows_the_reasoning(client):
+    """Thinking on and a named function: the grammar lets the model reason first, then
+    binds the call; reasoning and call come apart, streamed as whole."""
+    kw = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+              logit_bias={"7": 6.0}, seed=5, temperature=1.0, max_tokens=200)
+    whole = ask(client, **kw)
+    msg = whole.choices[0].message
+    assert msg.model_extra["reasoning_content"] is not None and "</think>" not in msg.model_extra["reasoning_content"]
+    assert_valid_calls(msg.tool_calls, only="get_weather")
+    content, reasoning, calls, finish, _ = joined_stream(client, **kw)
+    assert reasoning == msg.model_extra["reasoning_content"] and finish == whole.choices[0].finish_reason
+    assert [(name, args) for _, name, args in calls.values()] == [("get_weather", msg.tool_calls[0].function.arguments)]
