@@ -28,6 +28,17 @@ RECORDED = [
     ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"n": 1}}; {"name": "b", "arguments": {}}', None,
      [("a", {"n": 1}), ("b", {})]),
     ("llama3_json", "It is sunny {really}.", "It is sunny {really}.", []),
+    # vLLM's llama3_json cases: text around the calls, ';' or new lines between, braces in trailing prose
+    ("llama3_json", 'Here is the result: {"name": "getOpenIncidentsTool", "parameters": {}} Would you like to know more?',
+     "Here is the result: ", [("getOpenIncidentsTool", {})]),
+    ("llama3_json", '{"name": "searchTool", "parameters": {"query": "test1"}} ;\n{"name": "getOpenIncidentsTool", "parameters": {}}\n'
+                    '{"name": "s", "parameters": {"query": "test {value} [complex]", "t": "He said \\"Hello {world}\\""}}',
+     None, [("searchTool", {"query": "test1"}), ("getOpenIncidentsTool", {}),
+            ("s", {"query": "test {value} [complex]", "t": 'He said "Hello {world}"'})]),
+    ("llama3_json", '{"name": "searchTool", "parameters": {"query": "test"}} I used {searchTool} for this.', None,
+     [("searchTool", {"query": "test"})]),
+    ("llama3_json", '{"name": "searchTool", "parameters": {"query": "test"}} The arguments I passed were {"query": "test"}', None,
+     [("searchTool", {"query": "test"})]),
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, {"name": "b", "arguments": {}}]',
      None, [("get_weather", WEATHER), ("b", {})]),
     ("mistral", 'Sure.[TOOL_CALLS]get_weather{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]b[ARGS]{}', "Sure.",
@@ -35,6 +46,14 @@ RECORDED = [
     ("pythonic", '[get_weather(city="Paris", unit=\'celsius\'), now()]', None, [("get_weather", WEATHER), ("now", {})]),
     ("pythonic", '[f(a=true, b=[1, 2], c={"k": null}, d="x, ]")]', None, [("f", {"a": True, "b": [1, 2], "c": {"k": None}, "d": "x, ]"})]),
     ("pythonic", "No call needed.", "No call needed.", []),
+    # Llama 3.2's documented answer format (meta-llama/llama-models, text_prompt_format.md)
+    ("pythonic", "[get_weather(city='San Francisco', metric='celsius'), register_user(name='John Doe', age=37, "
+                 "address={'city': 'San Francisco', 'state': 'CA'}, role=None, passed_test=True, aliases=['John', 'Johnny'])]",
+     None, [("get_weather", {"city": "San Francisco", "metric": "celsius"}),
+            ("register_user", {"name": "John Doe", "age": 37, "address": {"city": "San Francisco", "state": "CA"},
+                               "role": None, "passed_test": True, "aliases": ["John", "Johnny"]})]),
+    ("pythonic", r"""[get_weather(city='Martha\'s Vineyard', metric='\"cool units\"'), do(steps=[], data={})]""", None,
+     [("get_weather", {"city": "Martha's Vineyard", "metric": '"cool units"'}), ("do", {"steps": [], "data": {}})]),
 ]
 
 MALFORMED = [
@@ -51,6 +70,8 @@ MALFORMED = [
     ("pythonic", "[f(1, 2)]"),
     ("pythonic", "[f(a=1), g(b=2)"),
     ("pythonic", "[f(a=x)]"),
+    ("pythonic", "[calc(x=1e999)]"),  # inf is no JSON
+    ("pythonic", "[foo(x=1])]"),
 ]
 
 

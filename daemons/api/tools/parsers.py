@@ -105,8 +105,10 @@ class JsonArrayToolParser(ToolParser):
 
 
 class Llama3JsonToolParser(ToolParser):
-    """An answer that starts (after an optional <|python_tag|>) with a JSON object is
-    one or more calls, separated by ';'; any other answer is content."""
+    """JSON objects {"name", "parameters" | "arguments"}, separated by ';' or white space,
+    after an optional <|python_tag|>. As vLLM: text before the first '{' is content (a
+    first object that is no call makes the whole answer content); an object after a
+    call that is no call ends the calls, and the text from it on is dropped."""
 
     name = "llama3_json"
     bot_token = "<|python_tag|>"
@@ -119,33 +121,42 @@ class Llama3JsonToolParser(ToolParser):
                 rest = text[p:]
                 if rest.startswith(self.bot_token):
                     self._pos, self._state = p + len(self.bot_token), "open"
-                elif rest.startswith("{"):
-                    self._pos, self._state = p, "open"
                 elif not final and (not rest or self.bot_token.startswith(rest)):
                     return
                 else:
-                    self._state = "content"
-            elif state == "content":
-                self.content_end = len(text)
-                return
+                    self._state = "prose"
+            elif state == "prose":
+                idx = text.find("{", self._pos)
+                self.content_end = self._pos = len(text) if idx < 0 else idx
+                if idx < 0:
+                    return
+                self._state = "open"
             elif state == "open":
                 if not self._open_object(final):
                     return
                 self._state = "object"
             elif state == "object":
-                if not self._scan_object(self.calls[-1], final):
+                ended = self._scan_object(self.calls[-1], final)
+                if self.failed and len(self.calls) > 1:  # trailing text that is no call
+                    self.failed = False
+                    self.calls.pop()
+                    self._state = "tail"
+                elif not ended:
                     return
-                self._state = "separator"
-            else:
+                else:
+                    self._state = "separator"
+            elif state == "separator":
                 p = skip_space(text, self._pos)
                 if p == len(text):
                     return
                 if text[p] == ";":
-                    self._pos, self._state = p + 1, "open"
-                elif text[p] == "{":
-                    self._pos, self._state = p, "open"
-                else:
-                    self._pos = len(text)  # trailing text after the calls is dropped
+                    p = skip_space(text, p + 1)
+                    if p == len(text):
+                        return
+                self._pos, self._state = p, "open" if text[p] == "{" else "tail"
+            else:
+                self._pos = len(text)  # text after the calls is dropped
+                return
 
 
 class MistralToolParser(JsonArrayToolParser):
@@ -273,7 +284,7 @@ class PythonicToolParser(ToolParser):
             args = {kw.arg: self._value(kw.value) for kw in node.keywords if kw.arg is not None}
             if len(args) != len(node.keywords):
                 return None
-            arguments = json.dumps(args, ensure_ascii=False)
+            arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)  # 1e999: not JSON
         except (SyntaxError, ValueError, TypeError, RecursionError):
             return None
         return ToolCall(random_call_id(), name, arguments, True)
