@@ -21,9 +21,18 @@ RECORDED = [
                '{"name": "b", "arguments": {"x": [1, {"y": "}{\\"<tool_call>"}], "z": "é"}}\n</tool_call>',
      "Let me look.\n", [("a", {}), ("b", {"x": [1, {"y": '}{"<tool_call>'}], "z": "é"})]),
     ("hermes", '<tool_call>{"arguments": {"q": "x y"}, "name": "search"}</tool_call>', None, [("search", {"q": "x y"})]),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": "{\\"k\\": 2}"}\n</tool_call>', None, [("f", {"k": 2})]),
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
     ("hermes", "The weather in Paris is sunny, 21 degrees.", "The weather in Paris is sunny, 21 degrees.", []),
+    # vLLM's hermes cases (Qwen3's answers): a new line inside the object, back-to-back calls, arguments
+    # serialized as a string (Granite 4), a bare string
+    ("hermes", '<tool_call>\n{"name": "get_current_temperature",\n"arguments": {"location":\n"San Francisco, California, '
+               'United States", "unit": "celsius"}}\n</tool_call>', None,
+     [("get_current_temperature", {"location": "San Francisco, California, United States", "unit": "celsius"})]),
+    ("hermes", '<tool_call>{"name": "search", "arguments": {"q": "cats"}}</tool_call><tool_call>{"name": "search", '
+               '"arguments": {"q": "dogs"}}</tool_call>', None, [("search", {"q": "cats"}), ("search", {"q": "dogs"})]),
+    ("hermes", '<tool_call>\n{"name": "get_db_config", "arguments": "{\\"param\\": \\"max_connections\\"}"}\n</tool_call>',
+     None, [("get_db_config", {"param": "max_connections"})]),
+    ("hermes", '<tool_call>\n{"name": "do_thing", "arguments": "hello"}\n</tool_call>', None, [("do_thing", "hello")]),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None, [("get_weather", WEATHER)]),
     ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"n": 1}}; {"name": "b", "arguments": {}}', None,
      [("a", {"n": 1}), ("b", {})]),

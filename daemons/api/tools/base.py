@@ -170,7 +170,7 @@ class ToolParser:
             value, done = scan.value_so_far(text, call.args_key)
             if value.startswith('"'):  # arguments written as a JSON string: whole, once closed
                 decoded = json_or_none(value) if done else None
-                call.arguments = decoded if isinstance(decoded, str) else ""
+                call.arguments = _serialized(decoded) if isinstance(decoded, str) else ""
             else:
                 call.arguments = value
         if scan.end is None:
@@ -195,6 +195,16 @@ class ToolParser:
         self.content_end = idx
         self._pos = idx + len(tag)
         return True
+
+
+def _serialized(arguments: str) -> str:
+    """Arguments the model wrote as a string: passed on when the string holds JSON
+    (Granite 4 serializes them), else encoded as a JSON string (vLLM's rule)."""
+    try:
+        json.loads(arguments)
+    except (ValueError, RecursionError):
+        return json.dumps(arguments, ensure_ascii=False)
+    return arguments
 
 
 def json_or_none(text: str):
