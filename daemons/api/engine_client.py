@@ -67,6 +67,7 @@ class RequestState:
         "owner",
         "pinned",
         "migrations",
+        "paused",
         "t_sent",
         "t_first",
         "t_last",
@@ -97,6 +98,7 @@ class RequestState:
         self.owner = None
         self.pinned = False
         self.migrations = 0
+        self.paused = False  # its client stopped reading (backpressure.py): a rank it moves to pauses it too
         # time.monotonic() of the first send, the first output and the last output (metrics)
         self.t_sent = 0.0
         self.t_first = 0.0
@@ -257,10 +259,14 @@ class EngineClient:
 
     def pause(self, states: list[RequestState]) -> None:
         """Ask the ranks to stop stepping these requests (their client stopped reading)."""
+        for state in states:
+            state.paused = True
         self._tell_ranks(states, PauseRequests)
 
     def resume(self, states: list[RequestState]) -> None:
         """Ask the ranks to step these paused requests again."""
+        for state in states:
+            state.paused = False
         self._tell_ranks(states, ResumeRequests)
 
     def _tell_ranks(self, states: list[RequestState], kind: type[PauseRequests] | type[ResumeRequests]) -> None:

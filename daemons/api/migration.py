@@ -106,6 +106,8 @@ class Migrator:
                 client.router.engine_dead(rank, client.router.hello[rank])
                 continue
             self.num_moved += 1
+            if state.paused:  # its client is still behind: the new rank holds it too
+                client.pause([state])
             return True
         return False
 
