@@ -128,6 +128,10 @@ class RequestState:
             self.finish_reason = out.finish_reason
             self.stop_token_id = out.stop_token_id
             self.error = out.error
+            if out.error is not None and self.migrations and self.prefill_left:
+                # the rank it moved to refused the continuation: the move failed, not the request
+                self.error_status = 503
+                self.error = f"the request could not continue after its rank was lost: {out.error}"
         self.event.set()
 
     def _fail(self, reason: str, status: int = 503) -> None:
