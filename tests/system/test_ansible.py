@@ -3,6 +3,9 @@
 site.yml brings every node up with every rank registered; a second run changes
 nothing; rolling-restart.yml restarts each node once while a client that retries
 across node addresses sees no failed request (global mode: API servers on every node).
+A deployment that grows and shrinks while it runs: `site.yml --limit NEWHOST` adds a
+worker whose rank the head has never seen, `remove-node.yml --limit HOST` retires one,
+and neither touches another node.
 """
 
 from __future__ import annotations
@@ -124,14 +127,14 @@ def fleet(testbed, demo_model_dir, tmp_path_factory):
             node.systemctl("stop", unit, check=False, timeout=120)
 
 
-def playbook(testbed, fleet, name: str, timeout: float = 900) -> tuple[float, str]:
+def playbook(testbed, fleet, name: str, *args: str, timeout: float = 900) -> tuple[float, str]:
     env = {**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"), "ANSIBLE_HOST_KEY_CHECKING": "False",
            "ANSIBLE_LOCAL_TEMP": str(fleet["tmp"] / "ansible-local"), "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"}
     t0 = time.monotonic()
     log = fleet["tmp"] / f"{name}.log"
     with open(log, "a") as f:
         proc = subprocess.run(
-            ["nsenter", "-t", str(testbed.switch.pid), "-n", ansible_bin("ansible-playbook"), "-i", str(fleet["inventory"]), name],
+            ["nsenter", "-t", str(testbed.switch.pid), "-n", ansible_bin("ansible-playbook"), "-i", str(fleet["inventory"]), name, *args],
             stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=str(ANSIBLE_DIR), env=env,
         )
     text = log.read_text()
@@ -205,3 +208,64 @@ def test_rollout_rerun_and_rolling_restart(testbed, fleet, record_property):
 def _switch_popen(testbed, cmd: list[str]) -> subprocess.Popen:
     """A client process in the switch namespace (it reaches every node); stopped by the caller."""
     return subprocess.Popen(["nsenter", "-t", str(testbed.switch.pid), "-n", *cmd], stdout=subprocess.PIPE, text=True)
+
+
+ELASTIC_API_PORT, ELASTIC_HEALTH_PORT, ELASTIC_RPC_PORT = 8310, 9466, 29760
+
+
+def elastic_inventory(fleet, nodes, with_second: bool) -> None:
+    head, w1, w2 = nodes
+    second = f"ew2 ansible_host={w2.address} dpserve_ranks=1 dpserve_start_rank=2\n" if with_second else ""
+    text = fleet["inventory"].read_text()
+    common = text[text.index("[dpserve:vars]"):].replace(f"dpserve_deployment={DEPLOYMENT}", "dpserve_deployment=elastic")
+    common = common.replace("dpserve_lb_mode=global", "dpserve_lb_mode=internal")
+    common = common.replace(f"dpserve_api_port={API_PORT}", f"dpserve_api_port={ELASTIC_API_PORT}")
+    common = common.replace(f"dpserve_supervisor_port={HEALTH_PORT}", f"dpserve_supervisor_port={ELASTIC_HEALTH_PORT}")
+    common = common.replace(f"dpserve_rpc_port={RPC_PORT}", f"dpserve_rpc_port={ELASTIC_RPC_PORT}")
+    fleet["elastic_inventory"].write_text(
+        f"[head]\neh ansible_host={head.address} dpserve_ranks=1\n\n"
+        f"[workers]\new1 ansible_host={w1.address} dpserve_ranks=1 dpserve_start_rank=1\n{second}\n"
+        "[dpserve:children]\nhead\nworkers\n\n"
+        + common + "dpserve_data_parallel_size=2\ndpserve_data_parallel_size_max=3\n"
+    )
+
+
+@pytest.mark.system
+@pytest.mark.timeout(1500)
+def test_a_node_is_added_and_removed_with_limit(testbed, fleet, record_property):
+    """Runs on the fleet's three machines as a second deployment ("elastic": its own ports)."""
+    nodes = fleet["nodes"]
+    head, w1, w2 = nodes
+    fleet["elastic_inventory"] = fleet["tmp"] / "elastic.ini"
+    elastic_inventory(fleet, nodes, with_second=False)
+    run = {**fleet, "inventory": fleet["elastic_inventory"]}
+    unit = {"eh": "dpserve-head@elastic.service", "ew": "dpserve-worker@elastic.service"}
+    try:
+        playbook(testbed, run, "site.yml")
+        api = f"http://127.0.0.1:{ELASTIC_API_PORT}/readyz"
+        assert json.loads(head.http(api)[1])["alive_ranks"] == [0, 1]
+        before = {n.name: n.show(unit["eh" if n is head else "ew"], "InvocationID")["InvocationID"] for n in (head, w1)}
+
+        # add: a third host, only it touched; its rank joins the running head
+        elastic_inventory(fleet, nodes, with_second=True)
+        took, text = playbook(testbed, run, "site.yml", "--limit", "ew2")
+        record_property("measured: ansible add of one node (s)", round(took, 1))
+        assert set(recap(text)) == {"ew2"}, text[-3000:]
+        wait_until(lambda: json.loads(head.http(api)[1])["alive_ranks"] == [0, 1, 2], 30, "rank 2 joined")
+        status = json.loads(head.http(f"http://127.0.0.1:{ELASTIC_HEALTH_PORT}/status")[1])
+        assert (status["data_parallel_size"], status["data_parallel_size_max"]) == (3, 3), status
+        assert "DPSERVE_DATA_PARALLEL_SIZE_MAX=3" in w2.run("cat", "/etc/dpserve/elastic.env").stdout
+
+        # remove: the first worker retires and stops; the head goes on with ranks 0 and 2
+        took, text = playbook(testbed, run, "remove-node.yml", "--limit", "ew1")
+        record_property("measured: ansible removal of one node (s)", round(took, 1))
+        assert set(recap(text)) == {"ew1"}, text[-3000:]
+        assert w1.show(unit["ew"], "ActiveState")["ActiveState"] == "inactive"
+        status = json.loads(head.http(f"http://127.0.0.1:{ELASTIC_HEALTH_PORT}/status")[1])
+        assert [r["rank"] for r in status["cluster"]["ranks"]] == [0, 2] and status["data_parallel_size"] == 2, status
+        assert head.http(f"http://127.0.0.1:{ELASTIC_HEALTH_PORT}/readyz")[0] == 200
+        after = head.show(unit["eh"], "InvocationID")["InvocationID"]
+        assert after == before[head.name]  # the head was never restarted
+    finally:
+        for node, name in ((head, "eh"), (w1, "ew"), (w2, "ew")):
+            node.systemctl("stop", unit[name], check=False, timeout=120)

@@ -28,7 +28,7 @@ def run(*cmd: str) -> subprocess.CompletedProcess:
 
 
 def test_playbooks_pass_syntax_check():
-    out = run(tool("ansible-playbook"), "--syntax-check", "-i", "inventory.example.ini", "site.yml", "rolling-restart.yml")
+    out = run(tool("ansible-playbook"), "--syntax-check", "-i", "inventory.example.ini", "site.yml", "rolling-restart.yml", "remove-node.yml")
     assert out.returncode == 0, out.stdout + out.stderr
 
 
