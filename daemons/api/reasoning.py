@@ -68,13 +68,15 @@ class ReasoningParser:
             self._opened = True
         if self.content_start is not None:
             return
-        found = [(i, tag) for tag in self.end_tags + self.implicit_ends if (i := text.find(tag, self.reasoning_start)) >= 0]
+        tags = self.end_tags + self.implicit_ends
+        start = max(self.reasoning_start, self._safe)  # no tag starts before what is already final
+        found = [(i, tag) for tag in tags if (i := text.find(tag, start)) >= 0]
         if found:
             i, tag = min(found)
             self.reasoning_end = i
             self.content_start = i if tag in self.implicit_ends else i + len(tag)
             return
-        tail = 0 if final else max(partial_tag_overlap(text, tag) for tag in self.end_tags + self.implicit_ends)
+        tail = 0 if final else max(partial_tag_overlap(text, tag) for tag in tags)
         self._safe = max(self._safe, len(text) - tail)
 
     def _deltas(self) -> tuple[str, str]:

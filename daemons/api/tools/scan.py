@@ -16,9 +16,11 @@ _SPACE = " \t\r\n"
 def partial_tag_overlap(text: str, tag: str) -> int:
     """The length of the longest suffix of `text` that is a proper prefix of `tag`
     (text that might still become the tag, held back from content)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
+    i = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while i >= 0:  # the earliest start that fits is the longest overlap
+        if tag.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(tag[0], i + 1)
     return 0
 
 
