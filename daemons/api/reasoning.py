@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from dpserve.daemons.api.tools.scan import partial_tag_overlap
+from dpserve.daemons.api.tools.scan import grown, partial_tag_overlap
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -42,7 +42,7 @@ class ReasoningParser:
 
     def feed(self, delta: str) -> tuple[str, str]:
         """(reasoning, content) text new with this delta."""
-        self.text += delta
+        self.text = grown(self, delta)
         self._advance(False)
         return self._deltas()
 

@@ -14,7 +14,7 @@ import string
 import uuid
 from dataclasses import dataclass
 
-from dpserve.daemons.api.tools.scan import ObjectScan, partial_tag_overlap, skip_space
+from dpserve.daemons.api.tools.scan import ObjectScan, grown, partial_tag_overlap, skip_space
 
 _ARGUMENT_KEYS = ("arguments", "parameters")
 _ALNUM = string.ascii_letters + string.digits
@@ -66,7 +66,7 @@ class ToolParser:
         self._sent: list[list] = []  # per call: [name sent, argument chars sent]
 
     def feed(self, delta: str) -> None:
-        self.text += delta
+        self.text = grown(self, delta)
         if not self.failed:
             self._advance(False)
 

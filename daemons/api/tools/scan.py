@@ -13,6 +13,16 @@ import json
 _SPACE = " \t\r\n"
 
 
+def grown(holder, delta: str) -> str:
+    """holder.text + delta, grown in place: CPython appends to a string without
+    copying it only while nothing else refers to it (an attribute does), so the
+    holder lets go of it first. A streamed answer costs linear time, not quadratic."""
+    text = holder.text
+    holder.text = ""
+    text += delta
+    return text
+
+
 def partial_tag_overlap(text: str, tag: str) -> int:
     """The length of the longest suffix of `text` that is a proper prefix of `tag`
     (text that might still become the tag, held back from content)."""
