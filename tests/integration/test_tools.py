@@ -110,6 +110,23 @@ def test_openai_tool_calling_flow(client):
     assert not calls and finish in ("stop", "length") and content == final.choices[0].message.content
 
 
+def test_openai_tool_calling_flow_streamed(client):
+    """The same flow with every turn streamed: the call is put together from its deltas."""
+    messages = [{"role": "user", "content": "What time is it in Berlin?"}]
+    content, _, calls, finish, _ = joined_stream(client, messages=messages, tools=TOOLS,
+                                                 tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                                 seed=2, extra_body=NO_THINKING)
+    assert finish == "stop" and content == "" and len(calls) == 1
+    call_id, name, arguments = calls[0]
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    messages += [{"role": "assistant", "content": None,
+                  "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+                 {"role": "tool", "tool_call_id": call_id, "content": "12:00 CET"}]
+    content, _, calls, finish, _ = joined_stream(client, messages=messages, tools=TOOLS, max_tokens=8, temperature=0,
+                                                 extra_body=NO_THINKING)  # auto: the answer is text, not a call
+    assert not calls and finish in ("stop", "length") and content
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_required_and_named_arguments_are_schema_valid(client, temperature):
     for seed in range(4):
