@@ -8,7 +8,7 @@ import json
 
 import pytest
 from dpserve.daemons.api.openai_types import ApiError
-from dpserve.daemons.api.tools.choice import NamedToolParser, check_tools, required_schema, tool_plan
+from dpserve.daemons.api.tools.choice import NamedToolParser, check_tools, history_fields, required_schema, tool_plan
 from dpserve.daemons.api.tools.parsers import TOOL_PARSERS, JsonArrayToolParser
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
@@ -221,3 +221,28 @@ def test_the_flags_name_every_parser():
     from dpserve.daemons.config import TOOL_CALL_PARSERS
 
     assert set(TOOL_CALL_PARSERS) == set(TOOL_PARSERS) and set(REASONING_FLAG) == set(REASONING_PARSERS)
+
+
+class _Msg:
+    def __init__(self, tool_calls=None, tool_call_id=None, reasoning_content=None, reasoning=None):
+        self.tool_calls, self.tool_call_id = tool_calls, tool_call_id
+        self.reasoning_content, self.reasoning = reasoning_content, reasoning
+
+
+def test_history_fields_for_the_template():
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    out = history_fields(_Msg([call], reasoning="thought"), 2)
+    assert out["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # parsed, as vLLM hands it to templates
+    assert out["tool_calls"][0]["id"] == "c1" and out["reasoning_content"] == "thought"
+    odd = {"function": {"name": "f", "arguments": "not json"}}
+    assert history_fields(_Msg([odd]), 0)["tool_calls"][0]["function"]["arguments"] == "not json"
+    assert history_fields(_Msg(tool_call_id="c1"), 3) == {"tool_call_id": "c1"}
+    with pytest.raises(ApiError) as err:
+        history_fields(_Msg([{"type": "function"}]), 4)
+    assert err.value.param == "messages[4].tool_calls[0].function"
+
+
+def test_empty_tools_with_auto_are_no_tools():
+    assert tool_plan(_Req([], "auto"), False, None) is None
+    with pytest.raises(ApiError):
+        tool_plan(_Req([], "required"), True, "hermes")

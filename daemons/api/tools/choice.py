@@ -95,6 +95,8 @@ def tool_plan(req, auto_enabled: bool, parser: str | None) -> ToolPlan | None:
         choice = "auto"
     if choice == "none":
         return ToolPlan(tools or None, "none")
+    if tools == [] and choice == "auto":  # (vLLM takes an empty list as no tools)
+        return None
     if not tools:
         raise ApiError(400, "When using `tool_choice`, `tools` must be set.", param="tool_choice")
     if isinstance(choice, str):
