@@ -57,12 +57,18 @@ def _histograms(max_model_len: int) -> dict[str, tuple[str, tuple[float, ...]]]:
         "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", tokens),
         "vllm:request_generation_tokens": ("Number of generation tokens processed.", tokens),
         "vllm:request_max_num_generation_tokens": ("Histogram of maximum number of requested generation tokens.", tokens),
-        "vllm:request_params_max_tokens": ("Histogram of the max_tokens request parameter.", tokens),
         "vllm:iteration_tokens_total": ("Histogram of number of tokens per engine_step (this node's API servers' "
                                         "shares of each step, each counted by its API server).", ITERATION_TOKENS),
     }
 
 
+# The order observe() fills them in (its values tuple, then the two per-interval ones).
+_OBSERVED = (
+    "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens",
+    "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+    "vllm:request_time_per_output_token_seconds", "vllm:inter_token_latency_seconds",
+)
 # vLLM's older name of request_time_per_output_token_seconds, still read by dashboards
 ALIASES = {"vllm:time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds"}
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -119,6 +125,10 @@ class RequestMetrics:
         self.totals = self._load(self.path) or Totals.empty(num_ranks, self.histograms)
         self._iteration = self.totals.buckets["vllm:iteration_tokens_total"]  # (step() runs per engine message)
         self._iteration_sum = self.totals.sums["vllm:iteration_tokens_total"]
+        # Per rank, (bounds, that rank's bucket counts, the sums list) of each histogram in
+        # _OBSERVED order: observe() reaches them by position, without a dict lookup each.
+        self._rows = [tuple((self._bounds[name], self.totals.buckets[name][rank], self.totals.sums[name])
+                            for name in _OBSERVED) for rank in range(num_ranks)]
         self._encode = msgspec.msgpack.Encoder().encode
         self._decoder = msgspec.msgpack.Decoder(Totals)
 
@@ -137,35 +147,28 @@ class RequestMetrics:
         t.prompt_tokens[rank] += num_prompt
         t.generation_tokens[rank] += num_output
         t.success[finished if finished in t.success else "abort"][rank] += 1
-        self._hist("vllm:request_prompt_tokens", rank, num_prompt)
-        self._hist("vllm:request_generation_tokens", rank, num_output)
-        self._hist("vllm:request_max_num_generation_tokens", rank, max_tokens)
-        self._hist("vllm:request_params_max_tokens", rank, max_tokens)
-        if not t_first:
-            return
-        ttft = t_first - t_sent
-        decode = t_last - t_first
-        prefill = max(0.0, ttft - queue_s)
-        self._hist("vllm:time_to_first_token_seconds", rank, ttft)
-        self._hist("vllm:e2e_request_latency_seconds", rank, t_last - t_sent)
-        self._hist("vllm:request_queue_time_seconds", rank, queue_s)
-        self._hist("vllm:request_prefill_time_seconds", rank, prefill)
-        self._hist("vllm:request_decode_time_seconds", rank, decode)
-        self._hist("vllm:request_inference_time_seconds", rank, prefill + decode)
-        if num_output > 1:
+        if t_first:
+            ttft = t_first - t_sent
+            decode = t_last - t_first
+            prefill = max(0.0, ttft - queue_s)
+            values = (num_prompt, num_output, max_tokens, ttft, t_last - t_sent, queue_s, prefill, decode, prefill + decode)
+        else:
+            values = (num_prompt, num_output, max_tokens)
+        rows = self._rows[rank]
+        for (bounds, counts, sums), value in zip(rows, values):
+            counts[bisect_left(bounds, value)] += 1
+            sums[rank] += value
+        if t_first and num_output > 1:
             mean = decode / (num_output - 1)
-            self._hist("vllm:request_time_per_output_token_seconds", rank, mean)
-            self._hist("vllm:inter_token_latency_seconds", rank, mean, num_output - 1)
+            for (bounds, counts, sums), count in zip(rows[len(values):], (1, num_output - 1)):
+                counts[bisect_left(bounds, mean)] += count
+                sums[rank] += mean * count
 
     def step(self, rank: int, tokens: int) -> None:
         """One engine step's outputs for this API server: its tokens (prompt and generated)."""
         if tokens and 0 <= rank < self.num_ranks:
             self._iteration[rank][bisect_left(ITERATION_TOKENS, tokens)] += 1
             self._iteration_sum[rank] += tokens
-
-    def _hist(self, name: str, rank: int, value: float, count: int = 1) -> None:
-        self.totals.buckets[name][rank][bisect_left(self._bounds[name], value)] += count
-        self.totals.sums[name][rank] += value * count
 
     # ------------------------------------------------------------ share and serve
 
