@@ -195,6 +195,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             self.add_generation_prompt = True
 
 
+class BatchChatCompletionRequest(ChatCompletionRequest, kw_only=True):
+    """vLLM's /v1/chat/completions/batch: one conversation per choice (no stream, no tools, n 1)."""
+
+    messages: Annotated[list[Annotated[list[ChatMessage], Meta(min_length=1)]], Meta(min_length=1, max_length=MAX_CHOICES)]
+
+
 # ------------------------------------------------------------------ responses
 
 

@@ -15,6 +15,7 @@ import msgspec
 import msgspec.structs
 from dpserve.daemons.api.openai_types import (
     MAX_CHOICES,
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -109,7 +110,7 @@ def _fits(value: Any, type_: Any) -> bool:
 
 def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_model_len: int, limits: dict[str, int]) -> None:
     token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
-    for kind in (CompletionRequest, ChatCompletionRequest):
+    for kind in (CompletionRequest, ChatCompletionRequest, BatchChatCompletionRequest):
         schema = schemas[kind.__name__]
         props = schema["properties"]
         # model is optional in the Struct only so that a missing one gets a clear 400.
@@ -203,6 +204,9 @@ def _utility_paths(auth: list, api_key: bool, tokenizer_info: bool) -> dict:
                                  "application/json": {"schema": {"anyOf": [ref("ChatCompletionResponse"), ref("CompletionResponse")]}},
                                  "text/event-stream": {"schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}},
                              secured=True),
+        "/v1/chat/completions/batch": post("vLLM's batch chat: choice i answers conversation i (no stream, tools or n)", "createBatchChatCompletion",
+                                           ref("BatchChatCompletionRequest"), _json("One choice per conversation.", ref("ChatCompletionResponse")),
+                                           secured=True),
         "/load": {"get": {"summary": "Requests in progress on this API server (vLLM's; 0 without --enable-server-load-tracking)",
                           "operationId": "load", "responses": {"200": _json("The count.", {
                               "type": "object", "properties": {"server_load": {"type": "integer", "minimum": 0}}, "required": ["server_load"]})}}},
@@ -222,7 +226,7 @@ def build_openapi(
     (ServeConfig fields named in BUDGETS_400) that the 400's description states."""
     limits = limits or {}
     _, schemas = msgspec.json.schema_components(
-        [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse, ModelList, ErrorResponse,
+        [CompletionRequest, ChatCompletionRequest, BatchChatCompletionRequest, CompletionResponse, ChatCompletionResponse, ModelList, ErrorResponse,
          TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse],
         ref_template=_REF,
     )

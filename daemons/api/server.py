@@ -228,6 +228,7 @@ class ApiServer:
             get("/tokenizer_info", s.tokenizer_info)
         get("/load", s.load)
         post("/invocations", s.invocations)
+        post("/v1/chat/completions/batch", s.chat_batch)
         get("/health", self.health)
         get("/readyz", self.readyz)
         get("/ready", self.readyz)

@@ -1,18 +1,24 @@
-"""vLLM's utility endpoints: /tokenize, /detokenize, /tokenizer_info, /v1/models, /load
-and SageMaker's /invocations, with vLLM's request and response shapes.
+"""vLLM's utility endpoints: /tokenize, /detokenize, /tokenizer_info, /v1/models, /load,
+SageMaker's /invocations and /v1/chat/completions/batch, with vLLM's shapes.
 
-They never reach an engine: each answers from this API server's tokenizer and
-counters alone. /invocations only picks the endpoint a body belongs to.
+All but the last never reach an engine: each answers from this API server's
+tokenizer and counters alone; /invocations only picks the endpoint a body belongs
+to, and the batch endpoint sends its conversations as the choices of one request.
 """
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from dpserve.daemons.api.guided import guided_grammar
+from dpserve.daemons.api.many_choices import ManyChoicesServing, choice_options
 from dpserve.daemons.api.openai_types import (
     ApiError,
+    BatchChatCompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -21,8 +27,14 @@ from dpserve.daemons.api.openai_types import (
     TokenizeResponse,
     encode,
 )
-from dpserve.daemons.api.request_checks import chat_messages, decode_request, out_of_vocab
-from dpserve.daemons.api.serving import ServingBase
+from dpserve.daemons.api.request_checks import (
+    chat_logprob_counts,
+    chat_messages,
+    chat_template_args,
+    decode_request,
+    out_of_vocab,
+    truncate_prompt,
+)
 
 # tokenizer_config.json fields that name files on this machine: never shown.
 _PRIVATE_FIELDS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
@@ -39,7 +51,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class UtilityServing(ServingBase):
+class UtilityServing(ManyChoicesServing):
     async def tokenize_endpoint(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a `prompt` (special tokens added by default) or chat
         `messages` rendered by the chat template (the ids a chat completion would send)."""
@@ -118,6 +130,29 @@ class UtilityServing(ServingBase):
             return await self.completions(request)
         raise ApiError(400, "Cannot find suitable handler for request. Expected one of: "
                        "['ChatCompletionRequest', 'CompletionRequest']")
+
+    async def chat_batch(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's /v1/chat/completions/batch: choice i answers conversation i; the other
+        fields are a chat completion's, shared by every conversation."""
+        t0 = time.perf_counter()
+        req: BatchChatCompletionRequest = await self.read_request(request, BatchChatCompletionRequest)
+        for name, bad, why in (("stream", req.stream, "streaming"), ("tools", req.tools, "tools"),
+                               ("n", (req.n or 1) != 1, "n other than 1")):
+            if bad:
+                raise ApiError(400, f"Batch chat completions do not support {why}.", param=name)
+        num_top, num_prompt_top = chat_logprob_counts(req, self.vocab_size, self.cfg.max_logprobs)
+        args = chat_template_args(req)
+        ids_list = []
+        for conversation in req.messages:
+            messages = chat_messages(SimpleNamespace(messages=conversation))
+            ids = await self.tokenize(request, self.chat_ids, messages, req.add_generation_prompt, args)
+            ids_list.append(truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len))
+        opts = choice_options(True, req, num_top, num_prompt_top)
+        grammar = await guided_grammar(req, self.cfg, len(ids_list), self.vocab_size)
+        asked = req.max_completion_tokens or req.max_tokens
+        choices = [self.new_choice(req, i, ids, asked or max(self.max_model_len - len(ids), 1), 0, num_top, num_prompt_top, None, grammar)
+                   for i, ids in enumerate(ids_list)]
+        return await self.generate_many(request, req, choices, opts, sum(map(len, ids_list)), t0)
 
     def _json(self, body: Any) -> web.Response:
         return web.Response(body=encode(body), content_type="application/json")

@@ -131,6 +131,18 @@ def test_invocations_serves_chat_and_completion_bodies(server):
     assert status == 400 and "Cannot find suitable handler" in err["error"]["message"]
 
 
+def test_batch_chat_answers_each_conversation_in_its_choice(server, client):
+    conversations = [[{"role": "user", "content": "hi"}], [{"role": "system", "content": "be brief"}, {"role": "user", "content": "bye"}]]
+    status, got = call(server, "/v1/chat/completions/batch", {"model": "demo", "messages": conversations, "max_tokens": 3,
+                                                             "temperature": 0}, key=True)
+    assert status == 200 and [c["index"] for c in got["choices"]] == [0, 1], got
+    for i, conversation in enumerate(conversations):  # each choice is what the conversation alone answers
+        alone = client.chat.completions.create(model="demo", messages=conversation, max_tokens=3, temperature=0)
+        assert got["choices"][i]["message"]["content"] == alone.choices[0].message.content
+    status, err = call(server, "/v1/chat/completions/batch", {"model": "demo", "messages": conversations, "stream": True}, key=True)
+    assert status == 400 and err["error"]["param"] == "stream"
+
+
 def test_max_completion_tokens_and_continuous_usage_stats(client):
     answer = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "count"}],
                                             max_completion_tokens=5, temperature=0, extra_body={"ignore_eos": True})
