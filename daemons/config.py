@@ -249,7 +249,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         if self.data_parallel_size_max and self.data_parallel_size_max < size:
             raise ValueError(f"--data-parallel-size-max {self.data_parallel_size_max} is below --data-parallel-size {size}")
         # A worker may hold ranks past the starting size (it joins a running head), up to the max.
-        bound, flag = (self.size_max, "--data-parallel-size-max") if self.role == "worker" else (size, "--data-parallel-size")
+        joins = self.role == "worker" and self.data_parallel_size_max
+        bound, flag = (self.size_max, "--data-parallel-size-max") if joins else (size, "--data-parallel-size")
         if local < 1 or local > bound:
             raise ValueError(f"--data-parallel-size-local {local} must be in [1, {flag} {bound}]")
         if start < 0 or start + local > bound:

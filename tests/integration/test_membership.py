@@ -268,3 +268,48 @@ def test_a_worker_joins_a_running_head_retires_and_is_replaced(demo_model_dir, t
     assert wrong.proc.wait(180) != 0
     assert "config fingerprint" in head.log() or "registration refused" in head.log()
     assert 2 not in members(head)
+
+
+# ---------------------------------------------------------------- the rules, alone (no process)
+
+
+def test_the_max_size_rules(tmp_path):
+    from dpserve.daemons.config import ServeConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    key = tmp_path / "dp.key"
+    key.write_bytes(b"0123456789abcdef0123456789abcdef")
+
+    def check(**kw) -> str:
+        try:
+            ServeConfig(model=str(tmp_path), served_model_name="m", key_file=str(key), **kw).validate()
+        except ValueError as exc:
+            return str(exc)
+        return ""
+
+    worker = dict(role="worker", headless=True, data_parallel_size=2, data_parallel_size_local=2, data_parallel_start_rank=2)
+    assert check(**worker, data_parallel_size_max=4) == ""  # ranks 2-3 join a head started with 2
+    assert "exceeds --data-parallel-size 2" in check(**worker)  # no max: nothing may join
+    assert "exceeds --data-parallel-size-max 3" in check(**worker, data_parallel_size_max=3)
+    assert "below --data-parallel-size" in check(**worker, data_parallel_size_max=1)
+    assert check(role="head", data_parallel_size=2, data_parallel_size_max=8) == ""  # every starting rank here, more may join
+    assert "is for `dpserve head`" in check(data_parallel_size=2, data_parallel_size_max=4)
+    head = ServeConfig(model=str(tmp_path), served_model_name="m", role="head", data_parallel_size=2, data_parallel_size_max=8)
+    assert head.is_multi_node and head.eligible_ranks() == list(range(8))
+
+
+def test_membership_counts_only_members():
+    from dpserve.daemons.supervisor.cluster import ClusterState
+    from dpserve.engine.common.protocol import RankLoad
+
+    c = ClusterState(2, 1.5, 0.0, size_max=4)
+    assert (c.num_members, c.count("absent"), [r.rank for r in c.members]) == (2, 2, [0, 1])
+    c.apply([RankLoad(0, "a", True), RankLoad(1, "b", True)], 1.0, 1.0)
+    c.apply([RankLoad(3, "c", True)], 1.0, 1.0)  # joined
+    assert (c.num_members, c.count("ready"), c.routable()) == (3, 3, 3)
+    c.apply([RankLoad(3, "c", False, down_reason="retired (dpserve retire)")], 1.0, 1.0)
+    c.apply([RankLoad(1, "b", False, down_reason="drained (dpserve drain)")], 1.0, 1.0)
+    assert (c.num_members, c.count("ready"), c.count("drained"), [r.rank for r in c.members]) == (2, 1, 1, [0, 1])
+    c.apply([RankLoad(3, "d", False, down_reason="registering")], 1.0, 1.0)  # a replacement
+    assert (c.num_members, c.count("registered")) == (3, 1)
+    assert c.counts == {s: sum(r.state == s for r in c.members) for s in c.counts}
