@@ -18,6 +18,12 @@ Part 2, the coordinator alone at COORDINATOR-RANKS ranks reporting every
 with reports that repeat the load (a quiet cluster) and with every report a
 change (a busy one).
 
+Part 3, membership: 4 simulated ranks join a running 4-rank cluster (8 slots, as
+--data-parallel-size-max 8) under a streamed load; the time until every API
+server routes to them after they were ready; then they retire under the load
+(announced death, then the retired RankDown a supervisor sends), and the load's
+errors across both.
+
 Figures are printed, never asserted. Everything runs on loopback / ipc and
 every process is stopped at the end, also on failure.
 """
@@ -249,6 +255,85 @@ def part_coordinator(args, vary: bool) -> dict:
             subs.close()
 
 
+class GrowingCluster(SimCluster):
+    """A cluster of `num_ranks` slots (the head's --data-parallel-size-max) that starts
+    with the first `start_with` ranks; the others join later through start_sim()."""
+
+    def __init__(self, *args, start_with: int, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.start_with = start_with
+        self.holding = True
+
+    def start_sim(self, first: int, last: int) -> str:
+        if self.holding and first >= self.start_with:
+            return ""
+        return super().start_sim(first, last)
+
+
+def part_membership(args) -> dict:
+    """4 simulated ranks join a running 4-rank cluster under load, then retire under load
+    (SIGTERM: they announce their death, their requests move; then their supervisor's
+    RankDown 'retired' takes them out of the membership)."""
+    from dpserve.engine.common.protocol import CoordinatorInput, RankDown
+
+    n, half = 8, 4
+    cluster = GrowingCluster(n, 4, half, start_with=half, report_interval_s=args.report_interval_s, stale_after_s=args.stale_after_s)
+    out: dict = {"ranks_before": half, "ranks_joining": n - half, "api_servers": 4}
+    with cluster:
+        cluster.wait_routable(half, timeout=120)
+        cluster.holding = False
+        cfg = LoadConfig(url=f"http://127.0.0.1:{cluster.port}", model="sim", concurrency=32, duration=14.0, max_tokens=64, stream=True)
+        result: dict = {}
+        load = threading.Thread(target=lambda: result.setdefault("r", asyncio.run(run_load(cfg))), daemon=True)
+        load.start()
+        time.sleep(2.0)
+        joined = threading.Event()
+        alive_at: list[float] = []
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(cluster.table_address)
+        codec, alive = Codec(LoadTable), set()
+
+        def watch() -> None:  # when the joining ranks are ready (alive in the coordinator's table)
+            while not joined.is_set():
+                if sub.poll(50):
+                    table = codec.decode_or_none(sub.recv())
+                    if type(table) is LoadTable:
+                        alive.update(e.rank for e in table.ranks if e.is_alive and e.rank >= half)
+                        if len(alive) == n - half and not alive_at:
+                            alive_at.append(time.monotonic())
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        t0 = time.monotonic()
+        name = cluster.start_sim(half, n - 1)
+        cluster.wait_routable(n, timeout=60, interval=0.02)
+        routable_at = time.monotonic()
+        joined.set()
+        watcher.join(5)
+        sub.close(0)
+        out["join_routable_after_ready_s"] = routable_at - alive_at[0] if alive_at else float("nan")
+        out["join_routable_after_start_s"] = routable_at - t0
+        time.sleep(4.0)
+        t1 = time.monotonic()
+        cluster.kill(name, signal.SIGTERM)
+        link = zmq.Context.instance().socket(zmq.DEALER)
+        link.setsockopt(zmq.IDENTITY, b"supervisor-4")
+        link.setsockopt(zmq.LINGER, 1000)
+        link.connect(cluster.coordinator_address)
+        wire = Codec(CoordinatorInput)
+        for rank in range(half, n):
+            link.send(wire.encode(RankDown(rank, "retired (dpserve retire)")))
+        link.close()
+        cluster.wait_routable(half, timeout=30, interval=0.02)
+        out["retire_out_of_routing_s"] = time.monotonic() - t1
+        load.join(60)
+    res = result["r"]
+    out.update(ok=res.ok, errors=sum(res.errors.values()), error_kinds=dict(res.errors), ranks_used=len(res.per_rank))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=256)
@@ -263,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--coordinator-ranks", type=int, default=1024)
     ap.add_argument("--coordinator-ranks-per-process", type=int, default=256)
     ap.add_argument("--coordinator-report-interval-s", type=float, default=0.1)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: cluster, coordinator")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: cluster, coordinator, membership")
     ap.add_argument("--quick", action="store_true", help="64 ranks x 4 API servers, 256-rank coordinator, 3 s windows")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -277,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     if "coordinator" not in skip:
         results["coordinator"] = [part_coordinator(args, vary) for vary in (False, True)]
         print(json.dumps(results["coordinator"], indent=1), file=sys.stderr, flush=True)
+    if "membership" not in skip:
+        results["membership"] = part_membership(args)
+        print(json.dumps(results["membership"], indent=1), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
@@ -298,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         for how, key in (("SIGKILL, silent", "sigkill"), ("SIGTERM, announced", "sigterm")):
             print(f"| lost rank ({how}): published as down to every API server / a probe sweep finds it out of all | "
                   f"{c[f'lost_{key}_s']:.2f} s / {c[f'lost_{key}_swept_s']:.2f} s |")
+    if "membership" in results:
+        m = results["membership"]
+        print(f"\n## {m['ranks_joining']} simulated ranks join a running {m['ranks_before']}-rank cluster under load, then retire\n")
+        print("| measure | value |\n|---|---|")
+        print(f"| joined: routable in all {m['api_servers']} API servers after the ranks were ready / after their process started | "
+              f"{m['join_routable_after_ready_s']:.2f} s / {m['join_routable_after_start_s']:.2f} s |")
+        print(f"| retired (SIGTERM + RankDown 'retired'): out of every API server's routing | {m['retire_out_of_routing_s']:.2f} s |")
+        print(f"| streamed requests across both (32 clients, 64 tokens) | {m['ok']} ok, {m['errors']} errors {m['error_kinds'] or ''} |")
     for row in results.get("coordinator", []):
         kind = "every report a change" if row["every_report_a_change"] else "reports repeat the load"
         print(f"\n## coordinator: {row['ranks']} ranks reporting every {row['report_interval_s'] * 1000:.0f} ms ({kind}), 32 table subscribers\n")
