@@ -52,11 +52,12 @@ class ReasoningParser:
         return self._deltas()
 
     def result(self) -> tuple[str | None, str | None]:
-        """(reasoning or None, content or None) of the whole answer, after finish()."""
+        """(reasoning, content or None) of the whole answer, after finish(); reasoning is
+        None only when the model does not think (then "" is an empty block, as vLLM's)."""
         end = len(self.text) if self.reasoning_end is None else self.reasoning_end
-        reasoning = self.text[self.reasoning_start : end]
+        reasoning = self.text[self.reasoning_start : end] if self.thinking else None
         content = self.text[self.content_start :] if self.content_start is not None else ""
-        return reasoning or None, content or None
+        return reasoning, content or None
 
     def _advance(self, final: bool) -> None:
         text = self.text

@@ -15,7 +15,7 @@ RECORDED = [
     ("deepseek_r1", True, "<think>Paris is in France.</think>\n\nIt is Paris.", "Paris is in France.", "\n\nIt is Paris."),
     ("deepseek_r1", True, "The template opened it. </think>Answer", "The template opened it. ", "Answer"),
     ("deepseek_r1", True, "Still thinking when cut <", "Still thinking when cut <", None),
-    ("deepseek_r1", True, "<think></think>", None, None),
+    ("deepseek_r1", True, "<think></think>", "", None),
     ("deepseek_r1", True, "a </thin b </think>c</think>d", "a </thin b ", "c</think>d"),
     ("qwen3", True, "<think>\nneed a tool\n</think>\n\n<tool_call>x", "\nneed a tool\n", "\n\n<tool_call>x"),
     ("qwen3", True, "<think>call it<tool_call>{}", "call it", "<tool_call>{}"),
@@ -100,3 +100,47 @@ def test_answer_grammar_binds_only_the_answer(tmp_path):
         matcher = llguidance.LLMatcher(lltok, grammar)
         accepted = matcher.consume_tokens(tok.encode(text, add_special_tokens=False).ids) and matcher.is_accepting()
         assert accepted == ok, text
+
+
+_VLLM_SIDE = """
+import json, logging, sys
+logging.disable(logging.CRITICAL)
+from transformers import PreTrainedTokenizerFast
+from dpserve.engine.testing.demo_model import write_tokenizer
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.reasoning import ReasoningParserManager
+
+tok = PreTrainedTokenizerFast(tokenizer_file=write_tokenizer(sys.argv[1], chat="tools") + "/tokenizer.json")
+out = []
+for name, thinking, text in json.load(sys.stdin):
+    kwargs = {"enable_thinking": thinking}
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], chat_template_kwargs=kwargs)
+    cls = ReasoningParserManager.get_reasoning_parser(name)
+    try:
+        parser = cls(tok, chat_template_kwargs=kwargs)
+    except TypeError:
+        parser = cls(tok)
+    out.append(list(parser.extract_reasoning(text, req)))
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_same_split_as_vllms_parsers(tmp_path):
+    """vLLM's own deepseek_r1 and qwen3 parsers (the vLLM venv's) split every recorded answer the same way."""
+    import subprocess
+
+    from tests.support import vllm_venv
+
+    cases = [(name, thinking, text) for name, thinking, text, *_ in RECORDED]
+    script = tmp_path / "vllm_side.py"
+    script.write_text(_VLLM_SIDE)
+    proc = subprocess.run([f"{vllm_venv()}/bin/python", str(script), str(tmp_path / "tok")], input=json.dumps(cases),
+                          capture_output=True, text=True, timeout=240)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    for (name, thinking, text), theirs in zip(cases, json.loads(lines[0][len("RESULT "):]), strict=True):
+        parser = REASONING_PARSERS[name](thinking)
+        parser.feed(text)
+        parser.finish()
+        assert list(parser.result()) == theirs, (name, text)
