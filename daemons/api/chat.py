@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import cached_property
 
 from aiohttp import web
 from dpserve.daemons.api.guided import asked_for, guided_grammar
@@ -85,6 +86,12 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
             grammar = await guided_grammar(req, self.cfg, n, self.vocab_size)
         if grammar is None or not thinking:
             return grammar
-        backend = self.tokenizer.backend
-        return answer_grammar(grammar, all(backend.token_to_id(t) is not None for t in (THINK_START, THINK_END)))
+        return answer_grammar(grammar, self._think_tokens)
+
+    @cached_property
+    def _think_tokens(self) -> bool:
+        """Whether <think> and </think> are added tokens (llguidance then knows them
+        only as tokens: regular text cannot spell them)."""
+        added = {t.content for t in self.tokenizer.backend.get_added_tokens_decoder().values()}
+        return THINK_START in added and THINK_END in added
 

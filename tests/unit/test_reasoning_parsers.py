@@ -83,17 +83,18 @@ def test_answer_grammar_wraps_json_and_lark_grammars():
     assert "think[lazy]" in top["grammars"][0]["lark_grammar"]
 
 
-def test_answer_grammar_binds_only_the_answer(tmp_path):
+@pytest.mark.parametrize("chat", ["tools", "plain"])  # the tags as added tokens, or as plain text
+def test_answer_grammar_binds_only_the_answer(tmp_path, chat):
     llguidance = pytest.importorskip("llguidance")
     from dpserve.engine.testing.demo_model import write_tokenizer
     from tokenizers import Tokenizer
 
-    model = write_tokenizer(str(tmp_path / "tok"), chat="tools")
+    model = write_tokenizer(str(tmp_path / "tok"), chat=chat)
     tok = Tokenizer.from_file(f"{model}/tokenizer.json")
     lltok = llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=[1])
     schema = llguidance.LLMatcher.grammar_from_json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
                                                             "required": ["a"], "additionalProperties": False})
-    grammar = answer_grammar(schema, True)
+    grammar = answer_grammar(schema, chat == "tools")
     assert llguidance.LLMatcher.validate_grammar(grammar) == ""
     for text, ok in (('<think>any {"b": text}</think>\n{"a": 1}', True), ('no open tag</think>{"a":2}', True),
                      ('<think>x</think>{"b": 1}', False), ('{"a": 1}', False)):
