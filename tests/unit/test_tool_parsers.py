@@ -311,3 +311,26 @@ def test_same_calls_as_vllms_parsers(tmp_path):
         mine = whole(parser, text)
         same = (mine[0], [list(c) for c in mine[1]]) == (content, calls)
         assert same != (text in VLLM_DIFFERS), (parser, text, mine[:2], (content, calls))
+
+
+def test_tools_demo_template_renders_a_tool_conversation_as_transformers_does(tmp_path):
+    """The demo model's tools template: tools, a call, its result and reasoning in the
+    history reach the prompt, byte for byte and id for id as transformers renders them."""
+    transformers = pytest.importorskip("transformers")
+    from dpserve.daemons.api.tokenizer import TextTokenizer
+    from dpserve.engine.testing.demo_model import write_tokenizer
+
+    model = write_tokenizer(str(tmp_path / "tok"), chat="tools")
+    hf, ours = transformers.AutoTokenizer.from_pretrained(model), TextTokenizer.from_dir(model)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "21C"},
+                {"role": "assistant", "content": "Warm.", "reasoning_content": "It said 21C."}]
+    for kw in ({}, {"enable_thinking": False}):
+        expected = hf.apply_chat_template(messages, tools=[TOOL], add_generation_prompt=True, tokenize=False, **kw)
+        text = ours.apply_chat_template(messages, add_generation_prompt=True, tools=[TOOL], **kw)
+        assert text == expected
+        assert '"name": "get_weather"' in text and "<tool_response>\n21C\n</tool_response>" in text
+        assert "<think>\nIt said 21C.\n</think>" in text and text.endswith("<think>\n\n</think>\n\n") == bool(kw)
+        ids = hf.apply_chat_template(messages, tools=[TOOL], add_generation_prompt=True, tokenize=True, return_dict=True, **kw)
+        assert ours.encode_chat_prompt(text) == list(ids["input_ids"])
