@@ -68,7 +68,8 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
             reasoning = REASONING_PARSERS[parser](thinking) if parser is not None else None
             tools = plan.new_parser() if uses_tools else None
             return ChatAnswer(reasoning, tools, named=plan is not None and plan.mode == "named",
-                              show_reasoning=req.include_reasoning is not False)
+                              show_reasoning=req.include_reasoning is not False,
+                              single_call=req.parallel_tool_calls is False)
 
         return new_answer
 

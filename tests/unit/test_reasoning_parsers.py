@@ -145,3 +145,13 @@ def test_same_split_as_vllms_parsers(tmp_path):
         parser.feed(text)
         parser.finish()
         assert list(parser.result()) == theirs, (name, text)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = ('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>')
+    assert [c["function"]["name"] for c in ChatAnswer(None, TOOL_PARSERS["hermes"](), single_call=True).message(text)["tool_calls"]] == ["a"]
+    for chunks in splits(text):
+        answer = ChatAnswer(None, TOOL_PARSERS["hermes"](), single_call=True)
+        deltas = [answer.feed(c, i == len(chunks) - 1) for i, c in enumerate(chunks)]
+        assert {t["index"] for d in deltas for t in d.get("tool_calls", ())} == {0}
+        assert answer.finish_reason("stop") == "tool_calls"

@@ -21,16 +21,18 @@ FINISH_TOOL_CALLS = "tool_calls"
 
 class ChatAnswer:
     """`named`: the call was forced by name; its finish stays "stop" (as OpenAI's).
-    `show_reasoning`: false (vLLM's include_reasoning) leaves the reasoning out."""
+    `show_reasoning`: false (vLLM's include_reasoning) leaves the reasoning out.
+    `single_call`: parallel_tool_calls false keeps the first call only (vLLM's filter)."""
 
-    __slots__ = ("reasoning", "tools", "named", "show_reasoning", "_called")
+    __slots__ = ("reasoning", "tools", "named", "show_reasoning", "single_call", "_called")
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, named: bool = False,
-                 show_reasoning: bool = True) -> None:
+                 show_reasoning: bool = True, single_call: bool = False) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.named = named
         self.show_reasoning = show_reasoning
+        self.single_call = single_call
         self._called = False
 
     def feed(self, text: str, final: bool) -> dict:
@@ -50,6 +52,8 @@ class ChatAnswer:
             if final:
                 self.tools.finish()
             answer, calls = self.tools.take_deltas()
+            if self.single_call:
+                calls = [call for call in calls if call["index"] == 0]
         delta: dict = {}
         if thought and self.show_reasoning:
             delta["reasoning_content"] = delta["reasoning"] = thought
@@ -72,7 +76,7 @@ class ChatAnswer:
             content, calls = self.tools.result()
             msg["content"] = content
             if calls:
-                msg["tool_calls"] = [call.as_openai() for call in calls]
+                msg["tool_calls"] = [call.as_openai() for call in calls[: 1 if self.single_call else None]]
                 self._called = True
         if self.reasoning is not None and self.show_reasoning:
             msg["reasoning_content"] = msg["reasoning"] = thought
