@@ -54,6 +54,7 @@ RULES_400 = (
     "`structured_outputs` with other than exactly one of json, regex, choice, grammar; a grammar that does not parse",
     "`truncate_prompt_tokens` over the context length; `continue_final_message` with `add_generation_prompt`",
     "`max_tokens: 0` without `echo` (completions)",
+    "a nonzero `priority` unless the server runs --scheduling-policy priority",
     "`min_tokens` over `max_tokens`; a prompt plus `max_tokens` over the context",
     "token ids (prompt, `stop_token_ids`, `logit_bias` keys) outside the vocabulary",
     "more choices than the limit (prompts x `n`)",
