@@ -297,8 +297,9 @@ class TokenizeRequest(Struct, kw_only=True):
     """vLLM's /tokenize: a completion `prompt` or chat `messages` (exactly one)."""
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    # absent, not null: exactly one of them is sent (a null one is a 400, as the document says)
+    prompt: str | msgspec.UnsetType = msgspec.UNSET
+    messages: list[ChatMessage] | msgspec.UnsetType = msgspec.UNSET
     add_special_tokens: bool | None = None  # vLLM: true for a prompt, false for messages
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False

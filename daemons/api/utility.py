@@ -57,9 +57,9 @@ class UtilityServing(ManyChoicesServing):
         `messages` rendered by the chat template (the ids a chat completion would send)."""
         req: TokenizeRequest = decode_request(await self.read_body(request), TokenizeRequest, self.note_unknown_field)
         self.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise ApiError(400, "Send exactly one of prompt (text) and messages (a chat).", param="prompt" if req.prompt is None else "messages")
-        if req.prompt is not None:
+        if (req.prompt is msgspec.UNSET) == (req.messages is msgspec.UNSET):
+            raise ApiError(400, "Send exactly one of prompt (text) and messages (a chat).", param="prompt" if req.prompt is msgspec.UNSET else "messages")
+        if req.prompt is not msgspec.UNSET:
             add_special = req.add_special_tokens is not False
             ids = await self.tokenize(request, self._prompt_ids_special, req.prompt, add_special)
         else:
