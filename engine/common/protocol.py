@@ -58,9 +58,6 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     # vLLM's request priority: lower is served first under --scheduling-policy priority (the API
     # server refuses a nonzero one under fcfs). Last, and omitted at 0: a plain request's bytes do not change.
     priority: int = 0
-    # vLLM's request priority: lower is served first under --scheduling-policy priority (the API
-    # server refuses a nonzero one under fcfs). Last, and omitted at 0: a plain request's bytes do not change.
-    priority: int = 0
 
     @property
     def is_greedy(self) -> bool:
