@@ -31,7 +31,8 @@ def ask(url: str, verb: str, rank: int | None, key_file: str | None) -> tuple[in
     headers = {"Content-Type": "application/json"}
     if key_file:
         headers["Authorization"] = f"Bearer {admin_token(key_file)}"
-    req = urllib.request.Request(f"{url.rstrip('/')}/{verb}", data=json.dumps({"rank": rank} if rank is not None else {"node": True}).encode(), headers=headers)
+    body = {"rank": rank} if rank is not None else {"ranks": True} if verb == "rolling-restart" else {"node": True}
+    req = urllib.request.Request(f"{url.rstrip('/')}/{verb}", data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, json.load(resp)
@@ -52,6 +53,9 @@ def _run(verb: str, rank: int | None, url: str, key_file: str | None) -> None:
     if status >= 400:
         click.echo(f"{verb} {what}: refused ({status}): {body.get('error', body)}", err=True)
         sys.exit(1)
+    if verb == "rolling-restart":
+        click.echo(f"restarting ranks {', '.join(map(str, body['ranks']))} one at a time (see dpserve status)")
+        return
     for one in body.get("ranks", [body]):
         detail = f" ({one['detail']})" if one.get("detail") else ""
         click.echo(f"rank {one.get('rank')}: {one.get('state')}{detail}")
@@ -93,3 +97,13 @@ def retire(url: str, rank: int | None, node: bool, key_file: str | None) -> None
     if (rank is None) == (not node):
         raise click.UsageError("give exactly one of --rank R and --node")
     _run("retire", rank, url, key_file)
+
+
+@click.command("rolling-restart")
+@_url
+@click.option("--ranks", is_flag=True, required=True, help="Restart the node's ranks (API servers: systemctl reload, SIGHUP).")
+@_key
+def rolling_restart(url: str, ranks: bool, key_file: str | None) -> None:
+    """Restart the node's ranks one at a time: each stops at once, its requests move to the
+    other ranks, and the next stops once it serves again."""
+    _run("rolling-restart", None, url, key_file)

@@ -278,13 +278,14 @@ def status(url: str, as_json: bool, watch: bool, interval: float, old_interval: 
         click.echo()
 
 
-from dpserve.daemons.cli.drain import drain, retire, undrain  # noqa: E402
+from dpserve.daemons.cli.drain import drain, retire, rolling_restart, undrain  # noqa: E402
 from dpserve.daemons.cli.install import install_units  # noqa: E402
 
 main.add_command(install_units)
 main.add_command(drain)
 main.add_command(undrain)
 main.add_command(retire)
+main.add_command(rolling_restart)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
+from dpserve.daemons.supervisor import rolling
 from dpserve.daemons.supervisor.children import Child, ChildState
 from dpserve.daemons.supervisor.events import DrainRequested
 from dpserve.engine.rank.process import DRAIN_SIGNAL, DRAINED_REASON
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 REPLY_TIMEOUT_S = 5.0
 RETIRED_REASON = "retired (dpserve retire)"  # cluster.RETIRED_PREFIX, the coordinator's RETIRED_PREFIX
-VERBS = ("drain", "undrain", "retire")
+VERBS = ("drain", "undrain", "retire", "rolling-restart")
 _encode = msgspec.json.Encoder().encode
 
 
@@ -64,7 +65,9 @@ def _is_loopback(peer: str | None) -> bool:
 
 def apply(sup: Supervisor, event: DrainRequested) -> None:
     """The loop's verb for a DrainRequested: answer it, changing children if it must."""
-    if event.rank is None:  # retire the whole node: every local rank
+    if event.verb == "rolling-restart":
+        status, body = rolling_restart(sup)
+    elif event.rank is None:  # retire the whole node: every local rank
         answers = [stop(sup, rank, RETIRED_REASON) for rank in sup.cfg.local_ranks]
         status = max(code for code, _ in answers)
         body = {"ranks": [a for _, a in answers]} if status < 400 else next(a for code, a in answers if code == status)
@@ -74,6 +77,18 @@ def apply(sup: Supervisor, event: DrainRequested) -> None:
         status, body = stop(sup, event.rank, RETIRED_REASON if event.verb == "retire" else DRAINED_REASON)
     if not event.reply.done():
         event.reply.set_result((status, body))
+
+
+def rolling_restart(sup: Supervisor) -> tuple[int, dict]:
+    """Restart this node's ranks one at a time (rolling.py); each one's requests move."""
+    if sup.phase != "serving":
+        return 409, {"error": f"the node is {sup.phase}; a rolling restart acts on a serving node"}
+    if sup.cfg.uses_ray:
+        return 409, {"error": "ranks placed by Ray (--data-parallel-backend ray) are restarted by Ray"}
+    if sup.rolling is not None:
+        return 409, {"error": "a rolling restart is already in progress"}
+    sup.rolling = rolling.begin(sup, "engine")
+    return 202, {"state": "restarting", "ranks": [c.rank for c in sup.children.values() if c.kind == "engine" and not c.drained]}
 
 
 def _engine(sup: Supervisor, rank: int) -> tuple[Child | None, tuple[int, dict] | None]:
@@ -145,7 +160,8 @@ def settle(sup: Supervisor, child: Child) -> None:
 
 class DrainEndpoints:
     """POST /drain, /undrain and /retire with {"rank": R} (/retire also {"node": true}:
-    every rank of this node): checked here, applied by the loop."""
+    every rank of this node), /rolling-restart with {"ranks": true}: checked here,
+    applied by the loop."""
 
     def __init__(self, post, key_file: str) -> None:
         self.post = post
@@ -177,15 +193,19 @@ class DrainEndpoints:
             return refused
         try:
             body = await request.json()
-            if verb == "retire" and body.get("node") is True and "rank" not in body:
+            if verb == "rolling-restart":
+                if body.get("ranks") is not True:
+                    raise ValueError  # the ranks are all it restarts (API servers: SIGHUP)
+                rank = None
+            elif verb == "retire" and body.get("node") is True and "rank" not in body:
                 rank = None
             else:
                 rank = body["rank"]
                 if type(rank) is not int or rank < 0:
                     raise ValueError
         except (ValueError, KeyError, TypeError, AttributeError):
-            shape = '{"rank": R} or {"node": true}' if verb == "retire" else '{"rank": R}'
-            return _json({"error": f"the body must be JSON {shape} with a rank >= 0", "param": "rank"}, 400)
+            shape = {"retire": '{"rank": R} or {"node": true}', "rolling-restart": '{"ranks": true}'}.get(verb, '{"rank": R}')
+            return _json({"error": f"the body must be JSON {shape} (a rank >= 0)", "param": "ranks" if verb == "rolling-restart" else "rank"}, 400)
         reply = asyncio.get_running_loop().create_future()
         self.post(DrainRequested(verb, rank, reply))
         try:

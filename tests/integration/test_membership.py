@@ -105,6 +105,40 @@ def test_a_drained_rank_leaves_at_once_stays_stopped_and_returns_on_undrain(node
         assert pinned.usage.completion_tokens == 2
 
 
+def test_a_rolling_restart_of_ranks_moves_their_requests(node):
+    """Each rank stops at once and its streams move: no stream fails, and the restart
+    takes about ranks x a rank's restart, not the answers' length."""
+    import threading
+
+    from tests.server import stream_request
+
+    wait_until(lambda: all(rank_row(node, r)["state"] == "ready" for r in (0, 1)), 120, 0.1, "both ranks ready")
+    pids = {r: node.child(f"engine-dp{r}")["pid"] for r in (0, 1)}
+    results = [{} for _ in range(6)]
+    threads = [threading.Thread(target=stream_request, args=(node.port, 1500, r)) for r in results]
+    for t in threads:
+        t.start()
+    wait_until(lambda: all("started" in r for r in results), 60, 0.05, "every stream under way")
+    t0 = time.monotonic()
+    assert post(node.health_url + "/rolling-restart", b'{"ranks": true}') == 202
+    assert post(node.health_url + "/rolling-restart", b'{"ranks": true}') == 409  # one at a time
+    assert post(node.health_url + "/rolling-restart", b"{}") == 400
+    wait_until(lambda: node.log().count("rolling restart done") >= 1, 240, 0.1, "the rolling restart")
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(120)
+    print(f"\nrolling restart of 2 ranks under 6 streams of 1,500 tokens: {took:.1f} s; "
+          f"streams still running then: {sum(t.is_alive() for t in threads)}")
+    assert all(node.child(f"engine-dp{r}")["pid"] != pids[r] for r in (0, 1))
+    errors = [r.get("error") or r.get("exception") for r in results]
+    assert errors == [None] * 6, errors
+    assert all(r["done"] and r["finishes"] == ["length"] for r in results), results
+    moved = sum(float(line.rsplit(" ", 1)[1]) for line in node.metrics().splitlines()
+                if line.startswith("dpserve_api_requests_migrated_total"))
+    print(f"requests moved: {moved:g}")
+    assert moved >= 1  # the streams on the first rank to restart, at least
+
+
 def test_the_token_and_loopback_rules(tmp_path):
     import asyncio
 
