@@ -14,7 +14,9 @@ them, and that loop is the single writer of the child table.
                       ClusterSeen          on_ready   STARTING -> READY
     coordinator link  Fatal                on_probe   count failures -> declare_dead
     load table (SUB)  TableSeen            TableSeen  cluster.apply (every rank's state)
-    launcher restart  LauncherRestarted  3. tick: NodeHello, cluster.check_head,
+    launcher restart  LauncherRestarted    DrainRequested  draining.apply (drain, undrain,
+    health port       DrainRequested                       retire, rolling restart of ranks)
+                                         3. tick: NodeHello, cluster.check_head,
                                            kill overdue, spawn due restarts,
                                            startup.check (READY=1 or exit 3),
                                            rolling.advance, sweep_strays,
@@ -25,7 +27,8 @@ Spawning never blocks the loop (a prefork launcher may take seconds): spawn()
 starts a task that posts Spawned. Files: events.py (the event kinds),
 policy.py (the pure restart decision), core.py (the loop and its verbs),
 startup.py (deadlines and the READY=1 verdict), rolling.py (SIGHUP's
-one-at-a-time restart), boot.py (what exists before the first turn: sockets,
+one-at-a-time restart, and the ranks'), draining.py (`dpserve drain`,
+`undrain`, `retire`, `rolling-restart`: the health port's verbs), boot.py (what exists before the first turn: sockets,
 keys, the launcher, the plan), shutdown.py, cluster.py (every rank of the
 deployment, from the coordinator's load table), views.py (the read-only
 NodeView that the health port, the prober, the STATUS= line and `dpserve
