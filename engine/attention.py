@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from dpserve.engine import hf_compat
 from dpserve.engine.kv_cache import KVCache
+from dpserve.engine.paged_attention import paged_decode, write_kv
 
 ATTN_IMPLEMENTATION = "dpserve_paged"
 
@@ -82,14 +83,30 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    """A step of decodes only, attended in place (paged_attention.paged_decode): the compiled path.
+
+    block_tables [B, W] long: each row's blocks, padded with block 0;
+    lengths [B] context lengths including the new token.
+    """
+
+    block_tables: torch.Tensor
+    lengths: torch.Tensor
+
+
+@dataclass(slots=True)
 class StepMetadata:
-    """Who owns which row of the packed step, and where its keys and values go."""
+    """Who owns which row of the packed step, and where its keys and values go.
+
+    With `batch` set every row is a decode and decodes/prefills are empty.
+    """
 
     kv: KVCache
     slot_mapping: torch.Tensor  # [N] long: the cache slot of each new token
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
     on_layer: Callable[[], None] | None = None  # progress: called after every layer's attention
+    batch: DecodeBatch | None = None
 
 
 _current: StepMetadata | None = None
@@ -130,6 +147,12 @@ def paged_attention(
         raise NotImplementedError("attention logit softcapping is not supported by the paged attention path")
     layer = hf_compat.layer_index(module)
     k_cache, v_cache = meta.kv.keys[layer], meta.kv.values[layer]
+    if meta.batch is not None:
+        write_kv(k_cache, v_cache, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = paged_decode(query[0].transpose(0, 1), k_cache, v_cache, meta.batch.block_tables, meta.batch.lengths,
+                           meta.kv.block_size, scale, sliding_window)
+        return out.unsqueeze(0), None
     _, heads, n_tokens, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
