@@ -237,7 +237,7 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(server, openai_sch
 def test_bad_chat_input(server, openai_schema):
     cases = [
         ({"model": "demo", "messages": []}, 400),
-        ({"model": "demo", "messages": [{"role": "wizard", "content": "x"}]}, 400),
+        ({"model": "demo", "messages": [{"role": "", "content": "x"}]}, 400),  # (a custom role reaches the template, as vLLM)
         ({"model": "demo", "messages": "hello"}, 400),
         ({"model": "demo", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
     ]
