@@ -21,6 +21,7 @@ from dpserve.daemons.api.one_choice import OneChoiceServing
 from dpserve.daemons.api.openai_types import ApiError, ChatCompletionRequest
 from dpserve.daemons.api.reasoning import REASONING_PARSERS, THINK_END, THINK_START, answer_grammar, thinking_enabled
 from dpserve.daemons.api.request_checks import (
+    chat_echo_text,
     chat_logprob_counts,
     chat_messages,
     chat_template_args,
@@ -54,7 +55,8 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
         if plan is not None and plan.mode == "auto":  # as vLLM: tool tags may be special tokens
             opts.text = replace(opts.text, skip_special=False)
         grammar = await self._grammar(req, plan, thinking)
-        choices = [self.new_choice(req, j, ids, max_tokens, j, num_top, num_prompt_top, None, grammar) for j in range(req.n or 1)]
+        echo = chat_echo_text(req)
+        choices = [self.new_choice(req, j, ids, max_tokens, j, num_top, num_prompt_top, echo, grammar) for j in range(req.n or 1)]
         return await self.generate_many(request, req, choices, opts, len(ids), t0)
 
     def _answer(self, req: ChatCompletionRequest, plan: ToolPlan | None, thinking: bool):

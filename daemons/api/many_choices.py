@@ -189,7 +189,7 @@ class ManyChoicesServing(ServingBase):
             await choice.prompt_from.wait_first_output()
         if choice.echo_text is not None:
             positions: list = []
-            if opts.num_top is not None:
+            if opts.num_top is not None and opts.echo:  # (chat echo shows no prompt logprobs)
                 await state.wait_first_output()
                 positions = [gen.prompt_ids[0], *(choice.prompt_state.prompt_logprobs or ())]
             yield Piece(choice.echo_text, positions)

@@ -177,6 +177,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool | None = True
     logprobs: bool | None = None
     top_logprobs: AllLogprobs | None = None
+    echo: bool | None = None  # vLLM's: a final assistant message's text starts the answer
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None

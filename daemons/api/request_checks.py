@@ -146,6 +146,17 @@ def chat_template_args(req: ChatCompletionRequest) -> dict[str, Any]:
     return args
 
 
+def chat_echo_text(req: ChatCompletionRequest) -> str | None:
+    """vLLM's chat echo: the final message's text starts the answer when that message is
+    the assistant's (continue_final_message); otherwise nothing is echoed."""
+    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+        return None
+    content = req.messages[-1].content
+    if isinstance(content, list):
+        content = "".join(part.text or "" for part in content)
+    return content or ""
+
+
 def out_of_vocab(name: str, ids, vocab_size: int) -> None:
     """vLLM's 400 naming every id outside the vocabulary (at most 20 shown)."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -203,7 +214,7 @@ def uses_extras(req: SamplingFields) -> bool:
     if isinstance(req, CompletionRequest):
         return req.echo is not None or req.max_tokens == 0 or (isinstance(req.prompt, list) and len(req.prompt) > 1
                                                               and not isinstance(req.prompt[0], int))
-    return req.top_logprobs is not None or req.tools is not None or req.tool_choice is not None
+    return req.top_logprobs is not None or req.tools is not None or req.tool_choice is not None or bool(req.echo)
 
 
 def _short(value: Any) -> str:

@@ -234,6 +234,17 @@ def test_custom_roles_reach_the_template(server):
     assert status == 200 and "<|im_start|>observer\nnoted" in text["prompt"]
 
 
+def test_chat_echo_continues_the_final_assistant_message(client):
+    msgs = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one two"}]
+    extra = {"echo": True, "continue_final_message": True, "add_generation_prompt": False}
+    got = client.chat.completions.create(model="demo", messages=msgs, max_tokens=3, temperature=0, extra_body=extra)
+    plain = client.chat.completions.create(model="demo", messages=msgs, max_tokens=3, temperature=0,
+                                           extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert got.choices[0].message.content == "one two" + plain.choices[0].message.content
+    streamed = client.chat.completions.create(model="demo", messages=msgs, max_tokens=3, temperature=0, stream=True, extra_body=extra)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == got.choices[0].message.content
+
+
 def test_vllm_errors(client):
     chat = client.chat.completions.create
     msgs = [{"role": "user", "content": "hi"}]
