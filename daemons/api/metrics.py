@@ -42,7 +42,8 @@ class _RankCollector:
         alive = GaugeMetricFamily("dpserve_rank_routable", "1 when this API server routes to the rank.", labels=["rank"])
         inflight = GaugeMetricFamily("dpserve_api_in_flight", "This API server's requests in flight on each rank.", labels=["rank"])
         # vLLM's names, so dashboards built for vLLM read dpserve's ranks too.
-        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage per rank (1 = every block in use).", labels=["rank"])
+        # (rank first, as before; vLLM's model_name and engine too, which its dashboards filter on)
+        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage per rank (1 = every block in use).", labels=["rank", "model_name", "engine"])
         preempted = CounterMetricFamily("vllm:num_preemptions", "Sequences preempted for KV blocks per rank (current incarnation).", labels=["rank"])
         # Prefix caching, in tokens (exposed with _total): the hit rate is hits / queries.
         queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache per rank (current incarnation).", labels=["rank"])
@@ -62,7 +63,7 @@ class _RankCollector:
             waiting.add_metric(label, load.num_waiting)
             vllm_running.add_metric([self.model_name, str(rank)], load.num_running)
             vllm_waiting.add_metric([self.model_name, str(rank)], load.num_waiting)
-            kv.add_metric(label, load.kv_usage)
+            kv.add_metric([str(rank), self.model_name, str(rank)], load.kv_usage)
             preempted.add_metric(label, load.num_preemptions)
             queries.add_metric(label, load.num_prefix_queries)
             hits.add_metric(label, load.num_prefix_hits)

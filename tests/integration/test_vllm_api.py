@@ -290,8 +290,7 @@ def test_every_series_of_vllms_dashboard_is_served_and_summed_over_the_api_serve
     scrapes = [scrape_metrics(server) for _ in range(6)]
     for text in scrapes:
         missing = [n for n in names if not re.search(rf'^{re.escape(n)}\{{[^}}]*model_name="demo"', text, re.M)]
-        assert not missing or missing == ["vllm:kv_cache_usage_perc"], missing  # (that one is labelled by rank only)
-        assert 'vllm:kv_cache_usage_perc{rank="0"}' in text
+        assert not missing, missing
         # whichever API server answers, the node's sum: this test's prompts exactly on top of before
         assert metric_total(text, "vllm:prompt_tokens_total") - before == prompt_tokens
         assert metric_total(text, "vllm:e2e_request_latency_seconds_count") >= 6
