@@ -14,6 +14,8 @@ import pytest
 
 from tests.server import DpServer
 
+pytestmark = pytest.mark.slow
+
 API_KEY = "vllm-api-key"
 MAX_MODEL_LEN = 256
 
