@@ -278,10 +278,12 @@ class ManyChoicesServing(ServingBase):
             except EngineFailure as exc:
                 queue.put_nowait((choice, exc))
 
-        def chunk(items: list[dict], usage: dict | None = None) -> bytes:
+        def chunk(items: list[dict], usage: dict | None = None, prompt_ids: list[int] | None = None) -> bytes:
             body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": items}
             if usage is not None:
                 body["usage"] = usage
+            if prompt_ids is not None:  # vLLM's return_token_ids: a chat stream's first chunk
+                body["prompt_token_ids"] = prompt_ids
             return b"data: " + encode(body) + b"\n\n"
 
         resp = self.finish_response(EventStream(status=200, headers=self.sse_headers[first.rank]))
@@ -289,7 +291,7 @@ class ManyChoicesServing(ServingBase):
         if opts.chat:
             await resp.write(b"".join(
                 chunk([{"index": c.gen.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
-                      self._usage(choices, num_prompt) if opts.usage_every_chunk else None)
+                      self._usage(choices, num_prompt) if opts.usage_every_chunk else None, c.gen.prompt_ids if opts.token_ids else None)
                 for c in choices))
         tasks = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
@@ -309,6 +311,7 @@ class ManyChoicesServing(ServingBase):
         texts = opts.texts(self.tokenizer)
         offsets = {c.gen.index: 0 for c in choices}
         answers = {c.gen.index: opts.answer() for c in choices} if opts.answer is not None else None
+        shown = dict.fromkeys(offsets, -1) if opts.token_ids else None  # output ids each choice's chunks showed (-1: no chunk yet)
         remaining = len(choices)
         while remaining:
             choice, piece = await queue.get()
@@ -331,6 +334,11 @@ class ManyChoicesServing(ServingBase):
                 item = {"index": index, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish}
                 if opts.prompt_logprobs is not None and piece.finish is not None:
                     item["prompt_logprobs"] = prompt_logprobs(texts, choice.prompt_state.prompt_logprobs)
+            if shown is not None:  # vLLM's return_token_ids: each chunk's new ids; a completion's first chunk its prompt's
+                if shown[index] < 0 and not opts.chat:
+                    item["prompt_token_ids"] = choice.gen.prompt_ids
+                item["token_ids"] = choice.gen.output_ids[max(shown[index], 0):]
+                shown[index] = len(choice.gen.output_ids)
             await resp.write(chunk([item], self._usage(choices, num_prompt) if opts.usage_every_chunk else None))
             if piece.finish is not None:
                 remaining -= 1

@@ -222,6 +222,20 @@ def test_token_ids_as_ids_and_truncation(client, tokenizer):
     assert chat.prompt_token_ids and len(chat.prompt_token_ids) == chat.usage.prompt_tokens and chat.choices[0].token_ids
 
 
+def test_streamed_token_ids_add_up_and_match_the_logprobs(client, tokenizer):
+    stream = client.completions.create(model="demo", prompt="tell me", max_tokens=8, temperature=0, stream=True, logprobs=1,
+                                       extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True})
+    chunks = [c for c in stream if c.choices]
+    assert chunks[0].choices[0].prompt_token_ids == tokenizer.encode("tell me")
+    streamed = [t for c in chunks for t in c.choices[0].token_ids]
+    from_logprobs = [int(t.removeprefix("token_id:")) for c in chunks for t in c.choices[0].logprobs.tokens]
+    assert len(streamed) == 8 and streamed == from_logprobs
+    chat = list(client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+                                               extra_body={"return_token_ids": True, "ignore_eos": True}))
+    assert chat[0].prompt_token_ids and all(getattr(c, "prompt_token_ids", None) is None for c in chat[1:])
+    assert len([t for c in chat if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])]) == 4
+
+
 def test_vllm_fields_are_always_sent(server):
     status, comp = call(server, "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 2}, key=True)
     assert status == 200 and comp["choices"][0]["prompt_logprobs"] is None and comp["choices"][0]["prompt_token_ids"] is None
