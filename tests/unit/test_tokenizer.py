@@ -461,3 +461,28 @@ def test_demo_model_cli_writes_the_metaspace_variant(tmp_path):
                               "--size", "small", "--tokenizer", "metaspace"], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "tiny size only" in refused.stderr, refused.stderr
     assert not (tmp_path / "s").exists()
+
+
+# --- vLLM's request API: fill-in-the-middle, continue_final_message, token strings ---------
+
+
+def test_fim_prompt_uses_the_vocabularys_fim_tokens(tokenizer_json):
+    plain = Tokenizer.from_file(str(tokenizer_json))
+    assert TextTokenizer(plain, {}, None).fim_prompt("def f(", "return x") is None  # no FIM tokens: the API's 400
+    for prefix, suffix, middle in (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<PRE>", "<SUF>", "<MID>")):
+        fim = Tokenizer.from_file(str(tokenizer_json))
+        fim.add_special_tokens([prefix, suffix, middle])
+        text = TextTokenizer(fim, {}, None).fim_prompt("def f(", "return x")
+        assert text == f"{prefix}def f({suffix}return x{middle}"
+        ids = TextTokenizer(fim, {}, None).encode(text, add_special_tokens=False)
+        assert fim.token_to_id(prefix) == ids[0] and fim.token_to_id(middle) == ids[-1]  # each one token
+
+
+def test_continue_final_message_ends_inside_the_last_message(tok):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("assistant\nSure, the") and not text.endswith(IM_END)
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tok.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+    assert tok.token_strs(tok.encode("hello", add_special_tokens=False)) == [
+        tok.backend.id_to_token(i) for i in tok.encode("hello", add_special_tokens=False)]
