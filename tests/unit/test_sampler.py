@@ -192,7 +192,7 @@ def test_engine_refuses_out_of_range_processor_values_per_request(loaded_demo_mo
         dict(min_p=1.5),
         dict(logit_bias=((demo_model.VOCAB_SIZE + 5, 1.0),)),
         dict(logit_bias=((3, 101.0),)),
-        dict(logprobs=21),
+        dict(logprobs=demo_model.VOCAB_SIZE + 1),  # (the API server applies --max-logprobs)
         dict(prompt_logprobs=-1),
     ]
     for i, extra in enumerate(bad):
