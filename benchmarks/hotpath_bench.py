@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     import msgspec
     from aiohttp import streams
     from aiohttp.test_utils import make_mocked_request
-    from dpserve.daemons.api.engine_client import RequestState
     from dpserve.daemons.api.metrics import ApiMetrics
+    from dpserve.daemons.api.request_state import RequestState
     from dpserve.daemons.api.router import Router
     try:
         import dpserve.daemons.api.endpoints as serving_mod

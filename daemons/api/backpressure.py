@@ -24,7 +24,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
-from dpserve.daemons.api.engine_client import EngineClient, RequestState
+from dpserve.daemons.api.engine_client import EngineClient
+from dpserve.daemons.api.request_state import RequestState
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # How often a stream's total is summed at most (a behind stream checks it per write).

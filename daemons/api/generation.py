@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from dpserve.daemons.api.detokenizer import IncrementalDetokenizer, StopChecker, decode_continuation
-from dpserve.daemons.api.engine_client import EngineClient, RequestState
+from dpserve.daemons.api.engine_client import EngineClient
+from dpserve.daemons.api.request_state import RequestState
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.engine.common.protocol import FINISH_ERROR, FINISH_STOP, AddRequest, SamplingParams
 

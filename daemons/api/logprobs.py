@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
-from dpserve.daemons.api.engine_client import RequestState
+from dpserve.daemons.api.request_state import RequestState
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.engine.common.protocol import RequestOutput, TokenLogprobs
 

@@ -32,7 +32,8 @@ from dpserve.engine.common.protocol import AddRequest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from dpserve.daemons.api.engine_client import EngineClient, RequestState
+    from dpserve.daemons.api.engine_client import EngineClient
+    from dpserve.daemons.api.request_state import RequestState
 
 
 def continuation(state: RequestState) -> AddRequest:

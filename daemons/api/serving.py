@@ -24,12 +24,13 @@ import zmq
 from aiohttp import web
 from dpserve.daemons.aiohttp_compat import EventStream
 from dpserve.daemons.api.backpressure import StreamBudget, StreamCollector, StreamStalled
-from dpserve.daemons.api.engine_client import EngineClient, RequestState
+from dpserve.daemons.api.engine_client import EngineClient
 from dpserve.daemons.api.generation import EngineFailure, Generation
 from dpserve.daemons.api.metrics import ApiMetrics
 from dpserve.daemons.api.migration import MigrationCollector
 from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse, encode
 from dpserve.daemons.api.request_checks import check_unsupported, decode_request
+from dpserve.daemons.api.request_state import RequestState
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankLost, RankNotEligible, RoutingError
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.daemons.config import ApiServerConfig

@@ -24,7 +24,8 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from dpserve.daemons.api.engine_client import EngineClient, RequestState
+from dpserve.daemons.api.engine_client import EngineClient
+from dpserve.daemons.api.request_state import RequestState
 from dpserve.daemons.api.router import Router
 from dpserve.engine.common.protocol import (
     AddRequest,
