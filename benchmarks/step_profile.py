@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 from benchmarks.common import begin, machine_info, parser, render  # noqa: E402
 from benchmarks.engine_realistic import small_model_dir  # noqa: E402
 
-BUCKETS = ("matmul", "lm_head", "attn write", "attn gather", "attn compute", "other ops", "python",
+BUCKETS = ("matmul", "lm_head", "attn write", "attn gather", "attn compute", "other ops", "compiled code", "python",
            "runner packing", "sampler", "output path", "scheduler")
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_addmm_activation",
               "mkldnn::_linear_pointwise", "aten::mkldnn_rnn_layer"}
@@ -59,32 +59,32 @@ def _wrap(obj, name: str, label: str) -> None:
 
 
 def build_engine(model_dir: str, dtype: str, enforce_eager: bool):
-    from dpserve.engine import attention
+    from dpserve.engine import attention, hf_compat
     from dpserve.engine.common.config import EngineConfig
     from dpserve.engine.core import EngineCore
     from dpserve.engine.loader import load_model
 
     config = EngineConfig(model=model_dir, device="cpu", dtype=dtype, max_model_len=2048, max_num_seqs=256,
-                          kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
-    if enforce_eager and "enforce_eager" in EngineConfig.__struct_fields__:
-        config.enforce_eager = True
-    engine = EngineCore.from_loaded(config, load_model(config))
-    _wrap(engine.scheduler, "schedule", "step:schedule")
-    _wrap(engine.runner, "execute", "step:runner")
-    _wrap(engine.runner, "_forward", "step:forward")
-    _wrap(engine, "_sample", "step:sample")
-    _wrap(engine, "_postprocess", "step:postprocess")
-    lm_head = engine.runner.model.get_output_embeddings()
-    _wrap(lm_head, "forward", "step:lm_head")
+                          kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, enforce_eager=enforce_eager)
+    loaded = load_model(config)
+    # Labels inside the forward go in before the compile traces it (inside compiled code they are dropped).
+    _wrap(loaded.model.get_output_embeddings(), "forward", "step:lm_head")
     inner = attention.paged_attention
 
     def labelled(*a, **k):
         with record_function("step:attention"):
             return inner(*a, **k)
 
-    from dpserve.engine import hf_compat
-
     hf_compat.register_attention(attention.ATTN_IMPLEMENTATION, labelled)
+    engine = EngineCore.from_loaded(config, loaded)
+    print(f"{dtype}: compiled decode {engine.describe()['compiled_decode_s']} s", file=sys.stderr, flush=True)
+    _wrap(engine.scheduler, "schedule", "step:schedule")
+    _wrap(engine.runner, "execute", "step:runner")
+    _wrap(engine.runner, "_forward", "step:forward")
+    _wrap(engine, "_sample", "step:sample")
+    _wrap(engine, "_postprocess", "step:postprocess")
+    if engine.runner.compiled is not None:  # its packing counts as the forward's python
+        _wrap(engine.runner, "_execute_compiled", "step:forward")
     return engine
 
 
@@ -94,11 +94,14 @@ def add(engine, n: int, prompt_len: int, max_tokens: int, tag: str) -> None:
     for i in range(n):
         ids = [(97 + 13 * i + 7 * j) % 40000 + 100 for j in range(prompt_len)]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        engine.add_request(AddRequest(request_id=f"{tag}{i}", prompt_token_ids=ids, params=params,
+        refused = engine.add_request(AddRequest(request_id=f"{tag}{i}", prompt_token_ids=ids, params=params,
                                       arrival_time=time.time()))
+        assert refused is None, refused
 
 
 def bucket_of(name: str, label: str | None) -> str:
+    if "Compiled" in name or "cpp_fused" in name or "inductor" in name.lower():
+        return "compiled code"
     if name.startswith("step:"):
         return {"step:schedule": "scheduler", "step:sample": "sampler", "step:postprocess": "output path",
                 "step:runner": "runner packing"}.get(name, "python")
@@ -165,14 +168,25 @@ def measure(engine, kind: str, batch: int, steps: int) -> dict:
         while engine.has_unfinished():
             engine.step()
         return {"step_ms": statistics.median(wall[1:]), "buckets": breakdown(prof, 1)}
-    add(engine, batch, 70, 32 + 2 * steps + 8, f"d{batch}-")
+    add(engine, batch, 70, 32 + 6 * steps + 8, f"d{batch}-")
     while engine.num_waiting or any(s.num_computed_tokens < 100 for s in engine._requests.values()):
         engine.step()
-    wall = run_steps(engine, steps)
+    wall, eager = [], []
+    compiled = engine.runner.compiled
+    for _ in range(2):  # alternating, so the machine's load hits both alike
+        wall += run_steps(engine, steps)
+        if compiled is not None:
+            engine.runner.compiled = None
+            eager += run_steps(engine, steps)
+            engine.runner.compiled = compiled
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run_steps(engine, steps)
+    assert engine.num_step_errors == 0, "a step failed"
     engine.abort_requests(list(engine._requests))
-    return {"step_ms": statistics.median(wall), "buckets": breakdown(prof, steps)}
+    got = {"step_ms": statistics.median(wall), "buckets": breakdown(prof, steps)}
+    if eager:
+        got["eager_step_ms"] = statistics.median(eager)
+    return got
 
 
 def main(argv=None) -> int:
@@ -180,7 +194,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--dtype", nargs="+", default=None, help="default: bfloat16 (when the CPU has it) and float32")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--enforce-eager", action="store_true", help="profile the eager forward only")
+    p.add_argument("--enforce-eager", action="store_true", help="the eager forward (default: the engine's compiled decode)")
     args, run = begin(p, argv)
     from dpserve.engine.loader import fast_bf16
 
@@ -194,7 +208,8 @@ def main(argv=None) -> int:
             got = measure(engine, kind, batch, args.steps)
             row = {"dtype": dtype, "phase": kind, "batch": batch, **got}
             results["rows"].append(row)
-            print(f"{dtype} {kind} {batch}: {got['step_ms']:.1f} ms", file=sys.stderr, flush=True)
+            eager = f" (eager {got['eager_step_ms']:.1f} ms, alternating)" if "eager_step_ms" in got else ""
+            print(f"{dtype} {kind} {batch}: {got['step_ms']:.1f} ms{eager}", file=sys.stderr, flush=True)
     table = []
     for r in results["rows"]:
         total = sum(r["buckets"].values()) or 1.0

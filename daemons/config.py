@@ -78,6 +78,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = _ENGINE["max_num_seqs"]
     max_num_batched_tokens: int = _ENGINE["max_num_batched_tokens"]
     enable_chunked_prefill: bool = _ENGINE["enable_chunked_prefill"]
+    enforce_eager: bool | None = _ENGINE["enforce_eager"]
     scheduling_policy: str = _ENGINE["scheduling_policy"]  # also read by the API servers (a nonzero priority under fcfs: 400)
     long_prefill_token_threshold: int = _ENGINE["long_prefill_token_threshold"]
     kv_cache_memory_bytes: int = _ENGINE["kv_cache_memory_bytes"]

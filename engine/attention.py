@@ -145,14 +145,17 @@ def paged_attention(
         return hf_compat.sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit softcapping is not supported by the paged attention path")
-    layer = hf_compat.layer_index(module)
-    k_cache, v_cache = meta.kv.keys[layer], meta.kv.values[layer]
     if meta.batch is not None:
+        # The compiled decode: this layer's cache from the module (compiled.bind_kv), not by its
+        # index, so that one compiled block serves every layer (an index would be a constant).
+        k_cache, v_cache = module.dpserve_k_cache, module.dpserve_v_cache
         write_kv(k_cache, v_cache, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = paged_decode(query[0].transpose(0, 1), k_cache, v_cache, meta.batch.block_tables, meta.batch.lengths,
                            meta.kv.block_size, scale, sliding_window)
         return out.unsqueeze(0), None
+    layer = hf_compat.layer_index(module)
+    k_cache, v_cache = meta.kv.keys[layer], meta.kv.values[layer]
     _, heads, n_tokens, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads

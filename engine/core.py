@@ -23,6 +23,7 @@ from dpserve.engine.common.protocol import (
     RequestOutput,
     TokenLogprobs,
 )
+from dpserve.engine.compiled import use_compiled_decode
 from dpserve.engine.grammar import GrammarCompiler
 from dpserve.engine.kv_cache import BlockManager, KVCache, plan_num_blocks
 from dpserve.engine.loader import LoadedModel, kv_shape, load_model
@@ -101,6 +102,8 @@ class EngineCore:
             policy=config.scheduling_policy,
         )
         self.runner = ModelRunner(loaded, self.kv)
+        if use_compiled_decode(config.enforce_eager, loaded):  # compiled (or loaded from its cache) before ready
+            self.runner.enable_compiled_decode()
         generator = torch.Generator(device=loaded.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(loaded.eos_token_ids, generator)
@@ -123,6 +126,7 @@ class EngineCore:
             "kv_cache_tokens": self.kv_capacity_tokens,
             "kv_cache_gib": round(self.kv.num_bytes / 2**30, 2),
             "prefix_caching": self.blocks.enable_caching,
+            "compiled_decode_s": round(self.runner.compiled.warm_s, 1) if self.runner.compiled else None,
         }
 
     # ------------------------------------------------------------ requests in

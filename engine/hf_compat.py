@@ -52,3 +52,23 @@ def is_attention_refusal(exc: BaseException) -> bool:
     transformers says so only in the ValueError's or ImportError's text."""
     text = str(exc)
     return isinstance(exc, (ValueError, ImportError)) and ("attn_implementation" in text or "attention" in text)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks (Llama's model.layers, GPT-2's transformer.h): the
+    longest ModuleList of modules of one class. transformers names it differently per
+    architecture and promises none of the names; the compiled decode compiles one of
+    these blocks' code once and runs it for all of them."""
+    best: list[torch.nn.Module] = []
+    for child in model.modules():
+        if isinstance(child, torch.nn.ModuleList) and len(child) > len(best):
+            if len({type(m) for m in child}) == 1:
+                best = list(child)
+    return best
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that call the attention function, in layer order: those with the
+    `layer_idx` that layer_index() reads, whose class name says attention."""
+    found = [m for m in model.modules() if hasattr(m, "layer_idx") and "attention" in type(m).__name__.lower()]
+    return sorted(found, key=layer_index)

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from dpserve.engine.attention import DecodeGroup, PrefillChunk, StepMetadata, step_metadata
+from dpserve.engine.attention import DecodeBatch, DecodeGroup, PrefillChunk, StepMetadata, step_metadata
+from dpserve.engine.compiled import CompiledDecode, eager
 from dpserve.engine.kv_cache import KVCache
 from dpserve.engine.loader import LoadedModel
 from dpserve.engine.sequence import Sequence
@@ -59,6 +60,25 @@ class ModelRunner:
         self.decode_pad_cells = DECODE_PAD_CELLS
         # (sequence, first position, logits of positions first.. of its chunk that lie in the prompt)
         self.last_prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
+        self.compiled: CompiledDecode | None = None
+
+    def enable_compiled_decode(self) -> float:
+        """Decode-only steps through the compiled forward from now on; compiles it (or loads
+        it from inductor's cache) by running dummy steps; returns the seconds that took."""
+        compiled = CompiledDecode(self.model)
+        seconds = compiled.warm(lambda rows: self._dummy_decode(compiled, rows))
+        self.compiled = compiled
+        return seconds
+
+    @torch.inference_mode()
+    def _dummy_decode(self, compiled: CompiledDecode, rows: int) -> None:
+        """A decode step of `rows` rows at position 0 of block 0 (before any sequence owns a block:
+        what it writes there is finite, as the cache's invariant wants, and overwritten before it is read)."""
+        zeros = torch.zeros(rows, dtype=torch.long, device=self.device)
+        compiled.bind_kv(self.kv)
+        batch = DecodeBatch(zeros.view(rows, 1).expand(rows, 2).contiguous(), torch.ones(rows, dtype=torch.long, device=self.device))
+        with step_metadata(StepMetadata(self.kv, zeros, [], [], None, batch)):
+            compiled(zeros.view(1, rows), zeros.view(1, rows))
 
     @torch.inference_mode()
     def execute(
@@ -67,6 +87,8 @@ class ModelRunner:
         decodes = sorted((s for s, n in scheduled if n == 1), key=lambda s: s.num_computed_tokens)
         prefills = [(s, n) for s, n in scheduled if n > 1]
         step = _PackedStep()
+        if self.compiled is not None and decodes and not prefills:
+            return self._execute_compiled(decodes, step)
         # 1. Decodes first, ascending context length, so similar lengths are neighbours.
         groups = self._pack_decodes(decodes, step)
         # 2. Prefill chunks after them, one causal block each.
@@ -86,11 +108,41 @@ class ModelRunner:
             return None, []
         return logits, step.sampled
 
+    def _execute_compiled(self, decodes: list[Sequence], step: _PackedStep) -> tuple[torch.Tensor, list[Sequence]]:
+        """A decode-only step through the compiled forward, attention reading the cache in place."""
+        lengths = self._pack_decode_rows(decodes, step)
+        # At least 2 blocks: a width of 1 would be a specialization of its own (another compile).
+        width = max(2, -(-lengths[-1] // self.block_size))
+        tables = [seq.block_table[:width] + [0] * (width - min(width, len(seq.block_table))) for seq in decodes]
+        batch = DecodeBatch(self._long(tables), self._long(lengths))
+        self.last_prompt_logits = []
+        self.compiled.bind_kv(self.kv)
+        with step_metadata(StepMetadata(self.kv, self._long(step.slots), [], [], None, batch)):
+            logits = self.compiled(self._long(step.input_ids).unsqueeze(0), self._long(step.positions).unsqueeze(0))
+        if len(step.keep) != len(decodes):  # a one-token prompt chunk that is not its last: no sample
+            logits = logits[self._long(step.keep)]
+        return logits, step.sampled
+
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _pack_decodes(self, decodes: list[Sequence], step: _PackedStep) -> list[DecodeGroup]:
         """One row per decoding sequence; batched attention groups of similar length."""
+        bs = self.block_size
+        lengths = self._pack_decode_rows(decodes, step)
+        groups = []
+        for start, end in group_decodes(lengths, self.decode_pad_cells):
+            width = -(-lengths[end - 1] // bs)
+            flat: list[int] = []
+            for seq in decodes[start:end]:
+                table = seq.block_table[:width]
+                flat.extend(table)
+                flat.extend([0] * (width - len(table)))
+            groups.append(DecodeGroup(start, end, self._long(flat), self._long(lengths[start:end])))
+        return groups
+
+    def _pack_decode_rows(self, decodes: list[Sequence], step: _PackedStep) -> list[int]:
+        """One row per decoding sequence (ascending context); returns their context lengths."""
         bs = self.block_size
         lengths = []
         for seq in decodes:
@@ -102,16 +154,7 @@ class ModelRunner:
             if pos + 1 == seq.num_tokens:
                 step.keep.append(len(step.input_ids) - 1)
                 step.sampled.append(seq)
-        groups = []
-        for start, end in group_decodes(lengths, self.decode_pad_cells):
-            width = -(-lengths[end - 1] // bs)
-            flat: list[int] = []
-            for seq in decodes[start:end]:
-                table = seq.block_table[:width]
-                flat.extend(table)
-                flat.extend([0] * (width - len(table)))
-            groups.append(DecodeGroup(start, end, self._long(flat), self._long(lengths[start:end])))
-        return groups
+        return lengths
 
     def _pack_prefills(self, prefills: list[tuple[Sequence, int]], step: _PackedStep) -> list[PrefillChunk]:
         """n rows per prefilling sequence; the rows whose logits are kept (prompt logprobs, the last)."""
@@ -143,7 +186,7 @@ class ModelRunner:
         if self._has_logits_to_keep:
             # The lm_head over every packed position would be wasted work.
             kwargs["logits_to_keep"] = self._long(step.keep or [0])
-        with step_metadata(meta):
+        with step_metadata(meta), eager():
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, **kwargs)
         logits = out.logits[0]
         if not self._has_logits_to_keep:

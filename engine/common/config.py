@@ -48,6 +48,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int = 0  # 0: from the model's config
     max_num_batched_tokens: int = 0  # tokens per step at most; 0: by device (see above)
     enable_chunked_prefill: bool = True  # split long prompts across steps
+    enforce_eager: bool | None = None  # vLLM's: no compiled decode; None: engine/compiled.py's rule
     scheduling_policy: str = "fcfs"  # vLLM's: fcfs (arrival order) or priority (the request's `priority`, lower first)
     long_prefill_token_threshold: int = 0  # chunk cap while others decode; 0: by device
     block_size: int = 0  # tokens per KV block; 0: the engine's own (native: DEFAULT_BLOCK_SIZE)

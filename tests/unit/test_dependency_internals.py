@@ -207,6 +207,19 @@ def test_transformers_attention_modules_carry_their_layer_index():
     assert seen == [0, 1, 2], f"{TRANSFORMERS_HINT}: layer_idx is not the layer's index: {seen}"
 
 
+def test_transformers_decoder_blocks_and_attention_modules_are_found():
+    """hf_compat.decoder_layers / attention_modules (the compiled decode compiles the repeated
+    blocks and hands each attention module its cache): one block and one attention per layer."""
+    from dpserve.engine import hf_compat
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_tiny_llama(3))
+    blocks, attention = hf_compat.decoder_layers(model), hf_compat.attention_modules(model)
+    assert len(blocks) == 3 and len({type(b) for b in blocks}) == 1, f"{TRANSFORMERS_HINT}: decoder blocks {blocks}"
+    assert [hf_compat.layer_index(m) for m in attention] == [0, 1, 2], f"{TRANSFORMERS_HINT}: attention {attention}"
+    assert all(any(m is a for a in b.modules()) for m, b in zip(attention, blocks)), TRANSFORMERS_HINT
+
+
 def test_transformers_sdpa_fallback_is_causal_attention():
     """hf_compat.sdpa_attention (transformers.integrations.sdpa_attention) computes plain
     causal attention for an unpadded batch, as the paged path does outside a step."""

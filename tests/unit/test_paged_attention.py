@@ -110,12 +110,14 @@ def test_batch_path_equals_eager_group_path():
         kv.keys[0].copy_(torch.randn(kv.keys[0].shape, generator=torch.Generator().manual_seed(1)))
         kv.values[0].copy_(torch.randn(kv.values[0].shape, generator=torch.Generator().manual_seed(2)))
         table = padded(tables)
+        layer = _Layer()
         if form == "group":
             meta = StepMetadata(kv, slots, [DecodeGroup(0, len(lengths), table.flatten(), torch.tensor(lengths))], [])
         else:
             meta = StepMetadata(kv, slots, [], [], None, DecodeBatch(table, torch.tensor(lengths)))
+            layer.dpserve_k_cache, layer.dpserve_v_cache = kv.keys[0], kv.values[0]  # as compiled.bind_kv does
         with attention.step_metadata(meta):
-            out, _ = attention.paged_attention(_Layer(), query, key, value, None, scaling=D**-0.5)
+            out, _ = attention.paged_attention(layer, query, key, value, None, scaling=D**-0.5)
         outs.append(out)
         caches.append((kv.keys[0].clone(), kv.values[0].clone()))
     torch.testing.assert_close(outs[1], outs[0])

@@ -1,0 +1,130 @@
+"""The compiled decode (torch.compile, inductor on CPU) against the eager engine and generate(), on the tiny demo model.
+
+fp32, greedy: every answer of an engine whose decode steps run compiled must be
+token-for-token the eager engine's, and generate()'s alone, through continuous
+batching, chunked prefill beside decodes, preemption and prefix-cache hits.
+One compile serves the whole module (the rank compiles once at start too): every
+engine here has the default block size, which the compiled code is specialized on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dpserve.engine import compiled as compiled_mod
+from dpserve.engine.common.config import EngineConfig
+from dpserve.engine.core import EngineCore
+
+from tests.unit import test_engine
+from tests.unit.test_engine import Collector, add, engine_shape, random_prompt, request
+
+reference = test_engine.reference  # generate() alone, the fixture test_engine.py's equality tests use
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def make(loaded, enforce_eager: bool, **overrides) -> EngineCore:
+    config = EngineConfig(model=loaded.model_dir, device="cpu", dtype="float32", enforce_eager=enforce_eager, **overrides)
+    return EngineCore.from_loaded(config, loaded)
+
+
+@pytest.fixture(scope="module")
+def compiled_engine_factory(loaded_demo_model, tmp_path_factory):
+    """Engines on one loaded model with the compiled decode on (the compile happens once)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+    yield lambda **overrides: make(loaded_demo_model, False, **overrides)
+    mp.undo()
+
+
+def run_both(loaded, compiled_factory, reqs, **overrides) -> tuple[Collector, Collector, EngineCore]:
+    got = []
+    engine = None
+    for eager in (True, False):
+        engine = make(loaded, True, **overrides) if eager else compiled_factory(**overrides)
+        assert (engine.runner.compiled is None) == eager
+        add(engine, *reqs)
+        got.append(Collector().run(engine))
+    return got[0], got[1], engine
+
+
+def test_compiled_decode_equals_eager_and_generate(loaded_demo_model, compiled_engine_factory, reference):
+    lengths, budgets = [1, 5, 23, 12, 40, 7, 3, 18], [6, 20, 9, 16, 10, 24, 13, 7]
+    reqs = [request(f"r{i}", random_prompt(i, n), max_tokens=m) for i, (n, m) in enumerate(zip(lengths, budgets))]
+    eager, comp, engine = run_both(loaded_demo_model, compiled_engine_factory, reqs)
+    assert comp.tokens == eager.tokens and comp.finish == eager.finish
+    for r in reqs:
+        assert comp.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
+    assert engine.describe()["compiled_decode_s"] is not None
+
+
+def test_compiled_decode_took_the_compiled_path(loaded_demo_model, compiled_engine_factory, monkeypatch):
+    """Decode-only steps go through CompiledDecode; steps with a prefill chunk stay eager."""
+    engine = compiled_engine_factory()
+    calls = []
+    real = compiled_mod.CompiledDecode.__call__
+    monkeypatch.setattr(compiled_mod.CompiledDecode, "__call__",
+                        lambda self, ids, pos: calls.append(ids.shape[1]) or real(self, ids, pos))
+    add(engine, request("a", random_prompt(1, 9), max_tokens=5, ignore_eos=True))
+    Collector().run(engine)
+    assert calls == [1, 1, 1, 1]  # the prefill step sampled the first token eagerly
+
+
+def test_chunked_prefill_beside_compiled_decodes(loaded_demo_model, compiled_engine_factory, reference):
+    overrides = dict(max_num_batched_tokens=64, long_prefill_token_threshold=24)
+    reqs = [request(f"s{i}", random_prompt(100 + i, n), max_tokens=30) for i, n in enumerate([12, 9, 20])]
+    reqs.append(request("long", random_prompt(200, 150), max_tokens=20))
+    eager, comp, _ = run_both(loaded_demo_model, compiled_engine_factory, reqs, **overrides)
+    assert comp.tokens == eager.tokens
+    for r in reqs:
+        assert comp.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
+
+
+def test_preempted_requests_through_the_compiled_decode(loaded_demo_model, compiled_engine_factory, reference):
+    budget = 192 * engine_shape(loaded_demo_model).bytes_per_token  # 12 blocks of 16
+    reqs = [request(f"p{i}", random_prompt(300 + i, 20 + 3 * i), max_tokens=40, ignore_eos=True) for i in range(5)]
+    eager, comp, engine = run_both(loaded_demo_model, compiled_engine_factory, reqs, kv_cache_memory_bytes=budget)
+    assert engine.num_preemptions > 0
+    assert comp.tokens == eager.tokens
+    for r in reqs:
+        assert comp.tokens[r.request_id] == reference(r.prompt_token_ids, 40), r.request_id
+
+
+def test_prefix_cache_hits_through_the_compiled_decode(loaded_demo_model, compiled_engine_factory, reference):
+    shared = random_prompt(400, 48)  # three full blocks
+    first = [request("a", shared + random_prompt(401, 5), max_tokens=12)]
+    second = [request(f"b{i}", shared + random_prompt(402 + i, 3 + i), max_tokens=12) for i in range(3)]
+    results = []
+    for eager in (True, False):
+        engine = make(loaded_demo_model, True) if eager else compiled_engine_factory()
+        got = Collector()
+        add(engine, *first)
+        got.run(engine)
+        add(engine, *second)
+        got.run(engine)
+        assert engine.num_prefix_hits > 0
+        results.append(got.tokens)
+    assert results[1] == results[0]
+    for r in first + second:
+        assert results[1][r.request_id] == reference(r.prompt_token_ids, 12), r.request_id
+
+
+def test_the_default_rule(loaded_demo_model, monkeypatch):
+    """Unset: only models of COMPILE_MIN_PARAMS or more compile; the flag wins either way; CUDA and
+    hosts without a C++ compiler stay eager."""
+    assert not compiled_mod.use_compiled_decode(None, loaded_demo_model)  # the tiny model: ~1 M parameters
+    assert not compiled_mod.use_compiled_decode(True, loaded_demo_model)
+    assert compiled_mod.use_compiled_decode(False, loaded_demo_model)
+    monkeypatch.setattr(compiled_mod, "COMPILE_MIN_PARAMS", 1000)
+    assert compiled_mod.use_compiled_decode(None, loaded_demo_model)
+    monkeypatch.setattr(compiled_mod.shutil, "which", lambda name: None)
+    assert not compiled_mod.use_compiled_decode(False, loaded_demo_model)
+    assert not compiled_mod._can_compile(torch.device("meta"))
+
+
+def test_compile_cache_dir_under_the_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compiled_mod.compile_cache_dir() == str(tmp_path / "dpserve" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere")
+    assert compiled_mod.compile_cache_dir() == "/somewhere"
