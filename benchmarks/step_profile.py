@@ -4,6 +4,9 @@
     python benchmarks/step_profile.py [--model-dir DIR] [--batch 1 16 64] [--dtype bfloat16 float32]
                                       [--steps N] [--enforce-eager] [--json]
 
+With the compiled decode (the default for this model), each decode row also
+gives the eager step time, alternating with the compiled one in the same run.
+
 The model is the realistic 135M-class shape (`dpserve demo-model --size small`,
 random weights; the engine_realistic.py model). The engine core runs in this
 process (no sockets): B requests with 70-token prompts are prefilled, decoded
@@ -14,7 +17,8 @@ Buckets (self CPU time of every op, filed under the innermost labelled region):
 matmul (the projections and MLP), lm_head, attention write (the new keys and
 values into the cache), attention gather (index_select copies of cached K/V),
 attention compute (SDPA and its kernels), other forward ops (norms, rotary,
-activations, embedding, masks), python (time inside the forward, attention
+activations, embedding, masks), compiled code (inductor's kernels and their
+wrapper, with the compiled decode), python (time inside the forward, attention
 and runner regions not spent in any op: Python and dispatch), runner packing
 (building the step's index tensors), sampler, output path (postprocess),
 scheduler. Shares are of the profiled step; `step ms` is measured without the
