@@ -73,14 +73,19 @@ class ApiError(Exception):
 
 
 class StreamOptions(Struct, omit_defaults=True):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk (with include_usage)
+    # UNSET when not sent: vLLM refuses options without a stream unless they are {} (is_empty).
+    include_usage: bool | None | msgspec.UnsetType = msgspec.UNSET
+    continuous_usage_stats: bool | None | msgspec.UnsetType = msgspec.UNSET  # vLLM's: usage on every chunk (with include_usage)
 
     def __post_init__(self) -> None:
         if self.include_usage is None:
             self.include_usage = False
         if self.continuous_usage_stats is None:
             self.continuous_usage_stats = False
+
+    @property
+    def is_empty(self) -> bool:
+        return self.include_usage is msgspec.UNSET and self.continuous_usage_stats is msgspec.UNSET
 
 
 class StructuredOutputs(Struct, forbid_unknown_fields=False):

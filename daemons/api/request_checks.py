@@ -104,15 +104,15 @@ _UNSUPPORTED_WHY = {
 
 
 def check_unsupported(req: SamplingFields) -> None:
-    """Reject parameters we would otherwise silently ignore, and stream_options that ask
-    for something without a stream (vLLM's 400; all-null options change nothing)."""
+    """Reject parameters we would otherwise silently ignore, and stream_options without a
+    stream (vLLM's 400 for any options but {}, null ones included)."""
     for name, accepted in UNSUPPORTED.items():
         value = getattr(req, name, None)
         if value is not None and not any(type(value) is type(a) and value == a for a in accepted):
             why = _UNSUPPORTED_WHY.get(name, "")
             raise ApiError(400, f"{name} is not supported by this server{why} (got {_short(value)}).", param=name)
     opts = req.stream_options
-    if opts is not None and not req.stream and (opts.include_usage or opts.continuous_usage_stats):
+    if opts is not None and not req.stream and not opts.is_empty:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
 
 

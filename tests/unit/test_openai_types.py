@@ -88,7 +88,7 @@ def test_unknown_fields_are_tolerated_and_reported():
 
 
 NULLS = {"n": None, "stream": None, "echo": None, "logprobs": None, "ignore_eos": None, "min_tokens": None, "stop": None,
-         "stream_options": {"include_usage": None}, "temperature": None, "top_p": None, "top_k": None, "seed": None,
+         "stream_options": None, "temperature": None, "top_p": None, "top_k": None, "seed": None,
          "max_tokens": None, "suffix": None, "best_of": None, "presence_penalty": None, "frequency_penalty": None,
          "logit_bias": None, "user": None, "stop_token_ids": None}
 
@@ -96,7 +96,12 @@ NULLS = {"n": None, "stream": None, "echo": None, "logprobs": None, "ignore_eos"
 def test_nullable_fields_accept_null_as_their_default():
     req = completion(**NULLS)
     check_unsupported(req)
-    assert (req.stream, req.ignore_eos, req.min_tokens, req.stream_options.include_usage) == (False, False, 0, False)
+    assert (req.stream, req.ignore_eos, req.min_tokens, req.stream_options) == (False, False, 0, None)
+    assert completion(stream=True, stream_options={"include_usage": None}).stream_options.include_usage is False
+    check_unsupported(completion(stream_options={}))  # vLLM's: only {} passes without a stream
+    with pytest.raises(ApiError) as err:
+        check_unsupported(completion(stream_options={"include_usage": None}))
+    assert err.value.param == "stream_options"
     chat = decode_request(json.dumps({
         "model": "m", "messages": [{"role": "user", "content": None, "name": None}], **NULLS, "logprobs": None,
         "top_logprobs": None, "max_completion_tokens": None, "add_generation_prompt": None, "tools": None,
