@@ -45,7 +45,7 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
         if plan is not None and plan.tools:
             template_args["tools"] = plan.tools
         ids = await self.tokenize(request, self.chat_ids, chat_messages(req), req.add_generation_prompt, template_args)
-        ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len)
+        ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len, req.truncation_side)
         max_tokens = req.max_completion_tokens or req.max_tokens or max(self.max_model_len - len(ids), 1)
         if not extras:
             return await self.generate_one(request, req, ids, max_tokens, chat=True, t0=t0)

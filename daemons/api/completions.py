@@ -47,7 +47,7 @@ class CompletionsServing(OneChoiceServing, ManyChoicesServing):
             ids = await self.tokenize(request, self.prompt_ids, prompt)
         else:
             ids = self.check_token_ids(prompt)
-        return truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len)
+        return truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len, req.truncation_side)
 
     async def _completions_with_extras(self, request: web.Request, req: CompletionRequest, t0: float) -> web.StreamResponse:
         if req.max_tokens == 0 and not req.echo:

@@ -12,7 +12,7 @@ sockets or engines.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
@@ -142,6 +142,7 @@ class SamplingFields(Struct, kw_only=True):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: right keeps the first ids
 
     def __post_init__(self) -> None:
         if self.stream is None:

@@ -165,8 +165,9 @@ def out_of_vocab(name: str, ids, vocab_size: int) -> None:
         raise ApiError(400, f"token_id(s) {shown} in {name} contain out-of-vocab token ids. Vocabulary size: {vocab_size}", param=name)
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the last `keep` ids (-1: the context length)."""
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, side: str | None = None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` ids (-1: the context length), the first
+    with truncation_side "right"."""
     if keep is None:
         return ids
     if keep == -1:
@@ -174,6 +175,8 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
     if keep > max_model_len:
         raise ApiError(400, f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len}). "
                        "Please, select a smaller truncation size.", param="truncate_prompt_tokens")
+    if side == "right":
+        return ids[:keep]
     return ids[-keep:] if keep else []
 
 
