@@ -47,7 +47,7 @@ from benchmarks.engine_realistic import small_model_dir  # noqa: E402
 BUCKETS = ("matmul", "lm_head", "attn write", "attn gather", "attn compute", "other ops", "compiled code", "python",
            "runner packing", "sampler", "output path", "scheduler")
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_addmm_activation",
-              "mkldnn::_linear_pointwise", "aten::mkldnn_rnn_layer"}
+              "mkldnn::_linear_pointwise", "dpserve::linear"}
 LABELS = ("step:schedule", "step:runner", "step:forward", "step:attention", "step:lm_head", "step:sample",
           "step:postprocess")
 

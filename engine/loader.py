@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from dpserve.engine import hf_compat
 from dpserve.engine.common.config import EngineConfig, resolve_max_model_len
-from dpserve.engine.cpu_linear import pack_output_head
+from dpserve.engine.cpu_linear import pack_linears
 from dpserve.engine.kv_cache import KVShape
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -222,7 +222,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = _from_pretrained(model_dir, dtype, device)
     model.eval()
     model.requires_grad_(False)
-    pack_output_head(model, dtype, device)
+    pack_linears(model, dtype, device)
     eos = read_eos_token_ids(model_dir)
     if not eos and model.generation_config.eos_token_id is not None:
         value = model.generation_config.eos_token_id

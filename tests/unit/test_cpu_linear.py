@@ -1,4 +1,4 @@
-"""cpu_linear.pack_output_head: the packed bf16 head computes the plain linear's logits, and is used only where it may be."""
+"""cpu_linear.pack_linears: packed bf16 linears compute the plain linear's result, eager and compiled, and are used only where they may be."""
 
 from __future__ import annotations
 
@@ -8,36 +8,55 @@ import torch.nn.functional as F
 from dpserve.engine import cpu_linear
 from dpserve.engine.loader import fast_bf16
 
-
-class _Model(torch.nn.Module):
-    def __init__(self, dtype, bias=False):
-        super().__init__()
-        self.head = torch.nn.Linear(64, 300, bias=bias).to(dtype)
-
-    def get_output_embeddings(self):
-        return self.head
+needs_bf16 = pytest.mark.skipif(not fast_bf16(torch.device("cpu")), reason="the CPU has no native bfloat16")
 
 
-@pytest.mark.skipif(not fast_bf16(torch.device("cpu")), reason="the CPU has no native bfloat16")
+def _model(dtype, bias=False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=bias), torch.nn.SiLU(), torch.nn.Linear(96, 300, bias=bias))
+    return model.to(dtype).requires_grad_(False)  # as the loader leaves a model: no autograd
+
+
+def _plain(model, x):
+    first, _, last = model
+    return F.linear(F.silu(F.linear(x, first.weight, first.bias)), last.weight, last.bias)
+
+
+@needs_bf16
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_head_equals_the_linear(bias):
-    model = _Model(torch.bfloat16, bias)
-    weight, b = model.head.weight.detach().clone(), None if model.head.bias is None else model.head.bias.detach().clone()
-    assert cpu_linear.pack_output_head(model, torch.bfloat16, torch.device("cpu"))
-    assert isinstance(model.head.forward, cpu_linear.PackedLinear)
+def test_packed_linears_equal_the_plain_ones(bias):
+    model = _model(torch.bfloat16, bias)
+    assert cpu_linear.pack_linears(model, torch.bfloat16, torch.device("cpu")) == 2
+    assert all(type(m) is cpu_linear.PackedLinear for m in (model[0], model[2]))
+    assert model[0].weight.data_ptr() in cpu_linear._PACKED
     for shape in ((1, 1, 64), (1, 16, 64), (1, 200, 64), (7, 64)):
         x = torch.randn(shape).to(torch.bfloat16)
-        torch.testing.assert_close(model.head(x).float(), F.linear(x, weight, b).float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(model(x).float(), _plain(model, x).float(), rtol=3e-2, atol=3e-2)
 
 
-def test_only_bf16_linear_heads_on_cpu_are_packed(monkeypatch):
-    assert not cpu_linear.pack_output_head(_Model(torch.float32), torch.float32, torch.device("cpu"))
-    assert not cpu_linear.pack_output_head(_Model(torch.bfloat16), torch.bfloat16, torch.device("meta"))
-    model = _Model(torch.bfloat16)
+@needs_bf16
+def test_packed_linears_compile_with_the_weights_as_inputs():
+    """The compiled decode passes weights in: one compiled function serves two models' packed layers."""
+    a, b = _model(torch.bfloat16), _model(torch.bfloat16)
+    b[0].weight.data.mul_(2)
+    cpu_linear.pack_linears(a, torch.bfloat16, torch.device("cpu"))
+    cpu_linear.pack_linears(b, torch.bfloat16, torch.device("cpu"))
+    fn = torch.compile(lambda m, x: m(x), dynamic=True)
+    x = torch.randn(1, 5, 64).to(torch.bfloat16)
+    for model in (a, b):
+        with torch.inference_mode():
+            got = fn(model, x)
+        torch.testing.assert_close(got.float(), _plain(model, x).float(), rtol=3e-2, atol=3e-2)
+
+
+def test_only_bf16_linears_on_cpu_are_packed(monkeypatch):
+    assert cpu_linear.pack_linears(_model(torch.float32), torch.float32, torch.device("cpu")) == 0
+    assert cpu_linear.pack_linears(_model(torch.bfloat16), torch.bfloat16, torch.device("meta")) == 0
+    model = _model(torch.bfloat16)
 
     def refuse(*a):
         raise RuntimeError("could not create a primitive")  # oneDNN without its JIT (MemoryDenyWriteExecute)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
-    assert not cpu_linear.pack_output_head(model, torch.bfloat16, torch.device("cpu"))
-    assert "forward" not in vars(model.head)
+    assert cpu_linear.pack_linears(model, torch.bfloat16, torch.device("cpu")) == 0
+    assert type(model[0]) is torch.nn.Linear
