@@ -61,5 +61,10 @@ if [[ ! -f "$STUB/METADATA" ]]; then
     echo "wrote metadata stub $STUB"
 fi
 
+# 5. pytest for vLLM's own OpenAI-entrypoint tests (tests/data/vllm_openai), which import vLLM.
+if ! "$VENV/bin/python" -c 'import pytest, pytest_asyncio' 2>/dev/null; then
+    "${PIP[@]}" install pytest pytest-asyncio
+fi
+
 "$VENV/bin/python" -c 'from importlib import metadata; print("vllm", metadata.version("vllm"))'
 echo "vLLM venv ready: $VENV ($(du -sh "$VENV" | cut -f1))"
