@@ -8,8 +8,8 @@ step the model runner packed, with attention in place (paged_attention.py).
 
 The CPU analogue of vLLM's CUDA-graph capture sizes: there are no graphs to
 replay on a CPU, so one compiled block with a symbolic batch size and context
-width serves every decode step (inductor specializes sizes 0 and 1, so batch 1
-gets code of its own): two compiles, both at start. Prefill chunks stay eager:
+width serves every decode step (inductor specializes sizes 0 and 1, so the model
+runner pads a batch of one to two rows): one compile, at start. Prefill chunks stay eager:
 their time is in the matmuls and SDPA (benchmarks/step_profile.py: Python is
 3-4% of a 512-token chunk), and their many shapes would each cost a compile.
 """
@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 # Models at least this large compile their decode by default (see use_compiled_decode).
 COMPILE_MIN_PARAMS = 100_000_000
-# Warm-up batch sizes: 1 (its own specialization) and 2 (the symbolic graph for every larger batch).
-WARM_BATCH_SIZES = (1, 2)
+# Warm-up batch size: 2 (the symbolic code for every batch; the runner pads a batch of one to two rows,
+# since inductor would specialize batch 1 and compile it separately: ~half the start cost).
+WARM_BATCH_SIZES = (2,)
 
 
 def compile_cache_dir() -> str:

@@ -114,14 +114,30 @@ class ModelRunner:
         # At least 2 blocks: a width of 1 would be a specialization of its own (another compile).
         width = max(2, -(-lengths[-1] // self.block_size))
         tables = [seq.block_table[:width] + [0] * (width - min(width, len(seq.block_table))) for seq in decodes]
+        if len(decodes) == 1:
+            self._pad_single_row(step, tables, lengths)
         batch = DecodeBatch(self._long(tables), self._long(lengths))
         self.last_prompt_logits = []
         self.compiled.bind_kv(self.kv)
         with step_metadata(StepMetadata(self.kv, self._long(step.slots), [], [], None, batch)):
             logits = self.compiled(self._long(step.input_ids).unsqueeze(0), self._long(step.positions).unsqueeze(0))
-        if len(step.keep) != len(decodes):  # a one-token prompt chunk that is not its last: no sample
+        if len(step.keep) != len(step.input_ids):  # a padding row, or a prompt's one-token chunk that is not its last
             logits = logits[self._long(step.keep)]
         return logits, step.sampled
+
+    def _pad_single_row(self, step: _PackedStep, tables: list[list[int]], lengths: list[int]) -> None:
+        """A batch of one runs as two rows (the compiled code is for batches of 2 and more:
+        batch 1 would be a compile of its own). The second row repeats the first; it writes
+        its key and value to the sequence's next slot, which is past its length (masked)
+        and overwritten when the sequence gets there, or, at a block's last slot, to the
+        same slot with the same values. Its logits are dropped (step.keep)."""
+        slot = step.slots[0]
+        pad_slot = slot + 1 if (slot + 1) % self.block_size else slot
+        step.input_ids.append(step.input_ids[0])
+        step.positions.append(step.positions[0])
+        step.slots.append(pad_slot)
+        tables.append(tables[0])
+        lengths.append(lengths[0])
 
     def _long(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

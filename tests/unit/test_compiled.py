@@ -67,7 +67,7 @@ def test_compiled_decode_took_the_compiled_path(loaded_demo_model, compiled_engi
                         lambda self, ids, pos: calls.append(ids.shape[1]) or real(self, ids, pos))
     add(engine, request("a", random_prompt(1, 9), max_tokens=5, ignore_eos=True))
     Collector().run(engine)
-    assert calls == [1, 1, 1, 1]  # the prefill step sampled the first token eagerly
+    assert calls == [2, 2, 2, 2]  # a batch of one padded to two rows; the prefill step sampled the first token eagerly
 
 
 def test_chunked_prefill_beside_compiled_decodes(loaded_demo_model, compiled_engine_factory, reference):
