@@ -102,6 +102,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_response_bytes: int = 64 * 1024 * 1024  # a request whose response could be larger gets 400
     # vLLM's: the most logprobs a request may ask for (-1: the vocabulary), /load, /tokenizer_info
     max_logprobs: int = 20
+    return_tokens_as_token_ids: bool = False  # vLLM's: the request field's default
     enable_server_load_tracking: bool = False
     enable_tokenizer_info_endpoint: bool = False
     # vLLM's tool calling ("auto" parses answers with the parser) and reasoning output
@@ -410,6 +411,7 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     max_guided_schema_depth: int = _SERVE["max_guided_schema_depth"]
     max_response_bytes: int = _SERVE["max_response_bytes"]
     max_logprobs: int = _SERVE["max_logprobs"]
+    return_tokens_as_token_ids: bool = _SERVE["return_tokens_as_token_ids"]
     enable_server_load_tracking: bool = _SERVE["enable_server_load_tracking"]
     enable_tokenizer_info_endpoint: bool = _SERVE["enable_tokenizer_info_endpoint"]
     enable_auto_tool_choice: bool = _SERVE["enable_auto_tool_choice"]

@@ -49,7 +49,7 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
         max_tokens = req.max_completion_tokens or req.max_tokens or max(self.max_model_len - len(ids), 1)
         if not extras:
             return await self.generate_one(request, req, ids, max_tokens, chat=True, t0=t0)
-        opts = choice_options(True, req, num_top, num_prompt_top)
+        opts = choice_options(True, req, num_top, num_prompt_top, tokens_as_ids=self.cfg.return_tokens_as_token_ids)
         thinking = self.cfg.reasoning_parser is not None and thinking_enabled(self.cfg.reasoning_parser, req.chat_template_kwargs)
         opts.answer = self._answer(req, plan, thinking)
         if plan is not None and plan.mode == "auto":  # as vLLM: tool tags may be special tokens

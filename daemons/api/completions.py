@@ -55,7 +55,8 @@ class CompletionsServing(OneChoiceServing, ManyChoicesServing):
         num_top = check_logprobs("logprobs", req.logprobs, self.vocab_size, self.cfg.max_logprobs)
         num_prompt_top = check_logprobs("prompt_logprobs", req.prompt_logprobs, self.vocab_size, self.cfg.max_logprobs)
         ids_list = [await self._completion_ids(request, req, prompt) for prompt in completion_prompts(req)]
-        opts = choice_options(False, req, num_top, num_prompt_top, echo=bool(req.echo))
+        opts = choice_options(False, req, num_top, num_prompt_top, echo=bool(req.echo),
+                              tokens_as_ids=self.cfg.return_tokens_as_token_ids)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         engine_prompt_logprobs = num_prompt_top
         if opts.echo and num_top is not None:

@@ -74,11 +74,14 @@ class ChoiceOptions:
         return TokenTexts(tokenizer, self.text.skip_special, self.tokens_as_ids)
 
 
-def choice_options(chat: bool, req, num_top: int | None, prompt_logprobs: int | None, echo: bool = False) -> ChoiceOptions:
-    """The options a request's extras set (both endpoints)."""
+def choice_options(chat: bool, req, num_top: int | None, prompt_logprobs: int | None, echo: bool = False,
+                   tokens_as_ids: bool = False) -> ChoiceOptions:
+    """The options a request's extras set (both endpoints); `tokens_as_ids` is
+    --return-tokens-as-token-ids, for a request that does not say."""
     usage = req.stream_options is not None and bool(req.stream_options.include_usage and req.stream_options.continuous_usage_stats)
     return ChoiceOptions(chat, text_options(req, num_top is not None), num_top, prompt_logprobs, echo,
-                         bool(req.return_token_ids), bool(req.return_tokens_as_token_ids), usage)
+                         bool(req.return_token_ids), tokens_as_ids if req.return_tokens_as_token_ids is None else req.return_tokens_as_token_ids,
+                         usage)
 
 
 def text_options(req, logprobs: bool) -> TextOptions:

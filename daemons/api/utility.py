@@ -147,7 +147,7 @@ class UtilityServing(ManyChoicesServing):
             messages = chat_messages(SimpleNamespace(messages=conversation))
             ids = await self.tokenize(request, self.chat_ids, messages, req.add_generation_prompt, args)
             ids_list.append(truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len, req.truncation_side))
-        opts = choice_options(True, req, num_top, num_prompt_top)
+        opts = choice_options(True, req, num_top, num_prompt_top, tokens_as_ids=self.cfg.return_tokens_as_token_ids)
         grammar = await guided_grammar(req, self.cfg, len(ids_list), self.vocab_size)
         asked = req.max_completion_tokens or req.max_tokens
         choices = [self.new_choice(req, i, ids, asked or max(self.max_model_len - len(ids), 1), 0, num_top, num_prompt_top, None, grammar)
