@@ -103,6 +103,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # vLLM's: the most logprobs a request may ask for (-1: the vocabulary), /load, /tokenizer_info
     max_logprobs: int = 20
     return_tokens_as_token_ids: bool = False  # vLLM's: the request field's default
+    enable_force_include_usage: bool = False  # vLLM's: every stream as if it asked for continuous usage
     enable_server_load_tracking: bool = False
     enable_tokenizer_info_endpoint: bool = False
     # vLLM's tool calling ("auto" parses answers with the parser) and reasoning output
@@ -412,6 +413,7 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     max_response_bytes: int = _SERVE["max_response_bytes"]
     max_logprobs: int = _SERVE["max_logprobs"]
     return_tokens_as_token_ids: bool = _SERVE["return_tokens_as_token_ids"]
+    enable_force_include_usage: bool = _SERVE["enable_force_include_usage"]
     enable_server_load_tracking: bool = _SERVE["enable_server_load_tracking"]
     enable_tokenizer_info_endpoint: bool = _SERVE["enable_tokenizer_info_endpoint"]
     enable_auto_tool_choice: bool = _SERVE["enable_auto_tool_choice"]

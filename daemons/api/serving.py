@@ -28,7 +28,7 @@ from dpserve.daemons.api.engine_client import EngineClient
 from dpserve.daemons.api.generation import EngineFailure, Generation
 from dpserve.daemons.api.metrics import ApiMetrics
 from dpserve.daemons.api.migration import MigrationCollector
-from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse, encode
+from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse, StreamOptions, encode
 from dpserve.daemons.api.request_checks import check_unsupported, decode_request
 from dpserve.daemons.api.request_state import RequestState
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankLost, RankNotEligible, RoutingError
@@ -196,6 +196,8 @@ class ServingBase:
         req = decode_request(await self.read_body(request), kind, self.note_unknown_field)
         check_unsupported(req)
         self.check_model(req.model)
+        if req.stream and self.cfg.enable_force_include_usage:  # vLLM's: usage on every chunk of every stream
+            req.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
         return req
 
     async def read_body(self, request: web.Request) -> bytes:

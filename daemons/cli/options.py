@@ -191,6 +191,7 @@ _SERVE = [
     flag("--max-response-bytes", type=click.IntRange(1024), help="A request whose response could be larger (n x prompts x tokens x logprobs, echo, prompt_logprobs) gets 400 before any work."),
     flag("--max-logprobs", type=click.IntRange(-1), help="The most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's; -1: the whole vocabulary); -1 in a request means the vocabulary."),
     flag("--return-tokens-as-token-ids", default=False, extra={"is_flag": True}, help="Logprobs' tokens as 'token_id:N' unless a request's return_tokens_as_token_ids says otherwise (vLLM's)."),
+    flag("--enable-force-include-usage", default=False, extra={"is_flag": True}, help="Usage on every chunk of every stream, as if each asked for stream_options include_usage and continuous_usage_stats (vLLM's)."),
     flag("--enable-server-load-tracking", default=False, extra={"is_flag": True}, help="Count each API server's requests in progress, served at /load (vLLM's)."),
     flag("--enable-tokenizer-info-endpoint", default=False, extra={"is_flag": True}, help="Serve /tokenizer_info: the tokenizer's configuration and chat template (vLLM's)."),
     flag("--enable-auto-tool-choice", default=False, extra={"is_flag": True}, help="tool_choice 'auto' (the default with tools): answers are parsed for tool calls with --tool-call-parser (vLLM's)."),
