@@ -37,7 +37,7 @@ DPSERVE_FLAGS = {
     "--dtype", "--max-model-len", "--max-num-seqs", "--enforce-eager", "--max-logprobs", "--seed",
     "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser", "--enable-server-load-tracking",
     "--enable-tokenizer-info-endpoint", "--enable-prefix-caching", "--api-key", "--served-model-name",
-    "--return-tokens-as-token-ids",
+    "--return-tokens-as-token-ids", "--enable-force-include-usage",
 }
 
 
