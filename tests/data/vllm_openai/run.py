@@ -1,10 +1,13 @@
-"""Runs vLLM's own OpenAI-entrypoint tests (the vendored tests/, vLLM 0.32.0) against a server.
+"""Runs vLLM's own OpenAI-entrypoint tests (the vendored dist/tests, vLLM 0.32.0) against a server.
 
     python tests/data/vllm_openai/run.py --target dpserve|vllm [--report OUT.json] [FILE ...]
 
 FILE is a path under tests/entrypoints/openai (all vendored files by default). The tree
 is laid out in a temporary folder with adapter/utils.py as tests/utils.py (the
-RemoteOpenAIServer that starts the target) and adapter/conftest.py at its root; the demo
+RemoteOpenAIServer that starts the target) and adapter/root_conftest.py as its root
+conftest.py. The tree sits under dist/, a folder pytest does not recurse into, and has
+no conftest.py of its own here: in this project's run, vLLM's `tests` package would shadow
+this project's (which is a namespace package). The demo
 model (tools chat template) is put in an offline Hugging Face cache under every model
 name the tests ask for, so their tokenizer and config look-ups find it. pytest runs in
 the vLLM venv (the tests import vLLM); dpserve runs from this interpreter's venv.
@@ -32,7 +35,7 @@ SNAPSHOT = "0" * 40
 
 
 def vendored_files() -> list[str]:
-    base = HERE / "tests" / "entrypoints" / "openai"
+    base = HERE / "dist" / "tests" / "entrypoints" / "openai"
     return sorted(str(p.relative_to(base)) for p in base.rglob("test_*.py"))
 
 
@@ -40,9 +43,9 @@ def lay_out(work: Path) -> dict[str, str]:
     """The test tree, the demo model in an offline hub cache; returns the environment for pytest."""
     from dpserve.engine.testing.demo_model import MAX_POSITIONS, create_demo_model
 
-    shutil.copytree(HERE / "tests", work / "tests")
+    shutil.copytree(HERE / "dist" / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__", "ruff.toml"))
     shutil.copy(HERE / "adapter" / "utils.py", work / "tests" / "utils.py")
-    shutil.copy(HERE / "adapter" / "conftest.py", work / "conftest.py")
+    shutil.copy(HERE / "adapter" / "root_conftest.py", work / "conftest.py")
     (work / "pytest.ini").write_text("[pytest]\nasyncio_default_fixture_loop_scope = function\n"
                                      "markers =\n    skip_global_cleanup\n    slow_test\n    cpu_test\n")
     model = Path(create_demo_model(str(work / "model"), chat="tools"))

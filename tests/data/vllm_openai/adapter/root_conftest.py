@@ -1,4 +1,4 @@
-"""Root conftest of the laid-out vLLM test tree (run.py copies it there): each test's
+"""Root conftest of the laid-out vLLM test tree (run.py copies it there as conftest.py): each test's
 outcome goes to $VLLM_CONFORMANCE_REPORT as JSON (nodeid -> outcome, its first error lines)."""
 
 from __future__ import annotations
