@@ -147,8 +147,8 @@ def test_internal_mode_link_cut_head_restart_and_outsiders(network, demo_model_d
     )
     try:
         time.sleep(2)
-        cut_at = time.time()
         worker.link(False)
+        cut_at = time.time()  # once the cable is down (the nsenter call takes ~0.1 s)
         time.sleep(5)
         restored_at = time.time()
         worker.link(True)
@@ -160,9 +160,12 @@ def test_internal_mode_link_cut_head_restart_and_outsiders(network, demo_model_d
     base = result["started_wall"]
     records = [(base + s, base + e, st, r) for s, e, st, r in result["records"]]
     failures = [r for r in records if r[2] != "200"]
-    # detection: the last failure (in-flight on the lost ranks) marks when the head knew
-    detected_at = max((r[1] for r in failures), default=cut_at)
-    detection = detected_at - cut_at
+    # Requests in flight on the lost ranks move to the head's (issue 25): none fails, and
+    # the longest wait of a request sent during the cut, one routed to a lost rank before
+    # the head knew, is the detection time.
+    assert not failures, failures[:5]
+    detection = max(e - s for s, e, _, _ in records if cut_at < s < restored_at)
+    detected_at = cut_at + detection
     assert detection < 0.5 * 3 + 2.5, f"detection took {detection:.1f} s"
     after = [r for r in records if r[0] > detected_at]
     assert after and all(r[2] == "200" for r in after), [r for r in after if r[2] != "200"][:5]
@@ -176,7 +179,7 @@ def test_internal_mode_link_cut_head_restart_and_outsiders(network, demo_model_d
     back = [r for r in records if r[0] > restored_at and r[3] in ("2", "3")]
     assert back, "worker ranks did not return to routing after the link came back"
     recovery = min(r[0] for r in back) - restored_at
-    print(f"\nlink cut: detected after {detection:.2f} s, {len(failures)} in-flight requests failed, "
+    print(f"\nlink cut: detected after {detection:.2f} s (the longest wait of a request sent during the cut), no request failed, "
           f"worker ranks back {recovery:.2f} s after the link returned")
 
     # restart the head: the worker re-registers by itself
