@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
-from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RoutingError
+from dpserve.daemons.api.router import RoutingError
 from dpserve.engine.common.protocol import AddRequest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -97,9 +97,7 @@ class Migrator:
         for _ in range(client.router.size):
             try:
                 rank = client.router.pick(None, req.prompt_token_ids)
-            except (NoRankAvailable, QueueFull):
-                return False
-            except RoutingError:
+            except RoutingError:  # none routable, every queue full: wait (_place_waiting)
                 return False
             try:
                 client.send(state, req, rank)

@@ -12,17 +12,17 @@ import urllib.request
 
 import pytest
 
+from tests.integration.conftest import API_KEY  # (conftest's `client` fixture speaks to this module's server)
 from tests.server import DpServer
 
 pytestmark = pytest.mark.slow
 
-API_KEY = "vllm-api-key"
 MAX_MODEL_LEN = 256
 
 
 @pytest.fixture(scope="module")
 def server(demo_model_dir):
-    srv = DpServer(
+    with DpServer(
         demo_model_dir,
         "--data-parallel-size", "2",
         "--api-server-count", "2",
@@ -33,20 +33,8 @@ def server(demo_model_dir):
         "--enable-server-load-tracking",
         "--enable-tokenizer-info-endpoint",
         "--api-server-launch", "exec",
-    )
-    try:
-        srv.start()
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    import openai
-
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
