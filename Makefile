@@ -35,7 +35,7 @@ demo: setup
 	$(VENV)/bin/dpserve serve --port $(PORT) --data-parallel-size $(DP) $(if $(API),--api-server-count $(API))
 
 test: setup
-	$(VENV)/bin/python -m pytest -q -rs $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -rs --durations=40 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not slow and not system" $(PYTEST_ARGS)
