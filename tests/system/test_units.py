@@ -45,7 +45,7 @@ from tests.system.conftest import (
 
 UNITS_DIR = REPO / "units"
 COMPLETION = json.dumps({"model": "demo", "prompt": "Hello", "max_tokens": 8, "temperature": 0})
-MAX_EXPOSURE = 3.0
+MAX_EXPOSURE = 2.0  # issue 26: MemoryDenyWriteExecute=no must not take the units past it
 
 
 def install(prefix: Path, *args: str) -> str:
@@ -240,6 +240,25 @@ def test_journal_priorities_and_components(head_node):
     ready = [e for e in ours if _message(e).startswith("supervisor: node ready")]
     assert ready and all(e["PRIORITY"] == "6" for e in ready)
     assert not any(_message(e).startswith("supervisor: node ready") for e in warnings)
+
+
+@pytest.mark.system
+def test_unit_serves_in_the_dtype_dpserve_serve_picks_on_this_cpu(head_node, demo_model_dir, record_property):
+    """Issue 26: under the unit's sandbox the rank serves in the dtype `dpserve serve` resolves here
+    (bfloat16 on an avx512_bf16/AMX CPU, float32 elsewhere), not a float32 fallback forced by a W^X policy."""
+    import torch
+    from dpserve.engine.loader import resolve_dtype
+
+    want = str(resolve_dtype("auto", torch.device("cpu"), demo_model_dir)).removeprefix("torch.")
+    ensure_serving(head_node)
+    loaded = [m for m in map(_message, unit_journal(head_node)) if re.match(r"engine-dp0: model loaded ", m)]
+    assert loaded, "no 'model loaded' line from engine-dp0 in the journal"
+    served = re.search(r" dtype=(\w+)", loaded[-1])
+    assert served, loaded[-1]
+    record_property("measured: dtype served under the unit / by dpserve serve here", f"{served.group(1)} / {want}")
+    assert served.group(1) == want, loaded[-1]
+    fallback = [m for m in map(_message, unit_journal(head_node, "", "-p", "warning")) if "serving in float32" in m]
+    assert not fallback, fallback
 
 
 LOOP = r"""
