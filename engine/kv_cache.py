@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from dpserve.engine.kv_events import BlockStored, KVEventLog, chain_snapshot
 from dpserve.engine.memory import available_memory_bytes, cpu_kv_budget_bytes
 
 
@@ -99,9 +100,13 @@ class BlockManager:
     Allocation takes `free` blocks first, then evicts the least recently used
     cached block (dropping its key). With caching off nothing is registered,
     so `cached` stays empty and this is a plain free list.
+
+    With `events` (a KVEventLog), every registration is recorded as stored
+    and every eviction of a registered block as removed, in the order they
+    happen: what a consumer replays is exactly `hash_to_block`'s keys.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -113,7 +118,9 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
+        self.block_parent: list[bytes | None] = [None] * num_blocks  # a registered block's parent key
         self.num_evictions = 0
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -152,7 +159,9 @@ class BlockManager:
             return self.free.pop()
         block, _ = self.cached.popitem(last=False)  # the least recently used cached block
         del self.hash_to_block[self.block_hash[block]]
-        self.block_hash[block] = self.block_tokens[block] = None
+        if self.events is not None:
+            self.events.removed(self.block_hash[block])
+        self.block_hash[block] = self.block_tokens[block] = self.block_parent[block] = None
         self.num_evictions += 1
         return block
 
@@ -200,13 +209,23 @@ class BlockManager:
             self.ref_count[block] += 1
             block_table.append(block)
 
-    def register(self, block: int, key: bytes, token_ids: list[int]) -> None:
-        """Block is full and computed: make it findable under key (unless an equal block already is)."""
+    def register(self, block: int, key: bytes, token_ids: list[int], parent: bytes | None = None) -> None:
+        """Block is full and computed: make it findable under key (unless an equal block already is).
+        `parent` is the previous block's key (None for a prompt's first), for the events."""
         if key in self.hash_to_block or self.block_hash[block] is not None:
             return
         self.hash_to_block[key] = block
         self.block_hash[block] = key
         self.block_tokens[block] = tuple(token_ids)
+        self.block_parent[block] = parent
+        if self.events is not None:
+            self.events.stored(key, parent, token_ids)
+
+    def kv_snapshot(self) -> list[BlockStored]:
+        """Every registered block as stored events, parents first (a KVSnapshot's body)."""
+        parents = {h: self.block_parent[b] for h, b in self.hash_to_block.items()}
+        tokens = {h: self.block_tokens[b] for h, b in self.hash_to_block.items()}
+        return chain_snapshot(parents, tokens, self.block_size)
 
 
 class KVCache:

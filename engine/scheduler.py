@@ -319,7 +319,8 @@ class Scheduler(QueueCounts):
                 continue
             blocks.extend_hashes(seq.block_hashes, seq.token_ids, full * bs)
             for i in range(seq.num_registered_blocks, full):
-                blocks.register(seq.block_table[i], seq.block_hashes[i], seq.token_ids[i * bs : (i + 1) * bs])
+                blocks.register(seq.block_table[i], seq.block_hashes[i], seq.token_ids[i * bs : (i + 1) * bs],
+                                seq.block_hashes[i - 1] if i else None)
             seq.num_registered_blocks = full
 
     def _chunk(self, seq: Sequence, budget: int, decoding: bool, prefilling: bool) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, insort
 
+from dpserve.daemons.api.kv_index import KVIndex
 from dpserve.daemons.api.prefix_index import BLOCK, PrefixIndex, chain_keys
 from dpserve.engine.common.protocol import LoadTable, PrefixRouted, RankLoad
 
@@ -97,12 +98,17 @@ class Router:
         "num_routable",
         "_token_scores",
         "prefix",
+        "kv",
         "_pending_keys",
         "origin",
         "on_routed",
+        "on_room",
     )
 
-    def __init__(self, size: int, policy: str = "tokens", max_waiting_per_rank: int = 4096, eligible: list[int] | None = None) -> None:
+    def __init__(
+        self, size: int, policy: str = "tokens", max_waiting_per_rank: int = 4096, eligible: list[int] | None = None,
+        kv_events: bool = False,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}")
         self.size = size
@@ -134,11 +140,17 @@ class Router:
         self.num_routable = 0  # eligible ranks that are routable, candidates or full
         self._token_scores = policy in ("tokens", "cache-aware")
         self.prefix = PrefixIndex(size) if policy == "cache-aware" else None
+        # exact: what the ranks' KV events say they hold (kv_index.py); the approximate
+        # index above decides only until the first rank's events arrive (engines without them)
+        self.kv = KVIndex(size) if policy == "cache-aware" and kv_events else None
         self._pending_keys: list[int] | None = None  # the last pick's prompt, recorded on its send
         # Sharing with the other API servers (through the coordinator): what this one
         # routed goes to on_routed(rank, keys); what the others routed comes to learn().
         self.origin = ""
         self.on_routed = None
+        # Called when a rank becomes a candidate again (it had no room, or was not routable):
+        # requests held at the frontend may go (admission.py). It must not route from inside.
+        self.on_room = None
 
     # ---------------------------------------------------------------- the index
 
@@ -187,6 +199,8 @@ class Router:
             else:
                 insort(bucket, pos)
         self._key[rank] = key
+        if old is None and self.on_room is not None:
+            self.on_room()
 
     def _lowest_bucket(self) -> list[int] | None:
         heap, buckets = self._heap, self._buckets
@@ -331,8 +345,13 @@ class Router:
         another by more than what its cache saves; the pin still wins.
         """
         keys = None
-        if self.prefix is not None and prompt is not None:
-            keys = self._pending_keys = chain_keys(prompt)
+        index = self.prefix
+        if index is not None and prompt is not None:
+            kv = self.kv
+            if kv is not None and kv.entries:
+                index, keys = kv, chain_keys(prompt, kv.block)  # exact: nothing to record on the send
+            else:
+                keys = self._pending_keys = chain_keys(prompt)
         if pinned is not None:
             if not self.routable(pinned):
                 reason = self.lost_reason(pinned)
@@ -349,9 +368,9 @@ class Router:
         i = bisect_left(bucket, start)
         best = self.eligible[bucket[i] if i < len(bucket) else bucket[0]]
         if keys:
-            levels = self.prefix.levels(keys)
+            levels = index.levels(keys)
             if levels:
-                best = self._cache_pick(best, levels)
+                best = self._cache_pick(best, levels, index.generation, index.block if index is self.kv else BLOCK)
         return best
 
     def pick_urgent(self, pinned: int | None = None, prompt: list[int] | None = None) -> int:
@@ -377,11 +396,11 @@ class Router:
                 best, best_key = rank, key
         if best_key is None:
             return self.pick(pinned, prompt)  # raises NoRankAvailable or QueueFull
-        if self.prefix is not None and prompt is not None:
+        if self.prefix is not None and prompt is not None and not (self.kv is not None and self.kv.entries):
             self._pending_keys = chain_keys(prompt)
         return best
 
-    def _cache_pick(self, best: int, levels: list[dict[int, int]]) -> int:
+    def _cache_pick(self, best: int, levels: list[dict[int, int]], gen: list[int], block: int) -> int:
         """The least-loaded candidate `best`, or a candidate holding a deeper prefix
         whose saving outweighs its extra load (ties: the lighter rank).
 
@@ -389,13 +408,13 @@ class Router:
         deeper than that has a score at least best's and a credit at most
         best's, so it cannot win. Cost: the ranks holding more than best does.
         """
-        key, pos, gen = self._key, self._pos, self.prefix.generation
+        key, pos = self._key, self._pos
         depth = 0
         for d in range(len(levels), 0, -1):
             if levels[d - 1].get(best, -1) == gen[best]:
                 depth = d
                 break
-        best_cost = key[best] - depth * BLOCK
+        best_cost = key[best] - depth * block
         seen = set()
         for d in range(len(levels), depth, -1):
             for rank, g in levels[d - 1].items():
@@ -404,7 +423,7 @@ class Router:
                 seen.add(rank)  # its deepest level: its credit
                 if g != gen[rank] or not 0 <= rank < self.size or pos[rank] < 0 or key[rank] is None:
                     continue  # forgotten, not eligible here, down, or at its queue limit
-                cost = key[rank] - d * BLOCK
+                cost = key[rank] - d * block
                 if cost < best_cost:
                     best, best_cost = rank, cost
         return best

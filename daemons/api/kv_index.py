@@ -1,0 +1,201 @@
+"""What each rank's prefix cache really holds, fed by its KV events: the exact side of cache-aware routing.
+
+Owns, per API server, one index of routing-block keys -> the ranks whose
+caches hold that prefix, kept from every rank's numbered KVEventBatch
+(engine/kv_events.py). It must never guess: a gap in a rank's batch numbers
+or a new incarnation empties that rank's entries until a KVSnapshot replaces
+them (the caller sends the KVSnapshotRequest `apply` asks for), so the index
+may know less than a rank holds for a moment, never more.
+
+Keys are prefix_index.chain_keys over blocks of `block` tokens (a multiple of
+the engine's block size, 64 by default): the prompt is hashed once per
+request and each block is one dict probe, whatever the number of ranks. A
+routing block is held when the engine stored the engine block that ends it
+and every block before it; a rank's entries are prefix-closed (dropping a
+block drops what was filed under it), which the router's walk relies on.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dpserve.daemons.api.prefix_index import BLOCK
+from dpserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
+
+
+class _RankKV:
+    """One rank's cached engine blocks, as filed: hash -> [base key, partial tokens, routing key or None].
+
+    base: the routing key of the last complete routing block before this
+    engine block (0 at the root); partial: the tokens since that boundary,
+    this block's included; key: set when this block ends a routing block.
+    """
+
+    __slots__ = ("incarnation", "seq", "synced", "nodes", "children")
+
+    def __init__(self, incarnation: str) -> None:
+        self.incarnation = incarnation
+        self.seq = 0
+        self.synced = True  # False between a gap and the snapshot that repairs it
+        self.nodes: dict = {}
+        self.children: dict = {}  # engine hash -> the filed blocks whose parent it is
+
+
+class KVIndex:
+    """routing key -> {rank: 0} for the ranks that hold that prefix; the same face as PrefixIndex.
+
+    Invariant: for a synced rank, its entries are exactly the routing blocks
+    whose whole chain of engine blocks it reported stored and not removed;
+    for a rank awaiting a snapshot, none.
+    """
+
+    def __init__(self, size: int, block: int = BLOCK) -> None:
+        self.size = size
+        self.block = block
+        self.generation = [0] * size  # entries are removed, never left stale: one generation
+        self.entries: dict[int, dict[int, int]] = {}
+        self.ranks: list[_RankKV | None] = [None] * size
+        self.num_snapshots_asked = 0
+
+    # ------------------------------------------------------------ feeding
+
+    def apply(self, batch: KVEventBatch) -> bool:
+        """File one batch; True when the rank's state is unknown and a snapshot must be asked for."""
+        rank = batch.rank
+        if not 0 <= rank < self.size:
+            return False
+        state = self.ranks[rank]
+        if state is None or state.incarnation != batch.incarnation:
+            self.forget_rank(rank)
+            state = self.ranks[rank] = _RankKV(batch.incarnation)
+            if batch.seq != 1:  # we joined late, or the rank restarted: its history is not ours
+                return self._await_snapshot(state)
+        elif not state.synced:
+            return False  # asked already; batches until the snapshot's are covered by it
+        elif batch.seq <= state.seq:
+            return False  # a duplicate, or older than the snapshot we hold
+        elif batch.seq != state.seq + 1:
+            self._clear(rank, state)
+            return self._await_snapshot(state)
+        state.seq = batch.seq
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(rank, state, event)
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    self._drop(rank, state, h)
+            elif isinstance(event, AllBlocksCleared):
+                self._clear(rank, state)
+        return False
+
+    def apply_snapshot(self, snap: KVSnapshot) -> None:
+        """Replace what we knew of the rank by its snapshot; batches after snap.seq follow it."""
+        if not 0 <= snap.rank < self.size:
+            return
+        self.forget_rank(snap.rank)
+        state = self.ranks[snap.rank] = _RankKV(snap.incarnation)
+        state.seq = snap.seq
+        for event in snap.blocks:
+            self._stored(snap.rank, state, event)
+
+    def forget_rank(self, rank: int) -> None:
+        """The rank died or restarted: its cache is gone."""
+        state = self.ranks[rank]
+        if state is not None:
+            self._clear(rank, state)
+            self.ranks[rank] = None
+
+    def _await_snapshot(self, state: _RankKV) -> bool:
+        state.synced = False
+        self.num_snapshots_asked += 1
+        return True
+
+    def _clear(self, rank: int, state: _RankKV) -> None:
+        entries = self.entries
+        for node in state.nodes.values():
+            key = node[2]
+            if key is not None:
+                holders = entries[key]
+                del holders[rank]
+                if not holders:
+                    del entries[key]
+        state.nodes.clear()
+        state.children.clear()
+
+    def _stored(self, rank: int, state: _RankKV, event: BlockStored) -> None:
+        nodes, bs = state.nodes, event.block_size
+        if self.block % bs:
+            if self.entries:
+                return  # ranks of two block sizes: only the first size's are filed
+            self.block = math.lcm(self.block, bs)  # vLLM's CPU blocks may be larger than ours
+        block = self.block
+        parent = event.parent_block_hash
+        if parent is None:
+            base, partial = 0, ()
+        else:
+            pnode = nodes.get(parent)
+            if pnode is None:
+                return  # its parent is not filed (evicted, or never seen): unreachable from a prompt's root
+            base, partial = (pnode[2], ()) if pnode[2] is not None else (pnode[0], pnode[1])
+        toks = event.token_ids
+        for i, h in enumerate(event.block_hashes):
+            partial = partial + tuple(toks[i * bs : (i + 1) * bs])
+            key = None
+            if len(partial) >= block:
+                key = hash((base, *partial))
+                holders = self.entries.get(key)
+                if holders is None:
+                    self.entries[key] = {rank: 0}
+                else:
+                    holders[rank] = 0
+            if h in nodes:
+                self._drop(rank, state, h)
+            nodes[h] = [base, partial, key]
+            if parent is not None:
+                state.children.setdefault(parent, []).append(h)
+            parent = h
+            if key is not None:
+                base, partial = key, ()
+
+    def _drop(self, rank: int, state: _RankKV, h) -> None:
+        """Unfile a block and everything filed under it (prefix-closed)."""
+        nodes, entries, children = state.nodes, self.entries, state.children
+        stack = [h]
+        while stack:
+            h = stack.pop()
+            stack.extend(children.pop(h, ()))
+            node = nodes.pop(h, None)
+            if node is None:
+                continue
+            key = node[2]
+            if key is not None:
+                holders = entries.get(key)
+                if holders is not None and holders.pop(rank, None) is not None and not holders:
+                    del entries[key]
+
+    # ------------------------------------------------------------ lookups
+
+    def levels(self, keys: list[int]) -> list[dict[int, int]]:
+        """The holders of the prompt's leading routing blocks, up to the first block nobody holds
+        (one probe per block; what Router._cache_pick walks)."""
+        out = []
+        entries = self.entries
+        for key in keys:
+            holders = entries.get(key)
+            if not holders:
+                break
+            out.append(holders)
+        return out
+
+    def match(self, keys: list[int]) -> dict[int, int]:
+        """rank -> how many leading routing blocks of `keys` it holds, for ranks holding at least one."""
+        found: dict[int, int] = {}
+        for depth, holders in enumerate(self.levels(keys), 1):
+            for rank in holders:
+                if found.get(rank, 0) == depth - 1:
+                    found[rank] = depth
+        return found
+
+    def is_synced(self, rank: int) -> bool:
+        state = self.ranks[rank]
+        return state is not None and state.synced

@@ -1,0 +1,149 @@
+"""KV events from the native engine's block manager into the API server's exact index (issue 29).
+
+The index is checked against the real BlockManager after random store / evict /
+lost-batch / restart sequences: for every prompt, the prefix the index credits a
+rank with is exactly the prefix the rank's cache would serve, or nothing while
+the rank awaits a snapshot; never more.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from dpserve.daemons.api.kv_index import KVIndex
+from dpserve.daemons.api.prefix_index import chain_keys
+from dpserve.engine.kv_cache import BlockManager
+from dpserve.engine.kv_events import BlockRemoved, BlockStored, KVEventBatch, KVEventLog, KVSnapshot
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+BS = 16
+ROUTING = 64
+PIECES = [[(7 * p + i) % 97 + 1 for i in range(40)] for p in range(6)]  # prompts are joins of these
+
+
+class Rank:
+    """A rank's real BlockManager with its event log, run the way the scheduler uses it."""
+
+    def __init__(self, rank: int, num_blocks: int, incarnation: str) -> None:
+        self.rank = rank
+        self.incarnation = incarnation
+        self.log = KVEventLog(BS)
+        self.blocks = BlockManager(num_blocks, BS, enable_caching=True, events=self.log)
+
+    def serve(self, prompt: list[int]) -> None:
+        """Admit, compute and register every full block, then finish (release)."""
+        b = self.blocks
+        hashes: list[bytes] = []
+        b.extend_hashes(hashes, prompt, len(prompt))
+        hits = b.match(hashes, prompt, (len(prompt) - 1) // BS)
+        if b.blocks_for(len(prompt)) - len(hits) > b.num_free_blocks - b.num_evictable(hits):
+            return  # would not be admitted
+        table: list[int] = []
+        b.attach(table, hits)
+        b.grow(table, len(prompt))
+        for i in range(len(prompt) // BS):
+            b.register(table[i], hashes[i], prompt[i * BS : (i + 1) * BS], hashes[i - 1] if i else None)
+        b.release(table)
+
+    def depth(self, prompt: list[int]) -> int:
+        """Routing blocks of `prompt` this cache would serve."""
+        hashes: list[bytes] = []
+        self.blocks.extend_hashes(hashes, prompt, len(prompt))
+        return len(self.blocks.match(hashes, prompt, len(hashes))) * BS // ROUTING
+
+    def snapshot(self) -> KVSnapshot:
+        return KVSnapshot(self.rank, self.incarnation, self.log.seq, self.blocks.kv_snapshot())
+
+
+def prompt_of(parts: list[int]) -> list[int]:
+    return [t for p in parts for t in PIECES[p]]
+
+
+op = st.one_of(
+    st.tuples(st.just("serve"), st.integers(0, 1), st.lists(st.integers(0, 5), min_size=1, max_size=6)),
+    st.tuples(st.just("lose"), st.integers(0, 1), st.just([])),  # the step's batch never arrives
+    st.tuples(st.just("restart"), st.integers(0, 1), st.just([])),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(op, min_size=1, max_size=30), st.integers(6, 24))
+def test_index_matches_the_real_cache(ops, num_blocks):
+    codec_enc, codec_dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KVEventBatch | KVSnapshot)
+    ranks = [Rank(r, num_blocks, f"a{r}") for r in range(2)]
+    index = KVIndex(2)
+    restarts = 0
+    for kind, r, parts in ops:
+        rank = ranks[r]
+        if kind == "serve":
+            rank.serve(prompt_of(parts))
+        elif kind == "restart":
+            restarts += 1
+            rank = ranks[r] = Rank(r, num_blocks, f"b{restarts}")
+            rank.serve(prompt_of([r, 5]))
+        batch = rank.log.take_batch(rank.rank, rank.incarnation)
+        if batch is None or kind == "lose":
+            continue
+        if index.apply(codec_dec.decode(codec_enc.encode(batch))):  # over the wire, as the channel carries it
+            assert not index.is_synced(r)
+            index.apply_snapshot(codec_dec.decode(codec_enc.encode(rank.snapshot())))
+        for parts_q in ([0], [0, 1], [0, 1, 2], [1, 2, 3, 4], [2, 3], [5, 4, 3, 2, 1, 0], [r, 5]):
+            prompt = prompt_of(parts_q)
+            found = index.match(chain_keys(prompt, ROUTING))
+            for q in range(2):
+                want = ranks[q].depth(prompt) if index.is_synced(q) else 0
+                if index.ranks[q] is None:
+                    want = 0
+                assert found.get(q, 0) <= ranks[q].depth(prompt)  # never more than the cache holds
+                if index.is_synced(q) and index.ranks[q].seq == ranks[q].log.seq:
+                    assert found.get(q, 0) == want
+
+
+def test_gap_then_resync():
+    rank = Rank(0, 64, "x")
+    index = KVIndex(1)
+    a, b = prompt_of([0, 1]), prompt_of([2, 3])
+    rank.serve(a)
+    assert not index.apply(rank.log.take_batch(0, "x"))
+    rank.serve(b)
+    rank.log.take_batch(0, "x")  # lost on the way
+    rank.serve(a + b)
+    late = rank.log.take_batch(0, "x")
+    assert index.apply(late) and not index.is_synced(0)
+    assert index.match(chain_keys(a, ROUTING)) == {}  # knows nothing rather than something wrong
+    index.apply_snapshot(rank.snapshot())
+    assert index.is_synced(0)
+    assert index.match(chain_keys(b, ROUTING)) == {0: rank.depth(b)} and rank.depth(b) == 1
+    assert index.match(chain_keys(a + b, ROUTING)) == {0: rank.depth(a + b)}
+    rank.serve(b + a)
+    assert not index.apply(rank.log.take_batch(0, "x"))  # numbered after the snapshot: applied
+    assert index.match(chain_keys(b + a, ROUTING)) == {0: 2}
+
+
+def test_restart_empties_until_snapshot():
+    index = KVIndex(1)
+    old = Rank(0, 64, "old")
+    old.serve(prompt_of([0, 1, 2]))
+    index.apply(old.log.take_batch(0, "old"))
+    assert index.match(chain_keys(prompt_of([0, 1]), ROUTING)) == {0: 1}
+    new = Rank(0, 64, "new")  # restarted with an empty cache; its first batch was missed
+    new.serve(prompt_of([3, 4]))
+    new.log.take_batch(0, "new")
+    new.serve(prompt_of([3, 4, 5]))
+    assert index.apply(new.log.take_batch(0, "new"))
+    assert index.match(chain_keys(prompt_of([0, 1]), ROUTING)) == {}
+
+
+def test_events_batch_per_step_and_evictions_are_removals():
+    rank = Rank(0, 4, "x")  # 4 blocks of 16: one 64-token prompt fills the cache
+    rank.serve(list(range(1, 65)))
+    batch = rank.log.take_batch(0, "x")
+    assert batch.seq == 1 and len(batch.events) == 1
+    stored = batch.events[0]
+    assert isinstance(stored, BlockStored) and stored.parent_block_hash is None
+    assert len(stored.block_hashes) == 4 and stored.token_ids == list(range(1, 65))
+    rank.serve(list(range(100, 164)))  # evicts the first prompt's blocks, tail first
+    events = rank.log.take_batch(0, "x").events
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(stored.block_hashes)
+    assert rank.log.take_batch(0, "x") is None  # nothing happened: no batch, no number used
