@@ -125,6 +125,7 @@ class SimCluster:
         vary_load: bool = False,
         prefork: bool = False,
         run_dir: str | None = None,
+        ranks_per_node: int = 8,
     ) -> None:
         self.num_ranks = num_ranks
         self.num_api_servers = num_api_servers
@@ -137,6 +138,7 @@ class SimCluster:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.max_waiting_per_rank = max_waiting_per_rank
         self.vary_load = vary_load
+        self.ranks_per_node = ranks_per_node  # simulated nodes: one NodeLoad each (0: one node a process)
         # prefork: API servers forked from dpserve's launcher after one import, as
         # `dpserve serve` does by default (this process becomes a child subreaper)
         self.prefork = prefork
@@ -281,6 +283,7 @@ class SimCluster:
             "--coordinator", self.coordinator_address, "--fingerprint", self.fingerprint, "--ranks", f"{first}-{last}",
             "--report-interval-s", str(self.report_interval_s), "--decode-step-ms", str(self.decode_step_ms),
             "--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--parent-pid", str(os.getpid()),
+            "--ranks-per-node", str(self.ranks_per_node),
         ] + (["--vary-load"] if self.vary_load else [])
         self._spawn(name, "dpserve.engine.testing.sim", None, args)
         self.sim_procs.append(name)

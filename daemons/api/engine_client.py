@@ -21,6 +21,7 @@ from dpserve.daemons.api.engine_peers import EnginePeers
 from dpserve.daemons.api.migration import Migrator
 from dpserve.daemons.api.request_state import RequestState
 from dpserve.daemons.api.router import Router
+from dpserve.daemons.coordinator.delta import expand
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.protocol import (
     AbortRequests,
@@ -31,6 +32,8 @@ from dpserve.engine.common.protocol import (
     EngineInput,
     EngineOutputs,
     EngineToApi,
+    LoadDelta,
+    LoadTable,
     PauseRequests,
     Ping,
     PrefixRouted,
@@ -358,6 +361,8 @@ class EngineClient:
         if type(table) is PrefixRouted:
             self.router.learn(table)
             return
+        if type(table) is LoadDelta:  # loads only: the entries we hold, with their new load
+            table = LoadTable(table.seq, table.data_parallel_size, expand(table, self.router.loads))
         for rank, reason in self.router.update_table(table):
             moved, failed = self.lose_rank(rank, f"engine rank {rank} is down: {reason}", abort=True)
             self.log.warning("rank left routing", rank=rank, reason=reason, moved_requests=moved, failed_requests=failed)

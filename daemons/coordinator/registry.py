@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import time
 
+from dpserve.daemons.coordinator.delta import MAX_RANKS_PER_DELTA, row_of
 from dpserve.engine.common.protocol import (
     PROTOCOL_VERSION,
     EngineReady,
     EngineRegister,
+    LoadDelta,
     LoadReport,
     LoadTable,
+    NodeLoad,
     RankLoad,
 )
 
@@ -26,7 +29,11 @@ PUBLISH_MIN_INTERVAL_S = 0.002
 # own sends in between (vLLM's coordinator publishes every 100 ms).
 PUBLISH_INTERVAL_PER_RANK_S = 0.00002
 PUBLISH_MAX_INTERVAL_S = 0.1
-PUBLISH_KEEPALIVE_S = 1.0  # every rank, this often: the resync
+PUBLISH_KEEPALIVE_S = 1.0  # an (empty) table at least this often: nodes hear the head
+# Every rank's full entry (the resync, for a subscriber that missed a message) every
+# size / this many seconds, at least every second: 8 s at 4,096 ranks, where a
+# resync each second was ~10 MB/s to 32 subscribers (issue 30).
+RESYNC_RANKS_PER_S = 512
 MAX_RANKS_PER_TABLE = 256  # ~16 KiB of msgpack
 EXPIRE_EVERY_S = 0.1  # the staleness scan visits every rank: not on every message
 DELIVERY_S = 0.05  # a published table reaching every API server and being applied, on a busy node
@@ -35,6 +42,11 @@ DELIVERY_S = 0.05  # a published table reaching every API server and being appli
 def publish_interval(data_parallel_size: int) -> float:
     """The shortest gap between two publishes of changed ranks, for this cluster size."""
     return min(PUBLISH_MAX_INTERVAL_S, max(PUBLISH_MIN_INTERVAL_S, data_parallel_size * PUBLISH_INTERVAL_PER_RANK_S))
+
+
+def resync_interval(data_parallel_size: int) -> float:
+    """Seconds between two publishes of every rank's full entry."""
+    return max(PUBLISH_KEEPALIVE_S, data_parallel_size / RESYNC_RANKS_PER_S)
 
 
 def silence_limit(stale_after_s: float, data_parallel_size: int) -> float:
@@ -64,7 +76,8 @@ class RankTable:
         self.last_seen: dict[int, float] = {}
         self.seq = 0
         self.dirty = True
-        self.changed: set[int] = set()  # ranks whose entry changed since the last delta
+        self.changed: set[int] = set()  # ranks whose entry changed since the last publish
+        self.members: set[int] = set()  # of those, ranks whose membership changed (a LoadTable, not a LoadDelta)
         self.node_addresses: dict[int, str] = {}  # node_rank -> address, from NodeHello (for /status)
 
     def register(self, msg: EngineRegister, now: float) -> str:
@@ -93,6 +106,7 @@ class RankTable:
 
     def _touch(self, rank: int) -> None:
         self.changed.add(rank)
+        self.members.add(rank)
         self.dirty = True
 
     def ready(self, msg: EngineReady, now: float) -> bool:
@@ -114,6 +128,8 @@ class RankTable:
         if not entry.is_alive and entry.down_reason != "registering":
             return False  # declared lost: it must register again
         self.last_seen[msg.rank] = now
+        # Usages to 0.1%, as LoadDelta carries them: a resync then repeats a delta exactly.
+        kv_usage, slot_usage = round(msg.kv_usage, 3), round(msg.slot_usage, 3)
         if (
             entry.num_running == msg.num_running
             and entry.num_waiting == msg.num_waiting
@@ -124,23 +140,35 @@ class RankTable:
             and entry.num_preemptions == msg.num_preemptions
             and entry.num_prefix_hits == msg.num_prefix_hits
             and entry.num_prefix_queries == msg.num_prefix_queries
-            and entry.kv_usage == msg.kv_usage
-            and entry.slot_usage == msg.slot_usage
+            and entry.kv_usage == kv_usage
+            and entry.slot_usage == slot_usage
         ):
             return True  # a heartbeat: nothing to publish
         entry.num_running = msg.num_running
         entry.num_waiting = msg.num_waiting
         entry.num_waiting_prefill_tokens = msg.num_waiting_prefill_tokens
         entry.num_remaining_decode_tokens = msg.num_remaining_decode_tokens
-        entry.slot_usage = msg.slot_usage
+        entry.slot_usage = slot_usage
         entry.num_requests_finished = msg.num_requests_finished
         entry.num_requests_aborted = msg.num_requests_aborted
-        entry.kv_usage = msg.kv_usage
+        entry.kv_usage = kv_usage
         entry.num_preemptions = msg.num_preemptions
         entry.num_prefix_queries = msg.num_prefix_queries
         entry.num_prefix_hits = msg.num_prefix_hits
-        self._touch(msg.rank)
+        self.changed.add(msg.rank)  # its load only: a LoadDelta row
+        self.dirty = True
         return True
+
+    def node_load(self, msg: NodeLoad, now: float) -> list[LoadReport]:
+        """A node's aggregate: its fresh ranks are heard from (a rank of another node, or
+        one this table does not hold, is not), its changed loads applied. Returns the
+        reports of ranks this table does not hold (they must register again)."""
+        last_seen, ranks, node = self.last_seen, self.ranks, msg.node_rank
+        for rank in msg.alive:  # the heartbeat: one dict write a rank
+            entry = ranks.get(rank)
+            if entry is not None and entry.node_rank == node:
+                last_seen[rank] = now
+        return [report for report in msg.loads if not self.load(report, now)]
 
     def node_address(self, node_rank: int, address: str) -> None:
         """A node's supervisor said where it is: its ranks' entries name it."""
@@ -194,20 +222,29 @@ class RankTable:
         self.seq += 1
         self.dirty = False
         self.changed.clear()
+        self.members.clear()
         return LoadTable(self.seq, self.size, [self.ranks[r] for r in sorted(self.ranks)])
 
-    def tables(self, full: bool) -> list[LoadTable]:
-        """The next messages to publish: the ranks that changed since the last
-        call (or every rank, when `full`), at most MAX_RANKS_PER_TABLE each,
-        each with its own seq. Empty when nothing changed."""
-        ranks = sorted(self.ranks) if full else sorted(self.changed)
+    def tables(self, full: bool, keepalive: bool = False) -> list[LoadTable | LoadDelta]:
+        """The next messages to publish, each with its own seq: the ranks whose
+        membership changed since the last call (or every rank, when `full`) as
+        LoadTables of at most MAX_RANKS_PER_TABLE entries, then the ranks whose
+        load alone changed as LoadDeltas of at most MAX_RANKS_PER_DELTA rows.
+        Empty when nothing changed, unless `keepalive` (then an empty table)."""
+        members = sorted(self.ranks) if full else sorted(self.members)
+        loads = [] if full else sorted(self.changed - self.members)
         self.changed.clear()
+        self.members.clear()
         self.dirty = False
-        out = []
-        for i in range(0, len(ranks), MAX_RANKS_PER_TABLE):
+        out: list[LoadTable | LoadDelta] = []
+        for i in range(0, len(members), MAX_RANKS_PER_TABLE):
             self.seq += 1
-            out.append(LoadTable(self.seq, self.size, [self.ranks[r] for r in ranks[i : i + MAX_RANKS_PER_TABLE]]))
-        if full and not out:
+            out.append(LoadTable(self.seq, self.size, [self.ranks[r] for r in members[i : i + MAX_RANKS_PER_TABLE]]))
+        for i in range(0, len(loads), MAX_RANKS_PER_DELTA):
             self.seq += 1
-            out.append(LoadTable(self.seq, self.size, []))  # a keepalive even before any rank registered
+            part = loads[i : i + MAX_RANKS_PER_DELTA]
+            out.append(LoadDelta(self.seq, self.size, part, [row_of(self.ranks[r]) for r in part]))
+        if (full or keepalive) and not out:
+            self.seq += 1
+            out.append(LoadTable(self.seq, self.size, []))  # nodes hear the head, even before any rank registered
         return out

@@ -4,11 +4,15 @@ It owns the cluster's view of which ranks exist, which are alive and how
 loaded each is. Engines register (HELLO -> WELCOME, refused on a protocol or
 config mismatch or a rank already held), then stream LoadReports; the
 coordinator publishes to every API server the entries of the ranks that
-changed (at most every publish_interval_s), and every rank once a second
-(and at once when an API server joins) so a subscriber that missed a message
-or just joined catches up. Every LoadTable names at most MAX_RANKS_PER_TABLE
-ranks, so publishing costs what changed, and no message grows with the
-cluster past that bound. It never sees a request or a token.
+changed (at most every publish_interval_s: a LoadTable for a membership
+change, a compact LoadDelta for a load change), and every rank every
+resync_interval (and at once when an API server joins) so a subscriber that
+missed a message or just joined catches up; an empty table at least every
+second tells the nodes the head is there. Every message names at most
+MAX_RANKS_PER_TABLE (LoadDelta: MAX_RANKS_PER_DELTA) ranks, so publishing
+costs what changed, and no message grows with the cluster past that bound.
+A node's ranks report in one NodeLoad from its relay (issue 30) or, each, in
+their own LoadReports. It never sees a request or a token.
 
 The rank state and its rules live in registry.py (RankTable), which API
 servers an engine serves in routing.py, the CURVE handshake warnings in
@@ -25,8 +29,15 @@ from functools import partial
 import zmq
 from dpserve.daemons.config import CoordinatorConfig
 from dpserve.daemons.coordinator.handshakes import HandshakeWatch
-from dpserve.daemons.coordinator.registry import EXPIRE_EVERY_S, PUBLISH_KEEPALIVE_S, RankTable, publish_interval
+from dpserve.daemons.coordinator.registry import (
+    EXPIRE_EVERY_S,
+    PUBLISH_KEEPALIVE_S,
+    RankTable,
+    publish_interval,
+    resync_interval,
+)
 from dpserve.daemons.coordinator.routing import routes_to
+from dpserve.daemons.coordinator.tenants import TenantAccounts
 from dpserve.engine.common.auth import CurveKeys, start_authenticator
 from dpserve.engine.common.logs import setup_logging
 from dpserve.engine.common.procutil import (
@@ -46,13 +57,17 @@ from dpserve.engine.common.protocol import (
     EngineReady,
     EngineRegister,
     GreetAgain,
+    LoadDelta,
     LoadReport,
     LoadTable,
     NodeHello,
+    NodeLoad,
     PleaseRegister,
     PrefixRouted,
     RankDown,
     RegisterReply,
+    TenantTotals,
+    TenantUsage,
 )
 from dpserve.engine.common.sockets import make_socket, peer_name
 
@@ -73,7 +88,7 @@ class Coordinator:
         self.log = log
         self.ctx = zmq.Context()
         self.codec = Codec(CoordinatorInput | CoordinatorToEngine, "coordinator input")
-        self.table_codec = Codec(LoadTable)
+        self.table_codec = Codec(LoadTable | LoadDelta)
         self.keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
         self.auth = start_authenticator(self.ctx, self.keys, log)
         self.engines = make_socket(self.ctx, zmq.ROUTER, self.keys, bind=cfg.engines_address)
@@ -98,8 +113,11 @@ class Coordinator:
         self.last_expire = 0.0
         self.last_wake = 0.0
         self.publish_interval_s = publish_interval(cfg.data_parallel_size)
+        self.resync_interval_s = resync_interval(cfg.data_parallel_size)
         self.last_heartbeat = 0.0
         self.num_tables_published = 0
+        self.tenants = TenantAccounts()  # tenant accounting (tenants.py): counted, forwarded, totals each second
+        self.tenants_codec = Codec(TenantTotals)
 
     def _on_signal(self, signum, _frame) -> None:
         self.should_stop = True
@@ -124,11 +142,16 @@ class Coordinator:
                 self.last_expire = now
                 for rank in self.table.expire(now):
                     self.log.warning("rank stopped reporting; taken out of routing", rank=rank)
-            # 3. Publish what changed (rate-limited), and every rank once a second.
-            if now - self.last_full_publish >= PUBLISH_KEEPALIVE_S:
+            # 3. Publish what changed (rate-limited), every rank each resync, and
+            #    something at least once a second.
+            if now - self.last_full_publish >= self.resync_interval_s:
                 self._publish(full=True, now=now)
-            elif self.table.dirty and now - self.last_publish >= self.publish_interval_s:
+            elif (self.table.dirty and now - self.last_publish >= self.publish_interval_s) or (
+                now - self.last_publish >= PUBLISH_KEEPALIVE_S
+            ):
                 self._publish(full=False, now=now)
+            if self.tenants.due(now):
+                self.pub.send(self.tenants_codec.encode(self.tenants.publish(now)))
             # 4. Heartbeat to the supervisor from this loop only.
             if now - self.last_heartbeat >= self.cfg.heartbeat_interval_s:
                 self.supervisor.heartbeat()
@@ -136,7 +159,7 @@ class Coordinator:
         return EXIT_OK
 
     def _publish(self, full: bool, now: float) -> None:
-        for table in self.table.tables(full):
+        for table in self.table.tables(full, keepalive=True):
             self.pub.send(self.table_codec.encode(table))
             self.num_tables_published += 1
         self.last_publish = now
@@ -147,7 +170,7 @@ class Coordinator:
         now = time.monotonic()
         if self.table.dirty:
             return max(0, int((self.publish_interval_s - (now - self.last_publish)) * 1000))
-        until_full = PUBLISH_KEEPALIVE_S - (now - self.last_full_publish)
+        until_full = min(self.resync_interval_s - (now - self.last_full_publish), PUBLISH_KEEPALIVE_S - (now - self.last_publish))
         until_expire = EXPIRE_EVERY_S - (now - self.last_expire)  # a silent cluster's last rank must expire on time too
         return max(0, int(min(until_full, until_expire, self.cfg.heartbeat_interval_s) * 1000))
 
@@ -171,9 +194,18 @@ class Coordinator:
                 while more():
                     recv(zmq.NOBLOCK)
                 continue
-            if type(msg := decode(data, peer_name(identity))) is LoadReport:
+            if type(msg := decode(data, peer_name(identity))) is NodeLoad:
+                for report in table.node_load(msg, now):  # a rank this table does not hold: to its own socket
+                    rank_identity = f"engine-{report.rank}-{report.incarnation}".encode()
+                    self._ask_to_register(rank_identity, now, f"rank {report.rank} is not registered here")
+                continue
+            if type(msg) is LoadReport:
                 if not table.load(msg, now):
                     self._ask_to_register(identity, now, f"rank {msg.rank} is not registered here")
+                continue
+            if type(msg) is TenantUsage:
+                self.tenants.take(msg, now)
+                self.pub.send(data)  # every API server charges its buckets with it
                 continue
             if type(msg) is PrefixRouted:
                 self.pub.send(data)  # every API server learns what one routed; nothing kept here

@@ -121,7 +121,7 @@ class Supervisor:
             run_dir=self.run_dir,
         )
         self._task(read_control(self.ctl, self.post), "ctl")
-        self._task(read_table(self.table_sub, self.post), "table")
+        self._task(read_table(self.table_sub, self.post, lambda: [r.load for r in self.cluster.ranks]), "table")
         if self.keys is not None and not self.cfg.runs_coordinator:
             watch = watch_coordinator_link(self.coord_link, self.addr.coordinator_engines, self.cfg.key_file, self.log, self.is_starting, self.post)
             self._task(watch, "coordinator-link")

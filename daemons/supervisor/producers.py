@@ -12,10 +12,11 @@ import time
 from collections.abc import Callable
 
 import zmq
+from dpserve.daemons.coordinator.delta import expand
 from dpserve.daemons.supervisor.events import Event, Exited, Fatal, Heartbeat, Ready, TableSeen
 from dpserve.engine.common.auth import HANDSHAKE_EVENTS, describe_handshake_failure
 from dpserve.engine.common.procutil import EXIT_CONFIG
-from dpserve.engine.common.protocol import ChildReady, Codec, LoadTable, TableChannel, ToSupervisor
+from dpserve.engine.common.protocol import ChildReady, Codec, LoadDelta, LoadTable, TableChannel, ToSupervisor
 from dpserve.engine.common.protocol import Heartbeat as HeartbeatMsg
 from zmq.utils.monitor import parse_monitor_message
 
@@ -39,16 +40,18 @@ async def read_control(sock: zmq.asyncio.Socket, post: Post) -> None:
             post(Ready(msg.name, msg.pid, msg.detail))
 
 
-async def read_table(sock: zmq.asyncio.Socket, post: Post) -> None:
+async def read_table(sock: zmq.asyncio.Socket, post: Post, held: Callable[[], list] | None = None) -> None:
     """The coordinator's load table, as the API servers get it: the cluster view's source.
     The channel also carries the API servers' PrefixRouted news (cache-aware
-    routing): a message of the channel, skipped here, never "undecodable"."""
+    routing): a message of the channel, skipped here, never "undecodable".
+    A LoadDelta updates the entries `held()` returns (the cluster view's)."""
     codec = Codec(TableChannel, "load table")
     while True:
         table = codec.decode_or_none(await sock.recv())
-        if type(table) is not LoadTable:
-            continue
-        post(TableSeen(table.ranks, time.monotonic(), time.time()))
+        if type(table) is LoadDelta and held is not None:
+            post(TableSeen(expand(table, held()), time.monotonic(), time.time()))
+        elif type(table) is LoadTable:
+            post(TableSeen(table.ranks, time.monotonic(), time.time()))
 
 
 async def watch_coordinator_link(link: zmq.asyncio.Socket, address: str, key_file: str, log, is_starting: Callable[[], bool], post: Post) -> None:

@@ -58,6 +58,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen
     # vLLM's request priority: lower is served first under --scheduling-policy priority (the API
     # server refuses a nonzero one under fcfs). Last, and omitted at 0: a plain request's bytes do not change.
     priority: int = 0
+    # vLLM's logprob_token_ids: with logprobs, these ids' logprobs at each position instead of the top ones
+    # (the API server checks them against the vocabulary and --max-logprobs). Omitted when empty.
+    logprob_token_ids: tuple[int, ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -323,7 +326,39 @@ class GreetAgain(msgspec.Struct, tag="greet_again", array_like=True):
     reason: str = ""
 
 
-CoordinatorInput = EngineRegister | LoadReport | EngineReady | RankDown | ApiServerRegister | NodeHello | PrefixRouted | GreetAgain
+class NodeLoad(msgspec.Struct, tag="node_load", array_like=True):
+    """A node's relay -> coordinator: its ranks' reports in one message (issue 30),
+    once per report interval and, while loads change, at most every flush interval.
+    `alive`: ranks whose own reports are fresh at the relay (the heartbeat: a rank
+    missing from it goes stale at the coordinator; a silent node takes all of its
+    ranks with it). `loads`: the reports that changed since the last NodeLoad (every
+    rank's on a resync). Registration, readiness and deaths still go per rank."""
+
+    node_rank: int
+    seq: int
+    alive: list[int]
+    loads: list[LoadReport]
+
+
+class TenantUsage(msgspec.Struct, tag="tenant_usage", array_like=True):
+    """API server -> coordinator -> every API server (tenant limits across the cluster):
+    what its tenants used since its last report, at most every 0.1 s while they use
+    anything. The coordinator counts it (cluster totals) and forwards it as it came;
+    receivers charge their own buckets with it and skip their own (origin)."""
+
+    origin: str  # the sending API server's incarnation
+    usage: list[tuple[str, int, int, int, int]]  # (tenant, requests, tokens charged (net), tokens delivered, in flight now)
+
+
+class TenantTotals(msgspec.Struct, tag="tenant_totals", array_like=True):
+    """Coordinator -> API servers, every second: each tenant's recent use across the cluster."""
+
+    totals: list[tuple[str, float, float, int]]  # (tenant, delivered tokens/s, requests/s, in flight)
+
+
+CoordinatorInput = (
+    EngineRegister | LoadReport | EngineReady | RankDown | ApiServerRegister | NodeHello | PrefixRouted | GreetAgain | NodeLoad | TenantUsage
+)
 CoordinatorToEngine = RegisterReply | ApiServerList | PleaseRegister | GreetAgain
 
 
@@ -362,7 +397,22 @@ class LoadTable(msgspec.Struct, tag="table", array_like=True):
     ranks: list[RankLoad]
 
 
-TableChannel = LoadTable | PrefixRouted  # what API servers read on the coordinator's PUB socket
+class LoadDelta(msgspec.Struct, tag="delta", array_like=True):
+    """Coordinator -> API servers: the load of ranks that changed while their membership
+    (incarnation, liveness, node, address) did not: a LoadTable's entry in ~1/3 of
+    the bytes (issue 30). Column-major: `loads[i]` is `ranks[i]`'s (num_running,
+    num_waiting, num_waiting_prefill_tokens, num_remaining_decode_tokens,
+    slot_usage permille, num_requests_finished, num_requests_aborted, kv_usage
+    permille, num_preemptions, num_prefix_queries, num_prefix_hits). It shares
+    LoadTable's seq: a receiver applies either in order."""
+
+    seq: int
+    data_parallel_size: int
+    ranks: list[int]
+    loads: list[tuple[int, int, int, int, int, int, int, int, int, int, int]]
+
+
+TableChannel = LoadTable | LoadDelta | PrefixRouted | TenantUsage | TenantTotals  # what API servers read on the coordinator's PUB socket
 
 
 # ---------------------------------------------------------------- children -> supervisor

@@ -114,6 +114,9 @@ class RankIO:
         self.load_dirty = False  # the load changed since the last report
         self._last_load: tuple = ()
         self.last_report = -math.inf  # monotonic time of the last LoadReport
+        # Where LoadReports go: the coordinator's socket, or the node's relay (issue 30),
+        # which sends its ranks' reports in one NodeLoad (engine/rank/node_relay.py).
+        self.load_sink: Callable[[LoadReport], None] = self.report
 
     # ---------------------------------------------------------------- membership
 
@@ -354,7 +357,7 @@ class RankIO:
         self.load_dirty = False
         self._last_load = load
         self.last_report = now
-        self.report(
+        self.load_sink(
             LoadReport(
                 self.rank, self.incarnation, engine.num_running, engine.num_waiting, engine.num_waiting_prefill_tokens,
                 engine.num_remaining_decode_tokens, engine.slot_usage, engine.last_step_ms, self.num_finished,

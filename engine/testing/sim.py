@@ -20,7 +20,10 @@ stop_token_ids ("stop"). Ranks in one process share one poll loop and one
 step clock (all busy ranks step together), and send their periodic reports
 together, so that a process of 32 idle ranks x 32 API servers wakes ~10 times
 a second; a rank's sockets are its own, as in a real rank process. Each
-rank's model is a SimCore, a RankEngine like the real engines.
+rank's model is a SimCore, a RankEngine like the real engines. A process
+simulates one node (--node-rank) or many (--ranks-per-node): each node's
+ranks' load reports and heartbeats reach the coordinator in one NodeLoad a
+report interval from the node's own relay socket (engine/rank/node_relay.py).
 """
 
 from __future__ import annotations
@@ -38,9 +41,21 @@ import zmq
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.logs import setup_logging
 from dpserve.engine.common.procutil import die_with_parent, raise_fd_limit
-from dpserve.engine.common.protocol import FINISH_LENGTH, FINISH_STOP, AbortRequests, AddRequest, RequestOutput, ResumeRequests
+from dpserve.engine.common.protocol import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    AbortRequests,
+    AddRequest,
+    Codec,
+    CoordinatorInput,
+    LoadReport,
+    RequestOutput,
+    ResumeRequests,
+)
+from dpserve.engine.common.sockets import make_socket
 from dpserve.engine.interface import QueueCounts
 from dpserve.engine.rank.io import COORDINATOR, LOAD_REPORT_MIN_INTERVAL_S, REFUSED, REGISTER_RETRY_S, WELCOMED, RankIO
+from dpserve.engine.rank.node_relay import NodeAggregator
 
 GREET_CHECK_S = 1.0  # how often reconnections are looked for (a re-greeting's delay at most)
 
@@ -50,6 +65,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     coordinator_address: str
     fingerprint: str
     node_rank: int = 0
+    ranks_per_node: int = 0  # 0: the process is one node, named node_rank; else node = first rank of each group
     key_file: str = ""
     report_interval_s: float = 1.0  # a load report at least this often (the heartbeat)
     prefill_tokens_per_s: float = 50_000.0
@@ -186,6 +202,34 @@ class SimCore(QueueCounts):
     num_preemptions = num_prefix_queries = num_prefix_hits = 0
 
 
+class SimNode:
+    """One simulated node's relay: its ranks' reports in one NodeLoad, from its own socket."""
+
+    def __init__(self, eng: SimEngine, node_rank: int) -> None:
+        cfg = eng.cfg
+        self.eng = eng
+        self.agg = NodeAggregator(node_rank, cfg.report_interval_s, silence_s=2.5 * cfg.report_interval_s)
+        self.codec = Codec(CoordinatorInput)
+        self.sock = make_socket(
+            eng.ctx, zmq.DEALER, eng.keys, identity=f"node-{node_rank}-{uuid.uuid4().hex[:8]}".encode(),
+            reconnect_ms=(100, 2000),
+        )
+        self.sock.connect(cfg.coordinator_address)
+
+    def note(self, report: LoadReport) -> None:
+        self.agg.note(report, self.eng.now)
+        if self.agg.changed:
+            self.eng.pending.add(self)
+
+    def flush(self, now: float) -> None:
+        msg = self.agg.flush(now)
+        if msg is not None:
+            try:
+                self.sock.send(self.codec.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # no head yet: the next interval's message carries the same
+
+
 class SimRank:
     """One simulated rank: a SimCore and its RankIO, driven by SimEngine's loop."""
 
@@ -194,11 +238,14 @@ class SimRank:
         self.rank = rank
         self.core = SimCore(eng.cfg)
         cfg = eng.cfg
+        node_rank = rank - rank % cfg.ranks_per_node if cfg.ranks_per_node else cfg.node_rank
         self.io = RankIO(
             eng.ctx, eng.keys, rank=rank, incarnation=uuid.uuid4().hex[:12], fingerprint=cfg.fingerprint,
-            node_rank=cfg.node_rank, coordinator_address=cfg.coordinator_address, log=eng.log.bind(rank=rank),
+            node_rank=node_rank, coordinator_address=cfg.coordinator_address, log=eng.log.bind(rank=rank),
             watch=lambda sock: eng.watch(sock, self), watch_monitors=False,
         )
+        self.node = eng.nodes.get(node_rank) or eng.nodes.setdefault(node_rank, SimNode(eng, node_rank))
+        self.io.load_sink = self.node.note
 
     def on_message(self, index: int, msg: object, now: float) -> None:
         if index != COORDINATOR:
@@ -245,6 +292,9 @@ class SimEngine:
         self.owners: dict[zmq.Socket, SimRank] = {}
         self.busy: set[SimRank] = set()  # ranks with requests: they step on the next tick
         self.dirty: set[SimRank] = set()  # ranks whose load changed since their last report
+        self.nodes: dict[int, SimNode] = {}
+        self.pending: set[SimNode] = set()  # nodes holding changes their relay has not sent
+        self.now = time.monotonic()
         self.should_stop = False
         self.refused = False
         self.ranks = [SimRank(self, r) for r in cfg.ranks]
@@ -267,10 +317,12 @@ class SimEngine:
                 wake = min(wake, next_tick)
             if self.dirty:
                 wake = min(wake, now + LOAD_REPORT_MIN_INTERVAL_S)
+            if self.pending:
+                wake = min(wake, min(n.agg.next_due() for n in self.pending))
             timeout_ms = max(0, int((wake - time.monotonic()) * 1000 + 0.999))
             for sock, _ in self.poller.poll(timeout_ms):
                 self._drain(sock)
-            now = time.monotonic()
+            now = self.now = time.monotonic()
             # 2. Tick: every busy rank steps (an idle process starts its clock at once).
             if self.busy and now >= next_tick:
                 for r in list(self.busy):
@@ -289,10 +341,17 @@ class SimEngine:
                         r.io.register()
                     r.core.load_round += 1
                     r.report_load(now, force=True)
+                for node in self.nodes.values():  # every node's heartbeat, changes with it
+                    node.flush(now)
+                self.pending.clear()
             elif self.dirty:
                 dirty, self.dirty = self.dirty, set()
                 for r in dirty:
                     r.report_load(now)
+            if self.pending:  # changes, each node's at most every flush interval
+                for node in [n for n in self.pending if n.agg.next_due() <= now]:
+                    node.flush(now)
+                    self.pending.discard(node)
             # 4. Greet API servers we reconnected to.
             if now >= next_greet:
                 next_greet = now + GREET_CHECK_S
@@ -336,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--ranks", required=True, help="ranks this process simulates, e.g. 0-63 or 0,2,5-7")
     ap.add_argument("--node-rank", type=int, default=0)
+    ap.add_argument("--ranks-per-node", type=int, default=0, help="simulate nodes of this many ranks (0: one node, --node-rank)")
     ap.add_argument("--key-file", default="")
     ap.add_argument("--report-interval-s", type=float, default=1.0)
     ap.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
@@ -352,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         coordinator_address=args.coordinator,
         fingerprint=args.fingerprint,
         node_rank=args.node_rank,
+        ranks_per_node=args.ranks_per_node,
         key_file=args.key_file,
         report_interval_s=args.report_interval_s,
         prefill_tokens_per_s=args.prefill_tokens_per_s,

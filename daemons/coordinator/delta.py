@@ -1,0 +1,42 @@
+"""The load table's compact form (issue 30): a rank whose load changed while its
+membership did not travels as one LoadDelta row, ~1/3 of a LoadTable entry's
+bytes. Pure functions of protocol structs, shared by the coordinator (rows out)
+and by every reader of the table (rows back into RankLoads); no sockets. A row
+never carries membership (incarnation, liveness, node, address): that only
+travels in LoadTables, so a reader never guesses it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from dpserve.engine.common.protocol import LoadDelta, RankLoad
+
+MAX_RANKS_PER_DELTA = 1024  # ~20 KiB of msgpack
+
+
+def row_of(e: RankLoad) -> tuple:
+    """A rank's load as one LoadDelta row (usages in permille)."""
+    return (
+        e.num_running, e.num_waiting, e.num_waiting_prefill_tokens, e.num_remaining_decode_tokens,
+        round(e.slot_usage * 1000), e.num_requests_finished, e.num_requests_aborted, round(e.kv_usage * 1000),
+        e.num_preemptions, e.num_prefix_queries, e.num_prefix_hits,
+    )
+
+
+def expand(delta: LoadDelta, held: list[RankLoad | None]) -> list[RankLoad]:
+    """The delta's rows as entries that replace `held[rank]` (membership kept);
+    rows for ranks outside `held` or not held yet are skipped (their LoadTable
+    comes with the next resync)."""
+    out = []
+    replace, size = msgspec.structs.replace, len(held)
+    for rank, row in zip(delta.ranks, delta.loads):
+        if not 0 <= rank < size or (old := held[rank]) is None:
+            continue
+        run, wait, prefill, decode, slot, fin, abort, kv, pre, pq, ph = row
+        out.append(replace(
+            old, num_running=run, num_waiting=wait, num_waiting_prefill_tokens=prefill,
+            num_remaining_decode_tokens=decode, slot_usage=slot / 1000, num_requests_finished=fin,
+            num_requests_aborted=abort, kv_usage=kv / 1000, num_preemptions=pre, num_prefix_queries=pq,
+            num_prefix_hits=ph,
+        ))
+    return out
