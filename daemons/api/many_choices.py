@@ -157,7 +157,8 @@ class ManyChoicesServing(ServingBase):
             respond = lambda: self._whole_many(choices, opts, num_prompt)  # noqa: E731
         follows = _FOLLOWS.set(follow_the_first(choices))
         try:
-            return await self.run("chat" if opts.chat else "completions", t0, [c.gen for c in choices], pinned, respond)
+            return await self.run("chat" if opts.chat else "completions", t0, [c.gen for c in choices], pinned, respond,
+                                  request.get("tenant"))
         finally:
             _FOLLOWS.reset(follows)
 

@@ -60,7 +60,7 @@ class OneChoiceServing(ServingBase):
             respond = lambda: self._stream_one(request, gen, text, chat, include_usage)  # noqa: E731
         else:
             respond = lambda: self._whole_one(gen, text, chat)  # noqa: E731
-        return await self.run("chat" if chat else "completions", t0, (gen,), pinned, respond)
+        return await self.run("chat" if chat else "completions", t0, (gen,), pinned, respond, request.get("tenant"))
 
     async def _whole_one(self, gen: Generation, text: TextOptions, chat: bool) -> web.Response:
         if text.stops:

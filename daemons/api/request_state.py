@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from dpserve.daemons.api.tenants import DEFAULT_TENANT
 from dpserve.engine.common.protocol import FINISH_ERROR, RequestOutput
 
 
@@ -40,6 +41,8 @@ class RequestState:
         "t_first",
         "t_last",
         "queue_s",
+        "tenant",
+        "held",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
@@ -72,6 +75,10 @@ class RequestState:
         self.t_first = 0.0
         self.t_last = 0.0
         self.queue_s = 0.0  # the engine's wait before the first schedule (first output)
+        # whose request it is (the auth middleware's Tenant), and its admission.Held entry if
+        # it was held at the frontend (its cost is corrected by what it used when it ends)
+        self.tenant = DEFAULT_TENANT
+        self.held = None
 
     @property
     def is_finished(self) -> bool:

@@ -23,15 +23,18 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 from aiohttp import web
 from dpserve.daemons.aiohttp_compat import EventStream
+from dpserve.daemons.api.admission import Admission, AdmissionCollector, HoldRefused
 from dpserve.daemons.api.backpressure import StreamBudget, StreamCollector, StreamStalled
 from dpserve.daemons.api.engine_client import EngineClient
 from dpserve.daemons.api.generation import EngineFailure, Generation
 from dpserve.daemons.api.metrics import ApiMetrics
 from dpserve.daemons.api.migration import MigrationCollector
 from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse, StreamOptions, encode
+from dpserve.daemons.api.refusals import hold_refused_error, parse_rank_header, routing_error
 from dpserve.daemons.api.request_checks import check_unsupported, decode_request
 from dpserve.daemons.api.request_state import RequestState
-from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankLost, RankNotEligible, RoutingError
+from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
+from dpserve.daemons.api.tenants import Tenant
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.daemons.config import ApiServerConfig
 from dpserve.engine.common.protocol import AddRequest, SamplingParams
@@ -72,52 +75,6 @@ def failure_event(exc: EngineFailure) -> bytes:
     """An engine failure after a stream started: its last event, then [DONE]."""
     kind, code = failure_kind(exc.status)
     return b"data: " + encode(ErrorResponse(ErrorBody(str(exc), kind, None, code or "engine_error"))) + b"\n\n" + DONE
-
-
-def parse_rank_header(value: str | None, size: int) -> int | None:
-    """X-data-parallel-rank: None when absent, else an int in [0, size) or a 400."""
-    if value is None:
-        return None
-    # ASCII digits only: int() would also take " 1 ", "+1", "0_1" and non-ASCII digits.
-    if not (value.isascii() and value.isdigit()):
-        raise ApiError(
-            400,
-            f"X-data-parallel-rank must be an integer in [0, {size}); got {value[:40]!r}.",
-            param="X-data-parallel-rank",
-            code="invalid_rank",
-        )
-    # (a long run of digits is out of range without int(), which refuses past 4,300 digits)
-    rank = int(value) if len(value) <= 9 else size
-    if not 0 <= rank < size:
-        raise ApiError(
-            400,
-            f"X-data-parallel-rank {value[:20]} is out of range: this deployment has ranks 0..{size - 1}.",
-            param="X-data-parallel-rank",
-            code="invalid_rank",
-        )
-    return rank
-
-
-def routing_error(exc: RoutingError) -> ApiError:
-    """The HTTP face of a routing failure (the router itself knows nothing of HTTP)."""
-    retry = {"Retry-After": str(exc.retry_after_s)}
-    if isinstance(exc, RankNotEligible):
-        ranks = ", ".join(map(str, exc.eligible))
-        return ApiError(
-            400,
-            f"X-data-parallel-rank {exc.rank} is not served through this API server; it routes to rank(s) {ranks}.",
-            param="X-data-parallel-rank",
-            code="invalid_rank",
-        )
-    if isinstance(exc, QueueFull):
-        return ApiError(429, "Every rank is at its waiting-queue limit; retry shortly.", type="rate_limit_error", code="overloaded", headers=retry)
-    if isinstance(exc, NoRankAvailable) and exc.unreachable:
-        return ApiError(503, "No engine rank is reachable right now.", type="service_unavailable", code="rank_unavailable", headers=retry)
-    if isinstance(exc, RankLost):
-        return ApiError(503, f"Rank {exc.rank} is lost ({exc.reason}); not waiting for it.", type="service_unavailable", code="rank_unavailable", headers=retry)
-    if isinstance(exc, NoRankAvailable) and exc.rank is not None:
-        return ApiError(503, f"Rank {exc.rank} is not serving right now.", type="service_unavailable", code="rank_unavailable", headers=retry)
-    return ApiError(503, "No engine rank is serving right now.", type="service_unavailable", code="no_rank_available", headers=retry)
 
 
 def auth_middleware(api_key: str | None):
@@ -175,6 +132,14 @@ class ServingBase:
         self.streams = StreamBudget(client, cfg.stream_buffer_bytes, cfg.stream_buffer_total_bytes, cfg.stream_write_timeout_s)
         metrics.registry.register(StreamCollector(self.streams, cfg.index))
         metrics.registry.register(MigrationCollector(client.migrator, cfg.index))
+        # Admission held here while every rank is full (admission.py): the router's waiting
+        # limit becomes the hold threshold, and its room reports release held requests.
+        self.admission: Admission | None = None
+        if cfg.hold_waiting_per_rank > 0:
+            self.admission = Admission(cfg.max_held_per_tenant)
+            self.router.max_waiting_per_rank = min(cfg.max_waiting_per_rank, cfg.hold_waiting_per_rank)
+            self.router.on_room = self.admission.on_room
+            metrics.registry.register(AdmissionCollector(self.admission, cfg.index))
 
     def new_request_id(self) -> str:
         return f"{self._id_prefix}-{next(self._ids):x}"
@@ -337,7 +302,7 @@ class ServingBase:
         return pinned
 
     async def run(self, endpoint: str, t0: float, gens: Sequence[Generation], pinned: int | None,
-                  respond: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+                  respond: Callable[[], Awaitable[web.StreamResponse]], tenant: Tenant | None = None) -> web.StreamResponse:
         """Send `gens`, then answer with `respond()`; counts, times and cleans up.
 
         The one `finally` of every request: whatever ends it (the answer, an engine
@@ -351,6 +316,8 @@ class ServingBase:
         try:
             for gen in gens:
                 gen.state.owner, gen.state.pinned = gen, pinned is not None  # what a move needs (migration.py)
+                if tenant is not None:
+                    gen.state.tenant = tenant
                 rank = await self.send(gen, pinned)
                 sent.append(gen.state)
                 self.metrics.routed_to(rank)
@@ -371,6 +338,9 @@ class ServingBase:
             for state in sent:
                 if not state.is_finished:
                     self.client.abort(state)  # client went away, or a stop string ended it early
+                if state.held is not None:  # its tenant is charged what it used, not its max_tokens
+                    self.admission.finished(state.held, state.prompt_tokens + state.num_output_tokens)
+                    state.held = None
 
     def request_began(self) -> None:
         self.num_active += 1
@@ -390,7 +360,9 @@ class ServingBase:
         """
         state, add = gen.state, gen.add_request()
         try:
-            return self._send_once(state, add, pinned)
+            return await self._admit(state, add, pinned)
+        except HoldRefused as exc:
+            raise hold_refused_error(exc) from None
         except NoRankAvailable as exc:
             if self.draining:
                 raise routing_error(exc) from None
@@ -411,6 +383,26 @@ class ServingBase:
             raise ApiError(503, "The server is shutting down.", type="service_unavailable", code="shutting_down", headers={"Retry-After": "1"})
         waited = f" (waited {self.cfg.wait_for_engine_s:g} s)" if self.cfg.wait_for_engine_s > 0 else ""
         raise ApiError(503, first.message + waited, type=first.type, code=first.code, headers=first.headers)
+
+    async def _admit(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
+        """Send now, or, while every rank is full (QueueFull at the hold threshold) or others
+        are held, wait in the tenant's held queue for a release in fair order (admission.py).
+        A pinned request never waits there: its rank was chosen by the client."""
+        admission = self.admission
+        if admission is None or pinned is not None:
+            return self._send_once(state, add, pinned)
+        if not admission.num_held:
+            try:
+                return self._send_once(state, add, pinned)
+            except QueueFull:
+                pass
+        held = admission.enqueue(state.tenant, add.params.priority, state.remaining, lambda: self._send_once(state, add, None))
+        state.held = held
+        try:
+            return await admission.wait(held)
+        except BaseException:
+            state.held = None  # never sent: nothing to correct
+            raise
 
     def _send_once(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
         """Send to the best rank; a rank whose socket is gone is skipped, not fatal.

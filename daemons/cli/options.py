@@ -181,6 +181,8 @@ _SERVE = [
     flag("--block-size", type=click.IntRange(0, 1024), shows=f"0 = the engine's own: {DEFAULT_BLOCK_SIZE} native, vLLM's with --engine vllm", help="Tokens per KV-cache block."),
     flag("--lb-policy", type=click.Choice(LB_POLICIES), help="tokens: outstanding prompt + answer tokens; cache-aware: tokens, less the prompt tokens a rank probably has cached (its earlier prompts); queue: 4 x waiting + running; round-robin."),
     flag("--max-waiting-per-rank", type=click.IntRange(1), help="Admission limit: beyond it requests get 429."),
+    flag("--hold-waiting-per-rank", type=click.IntRange(0), help="A rank with this many requests waiting is full; while every rank is, requests wait at the API server in per-tenant queues, released by priority then weighted fair share of tokens (0: off; then --max-waiting-per-rank applies)."),
+    flag("--max-held-per-tenant", type=click.IntRange(1), help="Requests one tenant may have held at one API server; beyond it 429."),
     flag("--max-request-body-bytes", type=click.IntRange(1024), help="Larger bodies get 413."),
     flag("--max-guided-grammar-bytes", type=click.IntRange(1), help="A structured-output parameter larger than this (guided_choice's total, the regex, the schema's JSON) gets 400."),
     flag("--max-guided-bytes-per-request", type=click.IntRange(1), help="That size times the engine requests carrying it (n x prompts): beyond it, 400."),

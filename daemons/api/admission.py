@@ -1,0 +1,305 @@
+"""Admission held at the frontend: per-tenant queues while every rank is full, released
+in weighted fair order by tokens, priority classes first.
+
+Owns the requests this API server holds back (nothing else queues them) and each
+tenant's fair-share account. It never picks a rank itself: a held request carries
+the send that routes it, and a release calls it until the router says no rank has
+room (QueueFull). It must never poll: releases run when the router reports room
+(Router.on_room) or a request is held while others wait. Nothing here knows HTTP.
+
+Fair order is start-time fair queuing (SFQ) per priority class: each (class, tenant)
+account has a virtual finish tag; a released request of estimated cost c (prompt
+tokens + max_tokens) starts at S = the tenant's tag and moves it to S + c / weight;
+the class's virtual time becomes S. The backlogged tenant with the lowest tag goes
+next (ties: the request held first). A tenant that becomes backlogged starts at the
+class's virtual time, so idleness banks no credit. When a released request finishes,
+the tokens it did not use (max_tokens is an upper bound) are credited back to its
+tenant's tag. Lower `priority` classes go strictly first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+from dpserve.daemons.api.router import QueueFull
+from dpserve.daemons.api.tenants import Tenant
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+HELD_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_RATE_TAU_S = 5.0  # the release rate behind Retry-After: an exponential average over about this long
+
+
+class HoldRefused(Exception):
+    """The tenant already has `limit` requests held here: 429 with `retry_after_s`."""
+
+    def __init__(self, tenant: str, limit: int, retry_after_s: int) -> None:
+        self.tenant, self.limit, self.retry_after_s = tenant, limit, retry_after_s
+        super().__init__(f"tenant {tenant!r} has {limit} requests held")
+
+
+class Held:
+    """One held request: what it costs, whose it is, and the send that releases it.
+    `future` gets the rank it went to, or the RoutingError its send raised."""
+
+    __slots__ = ("tenant", "priority", "cost", "seq", "send", "future", "t_held")
+
+    def __init__(self, tenant: Tenant, priority: int, cost: int, seq: int, send: Callable[[], int], t_held: float) -> None:
+        self.tenant, self.priority, self.cost, self.seq, self.send = tenant, priority, cost, seq, send
+        self.future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.t_held = t_held
+
+
+class _Account:
+    """One tenant's place in one class: its virtual finish tag, its held requests (in
+    arrival order) and its released ones not yet finished (the account lives while
+    either is nonzero)."""
+
+    __slots__ = ("finish", "queue", "num_released")
+
+    def __init__(self, finish: float) -> None:
+        self.finish = finish
+        self.queue: deque[Held] = deque()
+        self.num_released = 0
+
+
+class _Class:
+    """One priority class: its virtual time and its tenants' accounts."""
+
+    __slots__ = ("vtime", "accounts", "backlogged")
+
+    def __init__(self) -> None:
+        self.vtime = 0.0
+        self.accounts: dict[str, _Account] = {}
+        self.backlogged: set[str] = set()  # accounts with a held request
+
+
+class TenantStats:
+    """What /metrics shows of one tenant's holds (admission's own figures)."""
+
+    __slots__ = ("num_held", "num_held_total", "num_refused", "num_abandoned", "buckets", "held_seconds")
+
+    def __init__(self) -> None:
+        self.num_held = 0
+        self.num_held_total = 0
+        self.num_refused = 0
+        self.num_abandoned = 0
+        self.buckets = [0] * (len(HELD_SECONDS_BUCKETS) + 1)
+        self.held_seconds = 0.0
+
+
+class Admission:
+    """The held requests of one API server, in per-tenant queues per priority class.
+
+    Invariant: `num_held` is the number of Held entries in the accounts' queues, and
+    while it is nonzero every new request is held too (it may not pass those waiting);
+    an entry leaves its queue exactly once: released, abandoned, or failed.
+    """
+
+    def __init__(self, max_held_per_tenant: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_held_per_tenant = max_held_per_tenant
+        self.clock = clock
+        self.num_held = 0
+        self._classes: dict[int, _Class] = {}
+        self._seq = 0
+        self._release_pending = False
+        self.stats: dict[str, TenantStats] = {}
+        self._rate = 0.0  # releases per second (decaying), for Retry-After
+        self._rate_t = clock()
+
+    @property
+    def num_accounts(self) -> int:
+        """(class, tenant) accounts alive: each holds or runs something."""
+        return sum(len(c.accounts) for c in self._classes.values())
+
+    # ---------------------------------------------------------------- holding
+
+    def enqueue(self, tenant: Tenant, priority: int, cost: int, send: Callable[[], int]) -> Held:
+        """Hold a request of `cost` tokens in `tenant`'s queue of class `priority`; raises
+        HoldRefused when the tenant already has max_held_per_tenant held here."""
+        stats = self._stats(tenant.name)
+        if stats.num_held >= self.max_held_per_tenant:
+            stats.num_refused += 1
+            raise HoldRefused(tenant.name, self.max_held_per_tenant, self.retry_after_s(stats.num_held))
+        cls = self._classes.get(priority)
+        if cls is None:
+            cls = self._classes[priority] = _Class()
+        acct = cls.accounts.get(tenant.name)
+        if acct is None:
+            acct = cls.accounts[tenant.name] = _Account(cls.vtime)
+        if not acct.queue:
+            acct.finish = max(acct.finish, cls.vtime)  # no credit banked while idle
+            cls.backlogged.add(tenant.name)
+        self._seq += 1
+        held = Held(tenant, priority, cost, self._seq, send, self.clock())
+        acct.queue.append(held)
+        self.num_held += 1
+        stats.num_held += 1
+        stats.num_held_total += 1
+        return held
+
+    async def wait(self, held: Held) -> int:
+        """Wait until `held` is released; returns the rank its send chose, or raises what
+        that send raised. A caller cancelled meanwhile (aiohttp cancels the handler of a
+        client that went away) leaves the queue at once."""
+        self.release()  # there may be room already (a release not yet run)
+        try:
+            return await held.future
+        except asyncio.CancelledError:
+            if self.leave(held):
+                self.stats[held.tenant.name].num_abandoned += 1
+            raise
+
+    def leave(self, held: Held) -> bool:
+        """Take a held request out of its queue (its client left); False if it was not there."""
+        cls = self._classes.get(held.priority)
+        acct = cls.accounts.get(held.tenant.name) if cls is not None else None
+        if acct is None or held not in acct.queue:
+            return False
+        acct.queue.remove(held)
+        self._dequeued(cls, held, acct)
+        return True
+
+    # ---------------------------------------------------------------- releasing
+
+    def on_room(self) -> None:
+        """The router found room on a rank: release soon (coalesced; never inside the
+        router's own update, which may be iterating its table)."""
+        if self.num_held and not self._release_pending:
+            self._release_pending = True
+            asyncio.get_running_loop().call_soon(self._release_soon)
+
+    def _release_soon(self) -> None:
+        self._release_pending = False
+        self.release()
+
+    def release(self) -> int:
+        """Send held requests in fair order until the router has no room; returns how many left."""
+        released = 0
+        while self.num_held:
+            cls, name, acct = self._next()
+            held = acct.queue[0]
+            if held.future.done():  # cancelled: its client left, and its handler has not run yet
+                acct.queue.popleft()
+                self._dequeued(cls, held, acct)
+                self.stats[held.tenant.name].num_abandoned += 1
+                continue
+            try:
+                rank = held.send()
+            except QueueFull:
+                break
+            except Exception as exc:  # noqa: BLE001 - a routing error is the request's answer
+                acct.queue.popleft()
+                self._dequeued(cls, held, acct)
+                held.future.set_exception(exc)
+                continue
+            acct.queue.popleft()
+            start = acct.finish
+            cls.vtime = start
+            acct.finish = start + held.cost / max(held.tenant.weight, 1e-9)
+            acct.num_released += 1
+            self._dequeued(cls, held, acct)
+            self._observe(held)
+            held.future.set_result(rank)
+            released += 1
+        return released
+
+    def finished(self, held: Held, used: int) -> None:
+        """A released request ended having used `used` of its estimated cost in tokens:
+        the rest goes back to its tenant (max_tokens is only an upper bound)."""
+        cls = self._classes.get(held.priority)
+        acct = cls.accounts.get(held.tenant.name) if cls is not None else None
+        if acct is None:
+            return
+        acct.num_released -= 1
+        if used < held.cost:
+            acct.finish -= (held.cost - used) / max(held.tenant.weight, 1e-9)
+        self._forget_idle(cls, held.priority, held.tenant.name, acct)
+
+    def _next(self) -> tuple[_Class, str, _Account]:
+        """The most urgent class with a held request; in it, the lowest finish tag."""
+        priority = min(p for p, c in self._classes.items() if c.backlogged)
+        cls = self._classes[priority]
+        best = None
+        for name in cls.backlogged:
+            acct = cls.accounts[name]
+            key = (acct.finish, acct.queue[0].seq)
+            if best is None or key < best[0]:
+                best = (key, name, acct)
+        return cls, best[1], best[2]
+
+    def _dequeued(self, cls: _Class, held: Held, acct: _Account) -> None:
+        held.send = None  # (it holds the request's state: no cycle outlives the hold)
+        name = held.tenant.name
+        self.num_held -= 1
+        self.stats[name].num_held -= 1
+        if not acct.queue:
+            cls.backlogged.discard(name)
+            self._forget_idle(cls, held.priority, name, acct)
+
+    def _forget_idle(self, cls: _Class, priority: int, name: str, acct: _Account) -> None:
+        """Accounts and classes live while they hold or run something (a client may send
+        any number of distinct priorities: none may leave state behind)."""
+        if acct.queue or acct.num_released > 0:
+            return
+        del cls.accounts[name]
+        if not cls.accounts:
+            del self._classes[priority]
+
+    # ---------------------------------------------------------------- figures
+
+    def _stats(self, name: str) -> TenantStats:
+        stats = self.stats.get(name)
+        if stats is None:
+            stats = self.stats[name] = TenantStats()
+        return stats
+
+    def _observe(self, held: Held) -> None:
+        now = self.clock()
+        waited = now - held.t_held
+        stats = self.stats[held.tenant.name]
+        stats.held_seconds += waited
+        i = 0
+        while i < len(HELD_SECONDS_BUCKETS) and waited > HELD_SECONDS_BUCKETS[i]:
+            i += 1
+        stats.buckets[i] += 1
+        self._rate = self._rate * math.exp((self._rate_t - now) / _RATE_TAU_S) + 1.0 / _RATE_TAU_S
+        self._rate_t = now
+
+    def retry_after_s(self, num_ahead: int) -> int:
+        """Seconds until `num_ahead` held requests are likely released, at the recent
+        release rate (1 to 60)."""
+        rate = self._rate * math.exp((self._rate_t - self.clock()) / _RATE_TAU_S)
+        if rate <= 0:
+            return 60
+        return max(1, min(60, math.ceil(num_ahead / rate)))
+
+
+class AdmissionCollector:
+    """Admission's figures on /metrics, per tenant (the key file's names: a bounded set)."""
+
+    def __init__(self, admission: Admission, index: int) -> None:
+        self.admission, self.index = admission, str(index)
+
+    def collect(self):
+        labels = ["api_server", "tenant"]
+        depth = GaugeMetricFamily("dpserve_api_admission_held_requests", "Requests held now at this API server (every rank full).", labels=labels)
+        held = CounterMetricFamily("dpserve_api_admission_held", "Requests that were held before a rank had room.", labels=labels)
+        refused = CounterMetricFamily("dpserve_api_admission_refused", "Requests refused (429): their tenant's held queue was full.", labels=labels)
+        gone = CounterMetricFamily("dpserve_api_admission_abandoned", "Held requests whose clients went away.", labels=labels)
+        wait = HistogramMetricFamily("dpserve_api_admission_held_seconds", "Time held before release, of released requests.", labels=labels)
+        for name, s in self.admission.stats.items():
+            label = [self.index, name]
+            depth.add_metric(label, s.num_held)
+            held.add_metric(label, s.num_held_total)
+            refused.add_metric(label, s.num_refused)
+            gone.add_metric(label, s.num_abandoned)
+            cumulative, total = [], 0
+            for bound, n in zip((*map(str, HELD_SECONDS_BUCKETS), "+Inf"), s.buckets):
+                total += n
+                cumulative.append((bound, total))
+            wait.add_metric(label, cumulative, s.held_seconds)
+        yield from (depth, held, refused, gone, wait)

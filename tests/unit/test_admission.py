@@ -1,0 +1,231 @@
+"""Admission held at the frontend (daemons/api/admission.py): the fair order by tokens,
+weights, priority classes, bounds and abandonment, against a fake cluster whose room
+the test sets and a virtual clock (no sockets, no sleeping)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from dpserve.daemons.api.admission import Admission, AdmissionCollector, HoldRefused
+from dpserve.daemons.api.router import NoRankAvailable, QueueFull
+from dpserve.daemons.api.tenants import Tenant
+
+A, B, C = Tenant("a"), Tenant("b"), Tenant("c")
+
+
+class Cluster:
+    """Ranks with `room` free places; a send takes one or raises QueueFull (the router's way)."""
+
+    def __init__(self) -> None:
+        self.room = 0
+        self.sent: list[tuple[str, int]] = []  # (tenant, its n-th request)
+
+    def send_of(self, tenant: Tenant, n: int):
+        def send() -> int:
+            if self.room <= 0:
+                raise QueueFull(4)
+            self.room -= 1
+            self.sent.append((tenant.name, n))
+            return 0
+        return send
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def hold(adm: Admission, cluster: Cluster, tenant: Tenant, n: int, cost: int = 100, priority: int = 0):
+    return [adm.enqueue(tenant, priority, cost, cluster.send_of(tenant, i)) for i in range(n)]
+
+
+def released(adm: Admission, cluster: Cluster, n: int) -> list[str]:
+    cluster.room = n
+    start = len(cluster.sent)
+    adm.release()
+    return [name for name, _ in cluster.sent[start:]]
+
+
+def test_equal_tenants_alternate_and_a_late_one_is_not_behind_the_backlog():
+    async def main():
+        adm, cluster = Admission(100), Cluster()
+        hold(adm, cluster, A, 20)
+        assert released(adm, cluster, 4) == ["a"] * 4  # alone: it takes all the room
+        hold(adm, cluster, B, 3)
+        # b arrives behind 16 of a's: it goes next, and they alternate while both wait
+        assert released(adm, cluster, 6) == ["b", "a", "b", "a", "b", "a"]
+        assert adm.num_held == 16 - 3
+    run(main())
+
+
+def test_weights_share_the_releases_in_proportion():
+    async def main():
+        adm, cluster = Admission(1000), Cluster()
+        heavy = Tenant("heavy", weight=3.0)
+        hold(adm, cluster, heavy, 200)
+        hold(adm, cluster, B, 200)
+        order = released(adm, cluster, 100)
+        assert order.count("heavy") == 75 and order.count("b") == 25
+    run(main())
+
+
+def test_order_is_by_tokens_not_requests():
+    async def main():
+        adm, cluster = Admission(1000), Cluster()
+        hold(adm, cluster, A, 50, cost=1000)  # long requests
+        hold(adm, cluster, B, 500, cost=100)  # short ones
+        order = released(adm, cluster, 110)
+        tokens_a, tokens_b = 1000 * order.count("a"), 100 * order.count("b")
+        assert abs(tokens_a - tokens_b) <= 1000  # equal tokens, within one request
+        assert order.count("b") >= 9 * order.count("a")
+    run(main())
+
+
+def test_unused_tokens_are_credited_back_when_a_request_finishes():
+    async def main():
+        adm, cluster = Admission(1000), Cluster()
+        first_a = hold(adm, cluster, A, 1, cost=1000)
+        hold(adm, cluster, A, 100, cost=1000)
+        hold(adm, cluster, B, 100, cost=1000)
+        assert released(adm, cluster, 2) == ["a", "b"]
+        before = released(adm, cluster, 10)
+        assert before.count("a") == before.count("b") == 5
+        adm.finished(first_a[0], used=100)  # it asked for 1,000 tokens, used 100: 900 come back
+        # a is now 900 tokens behind b: it gets the next release (and one more turn in all)
+        after = released(adm, cluster, 3)
+        assert after == ["a", "b", "a"]
+    run(main())
+
+
+def test_a_lower_priority_class_goes_first_whatever_the_shares():
+    async def main():
+        adm, cluster = Admission(1000), Cluster()
+        hold(adm, cluster, A, 5, priority=10)  # bulk
+        hold(adm, cluster, B, 3, priority=0)  # interactive, later, of a tenant with the same share
+        hold(adm, cluster, C, 2, priority=-5)  # more urgent still
+        assert released(adm, cluster, 10) == ["c", "c", "b", "b", "b", "a", "a", "a", "a", "a"]
+    run(main())
+
+
+def test_an_idle_tenant_banks_no_credit():
+    async def main():
+        adm, cluster = Admission(1000), Cluster()
+        hold(adm, cluster, A, 50)
+        released(adm, cluster, 50)  # a ran alone for a while; b was idle
+        hold(adm, cluster, A, 10)
+        hold(adm, cluster, B, 10)
+        # b's idleness does not entitle it to 50 releases in a row: they alternate
+        assert released(adm, cluster, 6) == ["b", "a", "b", "a", "b", "a"]
+    run(main())
+
+
+def test_a_full_held_queue_refuses_with_a_retry_after():
+    async def main():
+        clock = Clock()
+        adm, cluster = Admission(3, clock=clock), Cluster()
+        hold(adm, cluster, A, 3)
+        with pytest.raises(HoldRefused) as info:
+            hold(adm, cluster, A, 1)
+        assert info.value.limit == 3 and info.value.tenant == "a" and 1 <= info.value.retry_after_s <= 60
+        hold(adm, cluster, B, 3)  # the bound is per tenant
+        assert adm.stats["a"].num_refused == 1 and adm.num_held == 6
+        assert info.value.retry_after_s == 60  # nothing released yet: no rate to go by
+        # the retry estimate follows the release rate: 10 a second, 3 ahead: 1 s
+        alone = Admission(3, clock=clock)
+        for _ in range(300):
+            clock.now += 0.1
+            hold(alone, cluster, C, 1)
+            released(alone, cluster, 1)
+        assert alone.retry_after_s(3) == 1
+        assert alone.retry_after_s(100) in (10, 11)
+    run(main())
+
+
+def test_an_abandoned_held_request_leaves_at_once_and_is_never_sent():
+    async def main():
+        adm, cluster = Admission(100), Cluster()
+        held = hold(adm, cluster, A, 2)
+        waiter = asyncio.create_task(adm.wait(held[0]))
+        other = asyncio.create_task(adm.wait(held[1]))
+        await asyncio.sleep(0)
+        waiter.cancel()  # aiohttp cancels the handler of a client that went away
+        await asyncio.sleep(0)
+        assert waiter.cancelled() and adm.num_held == 1 and adm.stats["a"].num_abandoned == 1
+        cluster.room = 5
+        adm.on_room()
+        assert await asyncio.wait_for(other, 1) == 0
+        assert cluster.sent == [("a", 1)] and adm.num_held == 0
+    run(main())
+
+
+def test_a_request_cancelled_just_before_a_release_is_not_sent():
+    async def main():
+        adm, cluster = Admission(100), Cluster()
+        held = hold(adm, cluster, A, 2)
+        held[0].future.cancel()  # cancelled; its handler has not run yet
+        assert released(adm, cluster, 5) == ["a"] and cluster.sent == [("a", 1)]
+        assert adm.num_held == 0 and adm.stats["a"].num_abandoned == 1
+    run(main())
+
+
+def test_a_routing_error_answers_the_held_request_and_the_rest_go_on():
+    async def main():
+        adm, cluster = Admission(100), Cluster()
+        (bad,) = [adm.enqueue(A, 0, 100, lambda: (_ for _ in ()).throw(NoRankAvailable()))]
+        hold(adm, cluster, B, 1)
+        cluster.room = 1
+        adm.release()
+        assert isinstance(bad.future.exception(), NoRankAvailable)
+        assert cluster.sent == [("b", 0)] and adm.num_held == 0
+    run(main())
+
+
+def test_room_reports_coalesce_into_one_release_on_the_loop():
+    async def main():
+        adm, cluster = Admission(100), Cluster()
+        tasks = [asyncio.create_task(adm.wait(h)) for h in hold(adm, cluster, A, 3)]
+        await asyncio.sleep(0)
+        cluster.room = 3
+        for _ in range(5):
+            adm.on_room()  # e.g. every rank of one table
+        assert cluster.sent == []  # never inside the router's update: on the loop, once
+        assert await asyncio.gather(*tasks) == [0, 0, 0]
+        assert len(cluster.sent) == 3
+    run(main())
+
+
+def test_accounts_and_classes_do_not_outlive_their_requests():
+    async def main():
+        adm, cluster = Admission(100), Cluster()
+        helds = [adm.enqueue(A, p, 100, cluster.send_of(A, p)) for p in range(50)]  # 50 distinct priorities
+        released(adm, cluster, 50)
+        assert adm.num_accounts == 50  # running: kept for the correction
+        for h in helds:
+            adm.finished(h, used=10)
+        assert adm.num_accounts == 0 and adm.num_held == 0
+    run(main())
+
+
+def test_metrics_show_each_tenants_depth_and_wait():
+    async def main():
+        clock = Clock()
+        adm, cluster = Admission(100, clock=clock), Cluster()
+        hold(adm, cluster, A, 3)
+        clock.now += 0.2
+        released(adm, cluster, 1)
+        families = {f.name: f for f in AdmissionCollector(adm, 0).collect()}
+        depth = families["dpserve_api_admission_held_requests"].samples[0]
+        assert depth.labels == {"api_server": "0", "tenant": "a"} and depth.value == 2
+        waits = {s.name + s.labels.get("le", ""): s.value for s in families["dpserve_api_admission_held_seconds"].samples}
+        assert waits["dpserve_api_admission_held_seconds_bucket0.1"] == 0
+        assert waits["dpserve_api_admission_held_seconds_bucket0.25"] == 1
+        assert waits["dpserve_api_admission_held_seconds_sum"] == pytest.approx(0.2)
+    run(main())
