@@ -126,6 +126,8 @@ class SimCluster:
         prefork: bool = False,
         run_dir: str | None = None,
         ranks_per_node: int = 8,
+        max_num_seqs: int = 64,
+        api_options: dict | None = None,
     ) -> None:
         self.num_ranks = num_ranks
         self.num_api_servers = num_api_servers
@@ -139,6 +141,8 @@ class SimCluster:
         self.max_waiting_per_rank = max_waiting_per_rank
         self.vary_load = vary_load
         self.ranks_per_node = ranks_per_node  # simulated nodes: one NodeLoad each (0: one node a process)
+        self.max_num_seqs = max_num_seqs
+        self.api_options = api_options or {}  # other ApiServerConfig fields (e.g. admission's)
         # prefork: API servers forked from dpserve's launcher after one import, as
         # `dpserve serve` does by default (this process becomes a child subreaper)
         self.prefork = prefork
@@ -240,6 +244,7 @@ class SimCluster:
                 wait_for_engine_s=1.0,
                 request_first_token_timeout_s=30.0,
             )
+            api = msgspec.structs.replace(api, **self.api_options)
             if self.prefork:
                 self._fork_api(f"api-{i}", api)
             else:
@@ -283,7 +288,7 @@ class SimCluster:
             "--coordinator", self.coordinator_address, "--fingerprint", self.fingerprint, "--ranks", f"{first}-{last}",
             "--report-interval-s", str(self.report_interval_s), "--decode-step-ms", str(self.decode_step_ms),
             "--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--parent-pid", str(os.getpid()),
-            "--ranks-per-node", str(self.ranks_per_node),
+            "--ranks-per-node", str(self.ranks_per_node), "--max-num-seqs", str(self.max_num_seqs),
         ] + (["--vary-load"] if self.vary_load else [])
         self._spawn(name, "dpserve.engine.testing.sim", None, args)
         self.sim_procs.append(name)
