@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from dpserve.engine import hf_compat
 from dpserve.engine.kv_cache import KVCache
-from dpserve.engine.paged_attention import paged_decode, write_kv
+from dpserve.engine.paged_attention import paged_decode, paged_sdpa_decode, write_kv
 
 ATTN_IMPLEMENTATION = "dpserve_paged"
 
@@ -84,7 +84,8 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """A step of decodes only, attended in place (paged_attention.paged_decode): the compiled path.
+    """A step of decodes only, attended in place (paged_attention.paged_decode): the compiled path;
+    or through SDPA over the gathered blocks (paged_sdpa_decode): the CUDA-graph path.
 
     block_tables [B, W] long: each row's blocks, padded with block 0;
     lengths [B] context lengths including the new token.
@@ -92,6 +93,7 @@ class DecodeBatch:
 
     block_tables: torch.Tensor
     lengths: torch.Tensor
+    sdpa: bool = False  # attend through paged_sdpa_decode (the CUDA-graph path) instead of in place
 
 
 @dataclass(slots=True)
@@ -151,8 +153,9 @@ def paged_attention(
         k_cache, v_cache = module.dpserve_k_cache, module.dpserve_v_cache
         write_kv(k_cache, v_cache, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = paged_decode(query[0].transpose(0, 1), k_cache, v_cache, meta.batch.block_tables, meta.batch.lengths,
-                           meta.kv.block_size, scale, sliding_window)
+        decode = paged_sdpa_decode if meta.batch.sdpa else paged_decode
+        out = decode(query[0].transpose(0, 1), k_cache, v_cache, meta.batch.block_tables, meta.batch.lengths,
+                     meta.kv.block_size, scale, sliding_window)
         return out.unsqueeze(0), None
     layer = hf_compat.layer_index(module)
     k_cache, v_cache = meta.kv.keys[layer], meta.kv.values[layer]

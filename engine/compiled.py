@@ -49,25 +49,41 @@ def compile_cache_dir() -> str:
 
 
 def use_compiled_decode(enforce_eager: bool | None, loaded) -> bool:
-    """Whether a rank compiles its decode forward: --enforce-eager (vLLM's flag) says no,
-    --no-enforce-eager yes; unset, a CPU rank compiles a model of COMPILE_MIN_PARAMS or more.
+    """Whether a rank runs its decode steps compiled: --enforce-eager (vLLM's flag) says no,
+    --no-enforce-eager yes; unset, a CUDA rank replays CUDA graphs (cuda_graphs.py, vLLM's
+    default) and a CPU rank compiles a model of COMPILE_MIN_PARAMS or more.
 
-    Below that (the tiny test and demo models) a step is a few milliseconds, and the
-    compile would cost more start time than a day of Python overhead. CUDA stays eager
-    until its CUDA-graph path exists; a host without a C++ compiler cannot compile."""
+    Below that (the tiny test and demo models) a CPU step is a few milliseconds, and the
+    compile would cost more start time than a day of Python overhead. A CPU host without
+    a C++ compiler cannot compile."""
     if enforce_eager is not None:
         return not enforce_eager and _can_compile(loaded.device)
+    if loaded.device.type == "cuda":
+        return True
     num_params = sum(p.numel() for p in loaded.model.parameters())
     return num_params >= COMPILE_MIN_PARAMS and _can_compile(loaded.device)
 
 
 def _can_compile(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return True  # graphs are captured, not compiled
     if device.type != "cpu":
         return False
     if shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:
         log.warning("no C++ compiler on PATH: the decode forward runs eagerly")
         return False
     return True
+
+
+def bind_kv(model: torch.nn.Module, kv) -> None:
+    """Each attention module reads its layer's cache from itself on the compiled and graph paths
+    (attention.py): one compiled block, or one captured call, serves every layer."""
+    if getattr(model, "_dpserve_bound_kv", None) is kv:
+        return
+    for module in hf_compat.attention_modules(model):
+        layer = hf_compat.layer_index(module)
+        module.dpserve_k_cache, module.dpserve_v_cache = kv.keys[layer], kv.values[layer]
+    model._dpserve_bound_kv = kv
 
 
 class CompiledDecode:
@@ -96,13 +112,7 @@ class CompiledDecode:
         self.warm_s = 0.0
 
     def bind_kv(self, kv) -> None:
-        """Each attention module reads its layer's cache from itself while compiled (attention.py)."""
-        if getattr(self.model, "_dpserve_bound_kv", None) is kv:
-            return
-        for module in self.attention:
-            layer = hf_compat.layer_index(module)
-            module.dpserve_k_cache, module.dpserve_v_cache = kv.keys[layer], kv.values[layer]
-        self.model._dpserve_bound_kv = kv
+        bind_kv(self.model, kv)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] of every row."""

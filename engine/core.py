@@ -103,7 +103,7 @@ class EngineCore:
         )
         self.runner = ModelRunner(loaded, self.kv)
         if use_compiled_decode(config.enforce_eager, loaded):  # compiled (or loaded from its cache) before ready
-            self.runner.enable_compiled_decode()
+            self.runner.enable_compiled_decode(config.max_num_seqs)
         generator = torch.Generator(device=loaded.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(loaded.eos_token_ids, generator)

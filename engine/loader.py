@@ -35,12 +35,16 @@ class LoadedModel:
 
 
 def resolve_device(spec: str, rank: int) -> torch.device:
-    """"auto": cuda:<rank mod device count> when CUDA is usable, else cpu."""
-    if spec != "auto":
-        return torch.device(spec)
-    if torch.cuda.is_available():
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    """vLLM's --device: "auto" is cuda when CUDA is usable, else cpu; "cuda" (or "auto" on a
+    GPU host) is cuda:<rank mod visible devices>, one device per rank; "cuda:N" is that device."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {spec}: torch sees no CUDA device (a CPU-only build of torch, or no GPU visible)")
+    return device if device.index is not None else torch.device("cuda", rank % torch.cuda.device_count())
 
 
 def fast_bf16(device: torch.device) -> bool:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 from dpserve.engine.attention import DecodeBatch, DecodeGroup, PrefillChunk, StepMetadata, step_metadata
-from dpserve.engine.compiled import CompiledDecode, eager
+from dpserve.engine.compiled import CompiledDecode, bind_kv, eager
+from dpserve.engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, capture_sizes
 from dpserve.engine.kv_cache import KVCache
 from dpserve.engine.loader import LoadedModel
 from dpserve.engine.sequence import Sequence
@@ -60,15 +61,40 @@ class ModelRunner:
         self.decode_pad_cells = DECODE_PAD_CELLS
         # (sequence, first position, logits of positions first.. of its chunk that lie in the prompt)
         self.last_prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []
+        self.max_model_len = loaded.max_model_len
         self.compiled: CompiledDecode | None = None
+        self.graphs: DecodeGraphs | None = None
 
-    def enable_compiled_decode(self) -> float:
-        """Decode-only steps through the compiled forward from now on; compiles it (or loads
-        it from inductor's cache) by running dummy steps; returns the seconds that took."""
+    def enable_compiled_decode(self, max_num_seqs: int = 256) -> float:
+        """Decode-only steps through the compiled forward from now on: CUDA graphs on a GPU
+        (enable_decode_graphs), else the torch.compile'd blocks, compiled (or loaded from
+        inductor's cache) by running dummy steps. Returns the seconds that took."""
+        if self.device.type == "cuda":
+            return self.enable_decode_graphs(CudaGraphBackend(), max_num_seqs)
         compiled = CompiledDecode(self.model)
         seconds = compiled.warm(lambda rows: self._dummy_decode(compiled, rows))
         self.compiled = compiled
         return seconds
+
+    @torch.inference_mode()
+    def enable_decode_graphs(self, backend: GraphBackend, max_num_seqs: int) -> float:
+        """Decode-only steps of up to max_num_seqs rows replayed from graphs captured now
+        (cuda_graphs.DecodeGraphs; any backend, so the bookkeeping is testable on a CPU).
+        Captured over block 0's first slot, before any sequence owns a block."""
+        max_blocks = -(-self.max_model_len // self.block_size)
+        graphs = DecodeGraphs(self._graph_forward, capture_sizes(max_num_seqs), max_blocks, self.device, backend)
+        bind_kv(self.model, self.kv)
+        seconds = graphs.capture()
+        self.graphs = graphs
+        return seconds
+
+    def _graph_forward(self, rows: int, input_ids, positions, slots, block_tables, lengths) -> torch.Tensor:
+        """The model over `rows` decode rows read from DecodeGraphs' static buffers (no host sync)."""
+        batch = DecodeBatch(block_tables, lengths, sdpa=True)
+        kwargs = {"logits_to_keep": 0} if self._has_logits_to_keep else {}
+        with step_metadata(StepMetadata(self.kv, slots, [], [], None, batch)), eager():
+            out = self.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False, **kwargs)
+        return out.logits[0]
 
     @torch.inference_mode()
     def _dummy_decode(self, compiled: CompiledDecode, rows: int) -> None:
@@ -89,6 +115,10 @@ class ModelRunner:
         step = _PackedStep()
         if self.compiled is not None and decodes and not prefills:
             return self._execute_compiled(decodes, step)
+        if self.graphs is not None and decodes and not prefills:
+            width = -(-(decodes[-1].num_computed_tokens + 1) // self.block_size)
+            if self.graphs.can_run(len(decodes), width):
+                return self._execute_graphs(decodes, step, width)
         # 1. Decodes first, ascending context length, so similar lengths are neighbours.
         groups = self._pack_decodes(decodes, step)
         # 2. Prefill chunks after them, one causal block each.
@@ -122,6 +152,17 @@ class ModelRunner:
         with step_metadata(StepMetadata(self.kv, self._long(step.slots), [], [], None, batch)):
             logits = self.compiled(self._long(step.input_ids).unsqueeze(0), self._long(step.positions).unsqueeze(0))
         if len(step.keep) != len(step.input_ids):  # a padding row, or a prompt's one-token chunk that is not its last
+            logits = logits[self._long(step.keep)]
+        return logits, step.sampled
+
+    def _execute_graphs(self, decodes: list[Sequence], step: _PackedStep, width: int) -> tuple[torch.Tensor, list[Sequence]]:
+        """A decode-only step replayed from the captured graph of its padded size."""
+        lengths = self._pack_decode_rows(decodes, step)
+        tables = [seq.block_table[:width] + [0] * (width - min(width, len(seq.block_table))) for seq in decodes]
+        self.last_prompt_logits = []
+        logits = self.graphs.run(self._long(step.input_ids), self._long(step.positions), self._long(step.slots),
+                                 self._long(tables), self._long(lengths))
+        if len(step.keep) != len(step.input_ids):  # a prompt's one-token chunk that is not its last
             logits = logits[self._long(step.keep)]
         return logits, step.sampled
 

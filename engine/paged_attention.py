@@ -47,3 +47,33 @@ def paged_decode(
     probs = torch.softmax(scores, dim=1).unsqueeze(-1)  # [B, T, KVH, G, 1]
     out = (probs * v.float()).sum(1)  # [B, KVH, G, D]
     return out.reshape(rows, heads, dim).to(query.dtype)
+
+
+def paged_sdpa_decode(
+    query: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks * block_size, KVH, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, W] long
+    lengths: torch.Tensor,  # [B] long
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """paged_decode's result through SDPA (the CUDA-graph decode's attention): each row's blocks
+    gathered by one index_select into [B, KVH, W * block_size, D], then one masked SDPA call
+    (FlashAttention-class fused kernels on CUDA, grouped-query heads without repeating keys).
+    Everything stays on the device: no host sync, so it can be captured in a CUDA graph."""
+    rows, heads, dim = query.shape
+    kv_heads = k_cache.shape[1]
+    width = block_tables.shape[1]
+    flat = block_tables.reshape(-1)
+    k = k_cache.view(-1, block_size, kv_heads, dim).index_select(0, flat).view(rows, width * block_size, kv_heads, dim)
+    v = v_cache.view(-1, block_size, kv_heads, dim).index_select(0, flat).view(rows, width * block_size, kv_heads, dim)
+    pos = torch.arange(width * block_size, device=query.device).unsqueeze(0)
+    valid = pos < lengths.unsqueeze(1)
+    if window is not None:
+        valid = valid & (pos >= lengths.unsqueeze(1) - window)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        scale=scale, enable_gqa=heads != kv_heads)
+    return out.squeeze(2)

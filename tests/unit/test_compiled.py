@@ -110,8 +110,8 @@ def test_prefix_cache_hits_through_the_compiled_decode(loaded_demo_model, compil
 
 
 def test_the_default_rule(loaded_demo_model, monkeypatch):
-    """Unset: only models of COMPILE_MIN_PARAMS or more compile; the flag wins either way; CUDA and
-    hosts without a C++ compiler stay eager."""
+    """Unset: only models of COMPILE_MIN_PARAMS or more compile on a CPU; the flag wins either way;
+    hosts without a C++ compiler stay eager (CUDA replays graphs instead: test_cuda_graphs.py)."""
     assert not compiled_mod.use_compiled_decode(None, loaded_demo_model)  # the tiny model: ~1 M parameters
     assert not compiled_mod.use_compiled_decode(True, loaded_demo_model)
     assert compiled_mod.use_compiled_decode(False, loaded_demo_model)
