@@ -15,6 +15,7 @@ import os
 from typing import Any, TypeVar
 
 import msgspec
+from dpserve.daemons.api.tenants import Tenant
 from dpserve.daemons.coordinator.routing import is_node_local
 from dpserve.engine.common.config import ENGINES, NATIVE_ENGINE, SCHEDULING_POLICIES, EngineConfig
 
@@ -70,10 +71,16 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # --api-key-file as a TOML file of tenants (daemons/api/tenants): each API server reads it,
+    # again on SIGHUP; tenant_keys is that file as the node started (key sha256 hex, tenant):
+    # what an API server serves if the file cannot be read when it starts
+    tenants_file: str | None = None
+    tenant_keys: list[tuple[str, Tenant]] | None = None
     data_parallel_size: int = 1
     api_server_count: int = 1  # 0 on a headless worker: it runs none
     # the ranks' engine settings; their defaults are EngineConfig's
     dtype: str = _ENGINE["dtype"]
+    device: str = _ENGINE["device"]
     max_model_len: int = _ENGINE["max_model_len"]
     max_num_seqs: int = _ENGINE["max_num_seqs"]
     max_num_batched_tokens: int = _ENGINE["max_num_batched_tokens"]
@@ -384,6 +391,8 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     model_dir: str
     served_model_name: str
     api_key: str | None
+    tenants_file: str | None = None
+    tenant_keys: list[tuple[str, Tenant]] | None = None
     data_parallel_size: int
     max_model_len: int
     lb_policy: str

@@ -39,6 +39,8 @@ from dpserve.engine.common.protocol import (
     PrefixRouted,
     ResumeRequests,
     TableChannel,
+    TenantTotals,
+    TenantUsage,
 )
 from dpserve.engine.common.sockets import make_socket, peer_name
 
@@ -47,6 +49,8 @@ def _retrieve(sent: asyncio.Future) -> None:
     if not sent.cancelled():
         sent.exception()  # read, so asyncio does not log it as never retrieved
 
+
+_TENANT_NEWS = (TenantUsage, TenantTotals)
 
 class EngineClient:
     def __init__(
@@ -93,6 +97,7 @@ class EngineClient:
         # Requests of lost ranks move on instead of failing (migration.py).
         self.migrator = Migrator(self, max_migrations, migrate_pinned, wait_for_engine_s, log)
         self.on_step: Callable[[int, int], None] | None = None  # (rank, tokens) per engine step's outputs (metrics)
+        self.on_tenants: Callable[[object], None] | None = None  # TenantUsage / TenantTotals (tenants/sync.py)
 
     def start(self) -> None:
         self._tasks = [
@@ -360,6 +365,10 @@ class EngineClient:
             return
         if type(table) is PrefixRouted:
             self.router.learn(table)
+            return
+        if type(table) in _TENANT_NEWS:
+            if self.on_tenants is not None:
+                self.on_tenants(table)  # tenants/sync.py: the other API servers' usage, the cluster's totals
             return
         if type(table) is LoadDelta:  # loads only: the entries we hold, with their new load
             table = LoadTable(table.seq, table.data_parallel_size, expand(table, self.router.loads))

@@ -30,6 +30,7 @@ from dpserve.daemons.api.openai_types import ApiError, encode, error_body
 from dpserve.daemons.api.openapi import BUDGETS_400, build_openapi
 from dpserve.daemons.api.router import Router
 from dpserve.daemons.api.serving import auth_middleware
+from dpserve.daemons.api.tenants.service import TenantService
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.daemons.config import ApiServerConfig
 from dpserve.engine.common.auth import CurveKeys, start_authenticator
@@ -195,6 +196,10 @@ class ApiServer:
             self.router.origin = incarnation
             self.router.on_routed = self._prefix_routed
         self.metrics = ApiMetrics(cfg, self.router)
+        # tenants (--api-key-file as TOML): keys, limits held across the cluster, per-tenant metrics
+        self.tenants = TenantService(cfg, log, self.coordinator, self.metrics.registry, incarnation) if cfg.tenants_file else None
+        if self.tenants is not None:
+            self.client.on_tenants = self.tenants.sync.apply
         self.client.on_step = self.metrics.vllm.step
         self.serving = OpenAIServing(cfg, self.tokenizer, self.client, self.metrics, log)
         self.stop_event = asyncio.Event()
@@ -209,7 +214,7 @@ class ApiServer:
         self._openapi: bytes | None = None  # built on first ask
 
     def build_app(self) -> web.Application:
-        auth = auth_middleware(self.cfg.api_key)
+        auth = auth_middleware(self.cfg.api_key, self.tenants.gate if self.tenants is not None else None)
         middlewares = [openai_errors] if auth is None else [openai_errors, auth]
         app = web.Application(client_max_size=self.cfg.max_request_body_bytes, middlewares=middlewares)
         app.on_response_prepare.append(json_417)
@@ -279,7 +284,7 @@ class ApiServer:
         if self._openapi is None:
             s = self.serving
             limits = {field: getattr(self.cfg, field) for field, _, _ in BUDGETS_400 if hasattr(self.cfg, field)}
-            doc = build_openapi(s.model_name, s.vocab_size, s.max_model_len, api_key=bool(self.cfg.api_key), version=VERSION, limits=limits,
+            doc = build_openapi(s.model_name, s.vocab_size, s.max_model_len, api_key=bool(self.cfg.api_key or self.cfg.tenants_file), version=VERSION, limits=limits,
                                 tokenizer_info=self.cfg.enable_tokenizer_info_endpoint)
             self._openapi = encode(doc)
         return _json(self._openapi)
@@ -290,6 +295,9 @@ class ApiServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
+        if self.tenants is not None:  # SIGHUP: read the key file again (a supervisor's SIGHUP restarts us instead)
+            loop.add_signal_handler(signal.SIGHUP, self.tenants.on_signal)
+            self.tenants.start()
         self.client.start()
         await self.coordinator.send(self._register)
         # keepalive_timeout bounds the wait for a request's headers, on a new connection
@@ -324,6 +332,8 @@ class ApiServer:
         await self.stop_event.wait()
         heartbeat.cancel()
         await self.drain()
+        if self.tenants is not None:
+            self.tenants.stop()
         self.metrics.vllm.save()
         await self.runner.cleanup()
         await self.probe_runner.cleanup()

@@ -34,7 +34,9 @@ from dpserve.daemons.api.refusals import hold_refused_error, parse_rank_header, 
 from dpserve.daemons.api.request_checks import check_unsupported, decode_request
 from dpserve.daemons.api.request_state import RequestState
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
-from dpserve.daemons.api.tenants import Tenant
+from dpserve.daemons.api.tenants import DEFAULT_TENANT, Tenant
+from dpserve.daemons.api.tenants.gate import CALL as TENANT_CALL
+from dpserve.daemons.api.tenants.gate import UNAUTHORIZED, TenantGate
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.daemons.config import ApiServerConfig
 from dpserve.engine.common.protocol import AddRequest, SamplingParams
@@ -77,10 +79,14 @@ def failure_event(exc: EngineFailure) -> bytes:
     return b"data: " + encode(ErrorResponse(ErrorBody(str(exc), kind, None, code or "engine_error"))) + b"\n\n" + DONE
 
 
-def auth_middleware(api_key: str | None):
+def auth_middleware(api_key: str | None, gate: TenantGate | None = None):
     """Middleware that asks every /v1/ route and /invocations (it generates) for
     `Authorization: Bearer <api_key>`, or None without a key. A path no route serves
-    keeps its 404 (or 405) without a key. vLLM's /tokenize and /detokenize stay open, as there."""
+    keeps its 404 (or 405) without a key. vLLM's /tokenize and /detokenize stay open, as there.
+    Each accepted request carries its Tenant as request["tenant"]; with a tenants file
+    (`gate`) the key says which, and the tenant's limits are held here (tenants/gate.py)."""
+    if gate is not None:
+        return gate.middleware()
     if not api_key:
         return None
     expected = f"Bearer {api_key}".encode()
@@ -92,8 +98,8 @@ def auth_middleware(api_key: str | None):
             # the bytes that came, so any header compares instead of raising.
             got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(got, expected):
-                raise ApiError(401, "Missing or invalid API key (send 'Authorization: Bearer <key>').",
-                               type="authentication_error", code="invalid_api_key")
+                raise ApiError(401, UNAUTHORIZED[0], type=UNAUTHORIZED[1], code=UNAUTHORIZED[2])
+            request["tenant"] = DEFAULT_TENANT
         return await handler(request)
 
     return check_api_key
@@ -227,6 +233,10 @@ class ServingBase:
         stop_ids = tuple(req.stop_token_ids or ())
         if any(t >= self.vocab_size for t in stop_ids):
             raise ApiError(400, f"stop_token_ids must be in [0, {self.vocab_size}).", param="stop_token_ids")
+        priority = req.priority
+        if (call := TENANT_CALL.get()) is not None:  # a tenants file: its cap, its tokens, its default priority
+            max_tokens = call.max_tokens(req, num_prompt, max_tokens)
+            priority = priority or call.tenant.priority
         if req.priority and self.cfg.scheduling_policy != "priority":
             raise ApiError(400, f"priority {req.priority} needs --scheduling-policy priority; this server schedules "
                            f"{self.cfg.scheduling_policy} (first come, first served).", param="priority")
@@ -239,7 +249,7 @@ class ServingBase:
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,
-            priority=req.priority,
+            priority=priority,
         )
 
     # ---------------------------------------------------------------- tokenization
@@ -335,6 +345,8 @@ class ServingBase:
             _IN_FLIGHT.reset(in_flight)
             self.request_ended()
             self.metrics.requests_ended(gens[: len(sent)], answered)  # vLLM's request metrics, once per request
+            if (call := TENANT_CALL.get()) is not None:
+                call.ended(gens[: len(sent)])  # its tenant is charged what it used
             for state in sent:
                 if not state.is_finished:
                     self.client.abort(state)  # client went away, or a stop string ended it early

@@ -54,7 +54,7 @@ def _build_config(role: str, model: str | None, opts: dict, given: set[str], log
     values.update(
         model=model,
         role=role,
-        api_key=_api_key(opts),
+        **_api_keys(opts),
         engine_args=parse_engine_args(opts["engine_arg"]),
         data_parallel_size_local=local,
         lb_mode=modes[0] if modes else "internal",
@@ -110,21 +110,21 @@ def _refuse_without_ray(role: str, ray: bool, given: set[str]) -> None:
         raise ValueError(f"{', '.join(refused)} apply to --data-parallel-backend ray only")
 
 
-def _api_key(opts: dict) -> str | None:
-    """--api-key, or the first line of --api-key-file (not both): printable ASCII."""
+def _api_keys(opts: dict) -> dict:
+    """--api-key, or --api-key-file (not both): its first line, or a TOML file of tenants
+    (checked now, read again by each API server; the config carries digests, never keys)."""
     key, path = opts["api_key"], opts.get("api_key_file")
     if not path:
-        return _check_key(key, "--api-key")
+        return {"api_key": _check_key(key, "--api-key")}
     if key:
         raise ValueError("give --api-key or --api-key-file, not both")
-    try:
-        with open(path, encoding="utf-8") as f:
-            key = f.readline().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read --api-key-file {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
-    if not key:
-        raise ValueError(f"--api-key-file {path!r} is empty")
-    return _check_key(key, f"--api-key-file {path!r}")
+    from dpserve.daemons.api.tenants.keyfile import read_key_file
+
+    key, book = read_key_file(path)
+    if book is None:
+        return {"api_key": key}
+    keys = [(d.hex(), t) for d, t in zip(book.digests, book.owners)]
+    return {"api_key": None, "tenants_file": os.path.abspath(path), "tenant_keys": keys}
 
 
 def _check_key(key: str | None, source: str) -> str | None:
