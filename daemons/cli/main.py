@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import click
@@ -250,7 +251,10 @@ def status(url: str, as_json: bool, watch: bool, interval: float, old_interval: 
 
     def fetch() -> dict:
         with urllib.request.urlopen(target, timeout=5) as resp:
-            return json.load(resp)
+            data = json.load(resp)
+        if not as_json and data.get("port"):  # busiest tenants: the node's API servers know the cluster's
+            data["tenants"] = _tenants(urllib.parse.urlsplit(target).hostname, data["port"])
+        return data
 
     if not watch:
         try:
@@ -276,6 +280,17 @@ def status(url: str, as_json: bool, watch: bool, interval: float, old_interval: 
             time.sleep(interval)
     except KeyboardInterrupt:
         click.echo()
+
+
+def _tenants(host: str | None, port: int) -> list[dict]:
+    """Tenants' cluster-wide figures from an API server's /metrics; none when it cannot say."""
+    from dpserve.daemons.cli.status_table import tenants_from_metrics
+
+    try:
+        with urllib.request.urlopen(f"http://{host or '127.0.0.1'}:{port}/metrics", timeout=2) as resp:
+            return tenants_from_metrics(resp.read().decode(errors="replace"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
 
 
 from dpserve.daemons.cli.drain import drain, retire, rolling_restart, undrain  # noqa: E402

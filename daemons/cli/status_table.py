@@ -104,6 +104,35 @@ def child_rows(children: list[dict]) -> list[str]:
     return lines
 
 
+TENANT_COLUMNS = f"{'TENANT':<20} {'TOKENS/S':>10} {'REQ/S':>8} {'IN FLIGHT':>9}"
+MAX_TENANT_ROWS = 8
+
+
+def tenant_rows(tenants: list[dict]) -> list[str]:
+    """The busiest tenants across the cluster (the coordinator's 10 s window), most tokens first."""
+    busiest = sorted(tenants, key=lambda t: (-t["tokens_per_s"], t["name"]))[:MAX_TENANT_ROWS]
+    lines = [TENANT_COLUMNS]
+    lines += [f"{t['name'][:20]:<20} {t['tokens_per_s']:>10.1f} {t['requests_per_s']:>8.2f} {t['in_flight']:>9}" for t in busiest]
+    if len(tenants) > len(busiest):
+        lines.append(f"({len(tenants) - len(busiest)} more tenants)")
+    return lines
+
+
+def tenants_from_metrics(text: str) -> list[dict]:
+    """Tenants as an API server's /metrics states them (dpserve_tenant_cluster_* gauges)."""
+    fields = {"dpserve_tenant_cluster_tokens_per_s": "tokens_per_s", "dpserve_tenant_cluster_requests_per_s": "requests_per_s",
+              "dpserve_tenant_cluster_in_flight": "in_flight"}
+    out: dict[str, dict] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{tenant=\"")
+        if name not in fields or '"} ' not in rest:
+            continue
+        tenant, _, value = rest.partition('"} ')
+        row = out.setdefault(tenant, {"name": tenant, "tokens_per_s": 0.0, "requests_per_s": 0.0, "in_flight": 0})
+        row[fields[name]] = int(float(value)) if fields[name] == "in_flight" else float(value)
+    return list(out.values())
+
+
 def render(data: dict) -> str:
     """The whole screen: verdict, the cluster's ranks (* = on this node; ADDRESS: the
     node's address, or the engine's hostname on a single node), this node's children."""
@@ -112,4 +141,6 @@ def render(data: dict) -> str:
     if cluster is not None:
         lines += ["", *rank_rows(cluster["ranks"])]
     lines += ["", *child_rows(data["children"])]
+    if data.get("tenants"):  # `dpserve status` adds them from an API server's /metrics
+        lines += ["", *tenant_rows(data["tenants"])]
     return "\n".join(lines)

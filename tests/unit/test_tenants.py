@@ -229,3 +229,29 @@ def test_changes_say_what_changed():
         ("c", "added", {"weight": 1.0, "priority": 0, "requests_per_s": None, "tokens_per_min": None, "max_concurrent": None, "max_tokens": None}),
     ]
     assert DEFAULT_TENANT.name == "default"
+
+
+def test_metrics_and_status_show_tenants(tmp_path):
+    from dpserve.daemons.api.tenants.metrics import TenantCollector
+    from dpserve.daemons.api.tenants.sync import TenantSync
+    from dpserve.daemons.cli.status_table import render, tenants_from_metrics
+    from dpserve.engine.common.protocol import TenantTotals
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    gate = TenantGate(write(tmp_path, TOML), read_key_file(write(tmp_path, TOML))[1], Log())
+    sync = TenantSync(lambda: gate.limits, "me", lambda data: None)
+    sync.apply(TenantTotals([("search", 120.5, 3.0, 4), ("batch", 900.0, 1.0, 9)]))
+    registry = CollectorRegistry()
+    registry.register(TenantCollector(gate, sync, 1))
+    call = gate.admit(gate.book.tenants["search"])
+    call.prompt, call.completion = 7, 5
+    call.finish()
+    text = generate_latest(registry).decode()
+    assert 'dpserve_tenant_requests_total{api_server="1",tenant="search"} 1.0' in text
+    assert 'dpserve_tenant_tokens_total{api_server="1",kind="completion",tenant="search"} 5.0' in text
+    tenants = tenants_from_metrics(text)
+    assert {t["name"]: (t["tokens_per_s"], t["in_flight"]) for t in tenants} == {"search": (120.5, 4), "batch": (900.0, 9)}
+    screen = render({"ready": True, "reason": "", "phase": "serving", "model": "m", "port": 8000, "pid": 1,
+                     "data_parallel_size": 1, "children": [], "tenants": tenants})
+    rows = screen.split("TENANT")[1].splitlines()
+    assert rows[1].startswith("batch") and rows[2].startswith("search")  # busiest first

@@ -60,7 +60,7 @@ class TenantState:
     """One tenant on this API server: its buckets, its requests in flight, its figures."""
 
     __slots__ = ("tenant", "requests", "tokens", "in_flight", "remote_in_flight", "num_requests", "num_limited",
-                 "num_prompt_tokens", "num_completion_tokens", "held", "queue_s_sum", "queue_count",
+                 "num_prompt_tokens", "num_completion_tokens",
                  "out_requests", "out_charged", "out_delivered", "dirty")
 
     def __init__(self, tenant: Tenant, now: float) -> None:
@@ -75,9 +75,6 @@ class TenantState:
         self.num_limited: dict[str, int] = {}  # limit -> 429s
         self.num_prompt_tokens = 0
         self.num_completion_tokens = 0
-        self.held = 0  # requests held at the frontend now (admission.py writes it)
-        self.queue_s_sum = 0.0  # time held before being sent (admission.py adds to it)
-        self.queue_count = 0
         # not yet reported to the other API servers (sync.py takes these)
         self.out_requests = 0
         self.out_charged = 0
@@ -90,7 +87,7 @@ class TenantState:
             if mine is not None and theirs is not None:
                 mine.level, mine.t = min(mine.capacity, theirs.level), theirs.t
         for name in ("in_flight", "remote_in_flight", "num_requests", "num_limited", "num_prompt_tokens", "num_completion_tokens",
-                     "held", "queue_s_sum", "queue_count", "out_requests", "out_charged", "out_delivered", "dirty"):
+                     "out_requests", "out_charged", "out_delivered", "dirty"):
             setattr(self, name, getattr(old, name))
 
     def cluster_in_flight(self, now: float) -> int:

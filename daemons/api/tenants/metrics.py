@@ -1,4 +1,4 @@
-"""Per-tenant figures on /metrics. The label set is bounded: the tenant names of
+"""Per-tenant figures on /metrics (held-queue depth and time: admission.py's collector). The label set is bounded: the tenant names of
 the key file (reloads add and remove them), never anything a client sends."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ class TenantCollector:
         limited = CounterMetricFamily("dpserve_tenant_rate_limited", "Requests refused with 429 per tenant and limit by this API server.",
                                       labels=[*labels, "limit"])
         in_flight = GaugeMetricFamily("dpserve_tenant_in_flight", "Requests of each tenant in flight on this API server.", labels=labels)
-        held = GaugeMetricFamily("dpserve_tenant_held", "Requests of each tenant held at this API server's frontend queue.", labels=labels)
-        queue = CounterMetricFamily("dpserve_tenant_queue_seconds", "Time requests of each tenant were held before being sent.", labels=labels)
         cluster = GaugeMetricFamily("dpserve_tenant_cluster_tokens_per_s",
                                     "Each tenant's delivered tokens per second across the cluster (the coordinator's 10 s window).", labels=["tenant"])
+        cluster_rps = GaugeMetricFamily("dpserve_tenant_cluster_requests_per_s", "Each tenant's admitted requests per second across the cluster.", labels=["tenant"])
+        cluster_flying = GaugeMetricFamily("dpserve_tenant_cluster_in_flight", "Each tenant's requests in flight across the cluster.", labels=["tenant"])
         for name, st in self.gate.limits.states.items():
             lab = [idx, name]
             requests.add_metric(lab, st.num_requests)
@@ -31,7 +31,8 @@ class TenantCollector:
             for limit, n in st.num_limited.items():
                 limited.add_metric([*lab, limit], n)
             in_flight.add_metric(lab, st.in_flight)
-            held.add_metric(lab, st.held)
-            queue.add_metric(lab, st.queue_s_sum)
-            cluster.add_metric([name], self.sync.cluster_usage(name))
-        yield from (requests, tokens, limited, in_flight, held, queue, cluster)
+            tps, rps, flying = self.sync.cluster.get(name, (0.0, 0.0, 0))
+            cluster.add_metric([name], tps)
+            cluster_rps.add_metric([name], rps)
+            cluster_flying.add_metric([name], flying)
+        yield from (requests, tokens, limited, in_flight, cluster, cluster_rps, cluster_flying)
