@@ -73,7 +73,7 @@ def test_keys_limits_and_reload(node):
     assert code == 400 and err["error"]["param"] == "max_tokens"
     # one request every 10 s for "tight", whichever API server takes it
     assert post(node.url, KEY_TIGHT, body())[0] == 200
-    time.sleep(0.5)  # the other API server hears of it within 0.1 s
+    time.sleep(0.8)  # the other API server hears of it within sync.FLUSH_S (0.25 s)
     refused = [post(node.url, KEY_TIGHT, body()) for _ in range(6)]
     assert all(code == 429 for code, _, _ in refused), [c for c, _, _ in refused]
     code, headers, err = refused[0]

@@ -16,7 +16,7 @@ import zmq
 from dpserve.daemons.api.tenants.limits import Limits
 from dpserve.engine.common.protocol import Codec, TenantTotals, TenantUsage
 
-FLUSH_S = 0.1
+FLUSH_S = 0.25  # each API server reports at most this often: the coordinator's cost is per report
 KEEPALIVE_S = 1.0  # below limits.REMOTE_IN_FLIGHT_TTL_S: a live server's in-flight counts never expire
 
 

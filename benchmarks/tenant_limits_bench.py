@@ -1,0 +1,181 @@
+"""Tenant limits across API servers, and what the coordinator pays for them (issue 28).
+
+    .venv/bin/python benchmarks/tenant_limits_bench.py [--part limits|coordinator|both] [--json]
+
+Part 1 (limits): the real coordinator and 4 API servers sharing one port on
+simulated ranks (benchmarks/simcluster.py), a tenants file whose tenant "capped"
+may use --tokens-per-min T. --clients connections (spread over the 4 API
+servers by the kernel) send as fast as they are let, each 429 answered by a
+short pause. Measured: the tokens (prompt + completion, from usage) served in
+the window after the bucket's starting burst, per minute, against T. The same
+limit held by each API server alone would let through about 4 T.
+
+Part 2 (coordinator): the coordinator at --ranks simulated ranks reporting every
+0.1 s and 32 table subscribers, with and without 32 API servers' TenantUsage
+reports (each every 0.25 s, sync.FLUSH_S, --tenants tenants in each: what busy API servers
+send at most). Measured: the coordinator's CPU (share of one core) in
+alternating windows; the difference is what tenant accounting adds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dpserve.daemons.api.tenants.sync import FLUSH_S  # noqa: E402
+from dpserve.engine.common.protocol import Codec, CoordinatorInput, TenantUsage  # noqa: E402
+
+from benchmarks.cluster_bench import Subscribers  # noqa: E402
+from benchmarks.common import begin, parser  # noqa: E402
+from benchmarks.simcluster import SimCluster  # noqa: E402
+
+KEY = "sk-bench-capped-0001"
+
+
+async def _offer(url: str, clients: int, seconds: float, max_tokens: int) -> list[tuple[float, int, int]]:
+    """(time, status, tokens) of every answer while `clients` loops send as fast as allowed."""
+    import aiohttp
+
+    out: list[tuple[float, int, int]] = []
+    body = {"model": "sim", "prompt": "hello there " * 8, "max_tokens": max_tokens}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    deadline = time.monotonic() + seconds
+
+    async def loop(session) -> None:
+        while time.monotonic() < deadline:
+            async with session.post(url + "/completions", json=body, headers=headers) as resp:
+                data = await resp.json()
+                tokens = data["usage"]["total_tokens"] if resp.status == 200 else 0
+                out.append((time.monotonic(), resp.status, tokens))
+            if resp.status == 429:
+                await asyncio.sleep(0.05)
+
+    # one connection per client, kept alive: the port's accept spreads them over the API servers
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as session:
+        await asyncio.gather(*(loop(session) for _ in range(clients)))
+    return out
+
+
+def part_limits(args, run) -> dict:
+    tmp = tempfile.mkdtemp(prefix="tenant-bench-")
+    path = os.path.join(tmp, "tenants.toml")
+    Path(path).write_text(f'[tenants.capped]\nkey = "{KEY}"\ntokens_per_min = {args.tokens_per_min}\n')
+    cluster = SimCluster(8, 4, 8, api_options={"tenants_file": path}, report_interval_s=0.1)
+    with cluster:
+        cluster.wait_routable(8, timeout=60)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        answers = asyncio.run(_offer(cluster.url, args.clients, args.seconds, args.max_tokens))
+    start, end = t0 + args.warmup_s, t0 + args.seconds
+    served = sum(tok for t, code, tok in answers if start <= t < end)
+    per_min = served * 60.0 / (end - start)
+    codes = {}
+    for _, code, _ in answers:
+        codes[code] = codes.get(code, 0) + 1
+    result = {"tokens_per_min_limit": args.tokens_per_min, "served_tokens_per_min": per_min,
+              "error_pct": 100 * (per_min - args.tokens_per_min) / args.tokens_per_min,
+              "window_s": end - start, "answers": codes, "api_servers": 4, "clients": args.clients}
+    run.log(f"limit {args.tokens_per_min} tokens/min over 4 API servers: served {per_min:.0f}/min "
+            f"({result['error_pct']:+.1f}%) over {end - start:.0f} s; answers {codes}")
+    return result
+
+
+class UsageSenders:
+    """`n` API servers' TenantUsage reports to the coordinator, every FLUSH_S each (their most)."""
+
+    def __init__(self, address: str, n: int, tenants: int) -> None:
+        self.ctx = zmq.Context()
+        self.socks = []
+        for i in range(n):
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, f"api-bench-{i}".encode())
+            s.connect(address)
+            self.socks.append(s)
+        codec = Codec(CoordinatorInput)
+        self.msgs = [codec.encode(TenantUsage(f"api-{i}", [(f"tenant-{j}", 3, 900, 850, 12) for j in range(tenants)])) for i in range(n)]
+        self.sending = False
+        self.sent = 0
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            t = time.monotonic()
+            if self.sending:
+                for s, m in zip(self.socks, self.msgs):
+                    s.send(m, zmq.NOBLOCK)
+                    self.sent += 1
+            time.sleep(max(0.0, FLUSH_S - (time.monotonic() - t)))
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join(5)
+        self.ctx.destroy(linger=0)
+
+
+def part_coordinator(args, run) -> dict:
+    cluster = SimCluster(args.ranks, 0, 128, report_interval_s=0.1, stale_after_s=1.5)
+    with cluster:
+        subs = Subscribers(cluster.table_address, 32)
+        senders = UsageSenders(cluster.coordinator_address, 32, args.tenants)
+        try:
+            time.sleep(5.0)  # ranks registered and reporting
+            windows = {"off": [], "on": []}
+            for i in range(2 * args.rounds):
+                mode = "on" if i % 2 else "off"
+                senders.sending = mode == "on"
+                time.sleep(0.3)
+                before, t0 = cluster.cpu("coordinator"), time.monotonic()
+                time.sleep(args.window)
+                windows[mode].append(100 * (cluster.cpu("coordinator") - before) / (time.monotonic() - t0))
+            senders.sending = False
+        finally:
+            senders.close()
+            subs.close()
+    off, on = sum(windows["off"]) / len(windows["off"]), sum(windows["on"]) / len(windows["on"])
+    result = {"ranks": args.ranks, "api_servers": 32, "tenants_per_report": args.tenants, "reports_per_s": 32 / FLUSH_S,
+              "coordinator_pct_without": off, "coordinator_pct_with": on, "added_pct": on - off, "windows": windows,
+              "loadavg": os.getloadavg()}
+    run.log(f"coordinator at {args.ranks} ranks: {off:.2f}% of a core without tenant reports, {on:.2f}% with "
+            f"32 API servers x {args.tenants} tenants every {FLUSH_S} s: +{on - off:.2f}% (windows {windows})")
+    return result
+
+
+def main(argv=None) -> None:
+    p = parser(__doc__, json=True)
+    p.add_argument("--part", choices=("limits", "coordinator", "both"), default="both")
+    p.add_argument("--tokens-per-min", type=int, default=60_000)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--seconds", type=float, default=40.0)
+    p.add_argument("--warmup-s", type=float, default=10.0, help="left out of the window: the bucket's starting burst")
+    p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--ranks", type=int, default=256)
+    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--window", type=float, default=6.0)
+    args, run = begin(p, argv)
+    out = run.info(loadavg=os.getloadavg())
+    if args.part in ("limits", "both"):
+        out["limits"] = part_limits(args, run)
+    if args.part in ("coordinator", "both"):
+        out["coordinator"] = part_coordinator(args, run)
+    if args.json:
+        import json
+
+        print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
