@@ -9,18 +9,32 @@ travels in LoadTables, so a reader never guesses it.
 from __future__ import annotations
 
 import msgspec
-from dpserve.engine.common.protocol import LoadDelta, RankLoad
+from dpserve.engine.common.protocol import LoadDelta, LoadReport, RankLoad
 
 MAX_RANKS_PER_DELTA = 1024  # ~20 KiB of msgpack
 
 
-def row_of(e: RankLoad) -> tuple:
-    """A rank's load as one LoadDelta row (usages in permille)."""
+def row_of_report(r: LoadReport) -> tuple:
+    """A rank's report as one NodeLoad row: (rank, incarnation, *LoadDelta row), usages
+    in permille. Built where the report is made or aggregated (the node), so that the
+    coordinator stores and forwards it without touching a field."""
     return (
-        e.num_running, e.num_waiting, e.num_waiting_prefill_tokens, e.num_remaining_decode_tokens,
-        round(e.slot_usage * 1000), e.num_requests_finished, e.num_requests_aborted, round(e.kv_usage * 1000),
-        e.num_preemptions, e.num_prefix_queries, e.num_prefix_hits,
+        r.rank, r.incarnation, r.num_running, r.num_waiting, r.num_waiting_prefill_tokens,
+        r.num_remaining_decode_tokens, round(r.slot_usage * 1000), r.num_requests_finished, r.num_requests_aborted,
+        round(r.kv_usage * 1000), r.num_preemptions, r.num_prefix_queries, r.num_prefix_hits,
     )
+
+
+def runs_of(ranks: list[int]) -> list[tuple[int, int]]:
+    """Sorted ranks as (first, count) runs of consecutive ranks: 2-6 bytes a run
+    instead of up to 3 a rank (the ranks of a busy cluster change together)."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and runs[-1][0] + runs[-1][1] == rank:
+            runs[-1][1] += 1
+        else:
+            runs.append([rank, 1])
+    return [(first, count) for first, count in runs]
 
 
 def expand(delta: LoadDelta, held: list[RankLoad | None]) -> list[RankLoad]:

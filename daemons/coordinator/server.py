@@ -26,6 +26,7 @@ import signal
 import time
 from functools import partial
 
+import msgspec
 import zmq
 from dpserve.daemons.config import CoordinatorConfig
 from dpserve.daemons.coordinator.handshakes import HandshakeWatch
@@ -176,7 +177,7 @@ class Coordinator:
 
     def _drain(self) -> None:
         now = time.monotonic()
-        decode, table = self.codec.decode_or_none, self.table
+        decode, table = self.codec.decode, self.table
         recv, more = self.engines.recv, partial(self.engines.getsockopt, zmq.RCVMORE)
         while True:
             # Two recv() calls and getsockopt, not recv_multipart() (nor the `rcvmore`
@@ -194,10 +195,13 @@ class Coordinator:
                 while more():
                     recv(zmq.NOBLOCK)
                 continue
-            if type(msg := decode(data, peer_name(identity))) is NodeLoad:
-                for report in table.node_load(msg, now):  # a rank this table does not hold: to its own socket
-                    rank_identity = f"engine-{report.rank}-{report.incarnation}".encode()
-                    self._ask_to_register(rank_identity, now, f"rank {report.rank} is not registered here")
+            try:
+                msg = decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):  # counted and logged (rate-limited), with its peer
+                msg = self.codec.decode_or_none(data, peer_name(identity))
+            if type(msg) is NodeLoad:
+                for rank, incarnation, *_ in table.node_load(msg, now):  # a rank this table does not hold: to its own socket
+                    self._ask_to_register(f"engine-{rank}-{incarnation}".encode(), now, f"rank {rank} is not registered here")
                 continue
             if type(msg) is LoadReport:
                 if not table.load(msg, now):

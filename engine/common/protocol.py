@@ -332,17 +332,19 @@ class NodeLoad(msgspec.Struct, tag="node_load", array_like=True):
     `alive`: ranks whose own reports are fresh at the relay (the heartbeat: a rank
     missing from it goes stale at the coordinator; a silent node takes all of its
     ranks with it). `loads`: the reports that changed since the last NodeLoad (every
-    rank's on a resync). Registration, readiness and deaths still go per rank."""
+    rank's on a resync), each as (rank, incarnation, *a LoadDelta row), so that the
+    coordinator keeps and forwards a row untouched. Registration, readiness and
+    deaths still go per rank."""
 
     node_rank: int
     seq: int
     alive: list[int]
-    loads: list[LoadReport]
+    loads: list[tuple[int, str, int, int, int, int, int, int, int, int, int, int, int]]
 
 
 class TenantUsage(msgspec.Struct, tag="tenant_usage", array_like=True):
     """API server -> coordinator -> every API server (tenant limits across the cluster):
-    what its tenants used since its last report, at most every 0.1 s while they use
+    what its tenants used since its last report, at most every 0.25 s while they use
     anything. The coordinator counts it (cluster totals) and forwards it as it came;
     receivers charge their own buckets with it and skip their own (origin)."""
 
@@ -400,7 +402,8 @@ class LoadTable(msgspec.Struct, tag="table", array_like=True):
 class LoadDelta(msgspec.Struct, tag="delta", array_like=True):
     """Coordinator -> API servers: the load of ranks that changed while their membership
     (incarnation, liveness, node, address) did not: a LoadTable's entry in ~1/3 of
-    the bytes (issue 30). Column-major: `loads[i]` is `ranks[i]`'s (num_running,
+    the bytes (issue 30). `runs` names the ranks as (first rank, count) runs of
+consecutive ranks, in order; `loads[i]` is the i-th named rank's (num_running,
     num_waiting, num_waiting_prefill_tokens, num_remaining_decode_tokens,
     slot_usage permille, num_requests_finished, num_requests_aborted, kv_usage
     permille, num_preemptions, num_prefix_queries, num_prefix_hits). It shares
@@ -408,8 +411,13 @@ class LoadDelta(msgspec.Struct, tag="delta", array_like=True):
 
     seq: int
     data_parallel_size: int
-    ranks: list[int]
+    runs: list[tuple[int, int]]
     loads: list[tuple[int, int, int, int, int, int, int, int, int, int, int]]
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks the rows are for, in order."""
+        return [rank for first, count in self.runs for rank in range(first, first + count)]
 
 
 TableChannel = LoadTable | LoadDelta | PrefixRouted | TenantUsage | TenantTotals  # what API servers read on the coordinator's PUB socket

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from dpserve.daemons.coordinator.delta import row_of_report
 from dpserve.engine.common.protocol import LoadReport, NodeLoad
 
 # While loads change a node sends at most this often: 512 nodes under full load
@@ -24,7 +25,7 @@ RESYNC_EVERY = 10  # every rank's report, not only the changed ones, every this 
 
 
 class NodeAggregator:
-    """Invariants: `latest[rank]` is the rank's newest report; `heard[rank]` when it
+    """Invariants: `latest[rank]` is the rank's newest report as a NodeLoad row; `heard[rank]` when it
     came (the owner's monotonic clock); `changed` the ranks whose report differs
     from the one the last NodeLoad carried. A rank is listed alive while its last
     report is younger than `silence_s`."""
@@ -34,8 +35,8 @@ class NodeAggregator:
         self.interval_s = interval_s
         self.silence_s = silence_s
         self.flush_s = min(flush_s, interval_s)
-        self.latest: dict[int, LoadReport] = {}
-        self.sent: dict[int, LoadReport] = {}
+        self.latest: dict[int, tuple] = {}
+        self.sent: dict[int, tuple] = {}
         self.heard: dict[int, float] = {}
         self.changed: set[int] = set()
         self.seq = 0
@@ -44,10 +45,10 @@ class NodeAggregator:
 
     def note(self, report: LoadReport, now: float) -> None:
         """A rank's report (a change or a heartbeat)."""
-        rank = report.rank
-        self.latest[rank] = report
+        rank, row = report.rank, row_of_report(report)
+        self.latest[rank] = row
         self.heard[rank] = now
-        if self.sent.get(rank) != report:
+        if self.sent.get(rank) != row:
             self.changed.add(rank)
 
     def forget(self, rank: int) -> None:
@@ -73,12 +74,13 @@ class NodeAggregator:
         self.seq += 1
         if beat:
             self.last_beat = now
-        ranks = self.latest if beat and self.seq % RESYNC_EVERY == 1 else self.changed
-        loads = [self.latest[r] for r in sorted(ranks)]
-        for report in loads:
-            self.sent[report.rank] = report
-        self.changed.clear()
-        self.last_flush = now
         heard, limit = self.heard, now - self.silence_s
         alive = [r for r in sorted(heard) if heard[r] > limit] if beat else []
+        # the resync repeats the fresh ranks' rows only: a silent rank's must not revive it
+        ranks = alive if beat and self.seq % RESYNC_EVERY == 1 else sorted(self.changed)
+        loads = [self.latest[r] for r in ranks]
+        for row in loads:
+            self.sent[row[0]] = row
+        self.changed.clear()
+        self.last_flush = now
         return NodeLoad(self.node_rank, self.seq, alive, loads)
