@@ -216,6 +216,8 @@ class EngineCore:
             value = getattr(p, name)
             if value is not None and not (0 <= value <= self.vocab_size):  # the API server applies --max-logprobs
                 return f"{name} must be between 0 and the vocabulary size {self.vocab_size}, got {value}"
+        if len(p.logprob_token_ids) > self.vocab_size or any(not (0 <= t < self.vocab_size) for t in p.logprob_token_ids):
+            return f"logprob_token_ids must be at most {self.vocab_size} ids of the vocabulary"
         return None
 
     def _admit_compiled(self) -> list[RequestOutput]:

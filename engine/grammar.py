@@ -10,6 +10,7 @@ never block the caller on a compile and never hold more than its bounds.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections import OrderedDict
@@ -43,13 +44,12 @@ class GrammarCompiler:
 
     @staticmethod
     def _build_tokenizer(model_dir: str, vocab_size: int, eos: list[int]):
-        import llguidance
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         tok.no_padding()
         tok.no_truncation()
-        return llguidance.LLTokenizer(tok.to_str(), n_vocab=vocab_size, eos_token=eos)
+        return llg_tokenizer(tok, vocab_size, eos)
 
     def submit(self, grammar: str) -> Future:
         """The grammar's compile, started now unless cached or under way."""
@@ -123,3 +123,36 @@ def replay(matcher, token_ids: list[int]) -> None:
         matcher.consume_token(token)
         if matcher.is_error():
             raise ValueError(f"the grammar could not resume after a move: {matcher.get_error()[:400]}")
+
+
+def llg_tokenizer(tok, vocab_size: int, eos: list[int]):
+    """llguidance's tokenizer for `tok` (a tokenizers.Tokenizer), where an added token that
+    the tokenizer does not mark special (Hermes' <tool_call>, a <think> tag) is text like
+    any other token, as in vLLM's backends: a regex or JSON schema that spells its text can
+    be followed, by that token too. llguidance 1.9 builds every added token as special
+    (reachable only as `<name>` in Lark, never by text), so those are rebuilt here from the
+    bytes it decodes them to; true special tokens stay special."""
+    import llguidance
+
+    base = llguidance.LLTokenizer(tok.to_str(), n_vocab=vocab_size, eos_token=eos)
+    plain = {t["id"] for t in json.loads(tok.to_str()).get("added_tokens") or () if not t.get("special", True)}
+    if not plain:
+        return base
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tok, base, vocab_size, eos, plain)),
+                                  n_vocab=vocab_size, eos_token=eos)
+
+
+class _Vocabulary:
+    """What llguidance.TokenizerWrapper reads: each token's bytes, the special ids, and an encoder."""
+
+    def __init__(self, tok, base, vocab_size: int, eos: list[int], plain: set[int]) -> None:
+        self._tok = tok
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = None
+        self.tokens = [base.decode_bytes([i]) for i in range(vocab_size)]
+        self.special_token_ids = [i for i in range(vocab_size) if i not in plain and base.is_special_token(i)]
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # (TokenizerWrapper then hands it text)
+            raise TypeError("text only")
+        return self._tok.encode(text, add_special_tokens=False).ids

@@ -57,24 +57,30 @@ def apply_min_p(scaled: torch.Tensor, seqs: list[Sequence]) -> None:
     scaled.masked_fill_(probs < threshold, float("-inf"))
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int],
+                   explicit: list[tuple[int, ...]] | None = None) -> list[TokenLogprobs]:
     """Log-softmax of each row of `logits`: the given token's logprob and rank, and the top num_top[i].
 
-    Ties among the top alternatives come in no particular order.
+    A row with explicit[i] (vLLM's logprob_token_ids) gets those ids' logprobs, in their
+    order, in place of the top ones. Ties among the top alternatives come in no particular order.
     """
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = torch.tensor(token_ids, dtype=torch.long, device=lp.device).unsqueeze(1)
     chosen_lp = lp.gather(1, chosen)
     ranks = (lp > chosen_lp).sum(dim=1).add_(1).tolist()
     chosen_list = chosen_lp.squeeze(1).clamp_(min=LOGPROB_FLOOR).tolist()
-    k = max(num_top, default=0)
+    k = max((n for i, n in enumerate(num_top) if not (explicit and explicit[i])), default=0)
     if k:
         top_lp, top_ids = lp.topk(min(k, lp.shape[1]), dim=-1)
         top_lp_list = top_lp.clamp_(min=LOGPROB_FLOOR).tolist()
         top_id_list = top_ids.tolist()
     out = []
     for i, (token, n) in enumerate(zip(token_ids, num_top)):
-        if n:
+        if explicit and explicit[i]:
+            ids = list(explicit[i])
+            picked = lp[i].index_select(0, torch.tensor(ids, dtype=torch.long, device=lp.device))
+            out.append(TokenLogprobs(token, chosen_list[i], ranks[i], ids, picked.clamp_(min=LOGPROB_FLOOR).tolist()))
+        elif n:
             out.append(TokenLogprobs(token, chosen_list[i], ranks[i], top_id_list[i][:n], top_lp_list[i][:n]))
         else:
             out.append(TokenLogprobs(token, chosen_list[i], ranks[i], [], []))

@@ -101,6 +101,7 @@ class Sampler:
             source[torch.tensor(rows, device=source.device)],
             [tokens[i] for i in rows],
             [seqs[i].params.logprobs for i in rows],
+            [seqs[i].params.logprob_token_ids for i in rows],
         )
         out: list[TokenLogprobs | None] = [None] * len(seqs)
         for i, lp in zip(rows, found):

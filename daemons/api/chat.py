@@ -25,6 +25,7 @@ from dpserve.daemons.api.request_checks import (
     chat_logprob_counts,
     chat_messages,
     chat_template_args,
+    logprob_token_ids,
     truncate_prompt,
     uses_extras,
 )
@@ -41,6 +42,9 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
             plan = tool_plan(req, self.cfg.enable_auto_tool_choice, self.cfg.tool_call_parser)
         extras = uses_extras(req) or self.cfg.reasoning_parser is not None
         num_top, num_prompt_top = chat_logprob_counts(req, self.vocab_size, self.cfg.max_logprobs)
+        explicit = logprob_token_ids(req, self.vocab_size, self.cfg.max_logprobs)
+        if explicit:  # vLLM shows every one of them after the chosen token, whatever top_logprobs says
+            num_top = len(explicit) + 1
         template_args = chat_template_args(req)
         if plan is not None and plan.tools:
             template_args["tools"] = plan.tools
@@ -56,7 +60,8 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
             opts.text = replace(opts.text, skip_special=False)
         grammar = await self._grammar(req, plan, thinking)
         echo = chat_echo_text(req)
-        choices = [self.new_choice(req, j, ids, max_tokens, j, num_top, num_prompt_top, echo, grammar) for j in range(req.n or 1)]
+        choices = [self.new_choice(req, j, ids, max_tokens, j, num_top, num_prompt_top, echo, grammar, explicit)
+                   for j in range(req.n or 1)]
         return await self.generate_many(request, req, choices, opts, len(ids), t0)
 
     def _answer(self, req: ChatCompletionRequest, plan: ToolPlan | None, thinking: bool):
@@ -93,8 +98,8 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
 
     @cached_property
     def _think_tokens(self) -> bool:
-        """Whether <think> and </think> are added tokens (llguidance then knows them
-        only as tokens: regular text cannot spell them)."""
-        added = {t.content for t in self.tokenizer.backend.get_added_tokens_decoder().values()}
-        return THINK_START in added and THINK_END in added
+        """Whether <think> and </think> are special added tokens (llguidance then knows them
+        only as tokens: regular text cannot spell them; engine/grammar.llg_tokenizer)."""
+        special = {t.content for t in self.tokenizer.backend.get_added_tokens_decoder().values() if t.special}
+        return THINK_START in special and THINK_END in special
 

@@ -18,6 +18,7 @@ from dpserve.daemons.api.request_checks import (
     check_logprobs,
     completion_prompt,
     completion_prompts,
+    logprob_token_ids,
     truncate_prompt,
     uses_extras,
 )
@@ -54,8 +55,11 @@ class CompletionsServing(OneChoiceServing, ManyChoicesServing):
             raise ApiError(400, "max_tokens 0 is only accepted with echo (to score the prompt).", param="max_tokens")
         num_top = check_logprobs("logprobs", req.logprobs, self.vocab_size, self.cfg.max_logprobs)
         num_prompt_top = check_logprobs("prompt_logprobs", req.prompt_logprobs, self.vocab_size, self.cfg.max_logprobs)
-        ids_list = [await self._completion_ids(request, req, prompt) for prompt in completion_prompts(req)]
-        opts = choice_options(False, req, num_top, num_prompt_top, echo=bool(req.echo),
+        explicit = logprob_token_ids(req, self.vocab_size, self.cfg.max_logprobs)
+        render_top = max(num_top or 0, len(explicit)) if explicit else num_top  # vLLM shows every one of them
+        prompts = completion_prompts(req)
+        ids_list = [await self._completion_ids(request, req, prompt) for prompt in prompts]
+        opts = choice_options(False, req, render_top, num_prompt_top, echo=bool(req.echo),
                               tokens_as_ids=self.cfg.return_tokens_as_token_ids)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         engine_prompt_logprobs = num_prompt_top
@@ -64,8 +68,14 @@ class CompletionsServing(OneChoiceServing, ManyChoicesServing):
         choices = []
         n = req.n or 1
         grammar = await guided_grammar(req, self.cfg, n * len(ids_list), self.vocab_size)
-        for i, ids in enumerate(ids_list):
-            echo_text = self.tokenizer.decode(ids, skip_special_tokens=opts.text.skip_special) if opts.echo else None
+        for i, (prompt, ids) in enumerate(zip(prompts, ids_list)):
+            # vLLM echoes token ids as their decode with special tokens' text (and shows them so in
+            # logprobs); a text prompt's echo leaves out the special tokens tokenizing added (a BOS)
+            token_prompt = not isinstance(prompt, str)
+            echo_text = self.tokenizer.decode(ids, skip_special_tokens=opts.text.skip_special and not token_prompt) if opts.echo else None
             for j in range(n):
-                choices.append(self.new_choice(req, i * n + j, ids, max_tokens, j, num_top, engine_prompt_logprobs, echo_text, grammar))
+                choice = self.new_choice(req, i * n + j, ids, max_tokens, j, num_top, engine_prompt_logprobs, echo_text, grammar, explicit)
+                choice.echo_specials = token_prompt
+                choices.append(choice)
         return await self.generate_many(request, req, choices, opts, sum(len(ids) for ids in ids_list), t0)
+

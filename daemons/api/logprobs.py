@@ -64,6 +64,13 @@ class TokenTexts:
             modes = self._by_tokenizer[tokenizer] = {}
         self.texts: dict[int, str] = modes.setdefault((skip_special, as_ids), {})
 
+    @property
+    def with_specials(self) -> TokenTexts:
+        """The same, special tokens shown by their text (an echoed prompt's positions, as its text)."""
+        if not self.skip_special:
+            return self
+        return TokenTexts(self.tokenizer, False, self.as_ids)
+
     def __getitem__(self, token_id: int) -> str:
         text = self.texts.get(token_id)
         if text is None:
@@ -73,6 +80,16 @@ class TokenTexts:
                 text = self.tokenizer.decode((token_id,), skip_special_tokens=self.skip_special)
             self.texts[token_id] = text
         return text
+
+
+class Echoed:
+    """A position of an echoed prompt: vLLM shows its token with special tokens' text, as
+    the echoed text (the prompt's decode) has it, so tokens and text_offset agree with the text."""
+
+    __slots__ = ("pos",)
+
+    def __init__(self, pos: TokenLogprobs | int) -> None:
+        self.pos = pos
 
 
 def chat_logprobs(texts: TokenTexts, positions: Sequence[TokenLogprobs | int], num_top: int) -> dict:
@@ -95,11 +112,15 @@ def chat_logprobs(texts: TokenTexts, positions: Sequence[TokenLogprobs | int], n
 def completion_logprobs(texts: TokenTexts, positions: Sequence[TokenLogprobs | int], num_top: int,
                         offset: int) -> tuple[dict, int]:
     """Completions' logprobs object for these positions, and the text offset after them.
-    An int position (an echoed prompt's first token) has no logprob: null."""
+    An int position (an echoed prompt's first token) has no logprob: null. An Echoed
+    position shows special tokens by their text."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for pos in positions:
+        names = texts
+        if type(pos) is Echoed:
+            pos, names = pos.pos, texts.with_specials
         token_id = pos if isinstance(pos, int) else pos.token_id
-        token = texts[token_id]
+        token = names[token_id]
         tokens.append(token)
         text_offset.append(offset)
         offset += len(token)
@@ -111,7 +132,7 @@ def completion_logprobs(texts: TokenTexts, positions: Sequence[TokenLogprobs | i
         # vLLM's dict: the chosen token first (even outside the top), then the top alternatives
         tops = {token: pos.logprob}
         for i, lp in zip(pos.top_ids[:num_top], pos.top_logprobs):
-            tops.setdefault(texts[i], lp)
+            tops.setdefault(names[i], lp)
         top_logprobs.append(tops)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}, offset
 

@@ -25,6 +25,7 @@ from aiohttp import web
 from dpserve.daemons.aiohttp_compat import EventStream
 from dpserve.daemons.api.generation import EngineFailure, Generation, Piece, TextOptions, join_pieces, text_pieces
 from dpserve.daemons.api.logprobs import (
+    Echoed,
     ScoredRequestState,
     TokenTexts,
     chat_logprobs,
@@ -48,6 +49,7 @@ class Choice:
     gen: Generation  # its state is a ScoredRequestState
     echo_text: str | None = None  # the prompt's text, when echoed
     score_only: bool = False  # max_tokens 0 with echo: the engine's one token is dropped
+    echo_specials: bool = False  # the echoed prompt's logprob tokens show special tokens' text (a token-id prompt)
     # The choice whose engine request computes this prompt's logprobs (the first of its
     # prompt's choices); None: this one does. Its siblings share them instead of each
     # computing the whole prompt again (prompt logprobs bypass the prefix cache).
@@ -125,8 +127,10 @@ def follow_the_first(choices: list[Choice]) -> dict[str, ScoredRequestState]:
 
 class ManyChoicesServing(ServingBase):
     def new_choice(self, req, index: int, ids: list[int], max_tokens: int, j: int, logprobs: int | None,
-                   prompt_logprobs: int | None, echo_text: str | None, grammar: str | None) -> Choice:
-        """Choice `index`, sample j of prompt `ids`, with every extra sampling parameter."""
+                   prompt_logprobs: int | None, echo_text: str | None, grammar: str | None,
+                   logprob_ids: tuple[int, ...] = ()) -> Choice:
+        """Choice `index`, sample j of prompt `ids`, with every extra sampling parameter;
+        `logprob_ids`: vLLM's logprob_token_ids (checked), reported in place of the top ones."""
         score_only = max_tokens == 0
         engine_max = 1 if score_only else max_tokens  # vLLM's way: one token, dropped
         base = self.sampling(req, len(ids), engine_max)
@@ -138,9 +142,10 @@ class ManyChoicesServing(ServingBase):
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_p=req.min_p or 0.0,
             logit_bias=logit_bias_pairs(req.logit_bias, self.vocab_size),
-            logprobs=None if score_only else logprobs,
+            logprobs=None if score_only else (len(logprob_ids) if logprob_ids else logprobs),
             prompt_logprobs=prompt_logprobs,
             guided_grammar=grammar,
+            logprob_token_ids=logprob_ids,
         )
         gen = Generation(self.new_request_id(), ids, params, index, ScoredRequestState)
         return Choice(gen, echo_text, score_only)
@@ -196,6 +201,8 @@ class ManyChoicesServing(ServingBase):
             if opts.num_top is not None and opts.echo:  # (chat echo shows no prompt logprobs)
                 await state.wait_first_output()
                 positions = [gen.prompt_ids[0], *(choice.prompt_state.prompt_logprobs or ())]
+                if choice.echo_specials:
+                    positions = [Echoed(pos) for pos in positions]
             yield Piece(choice.echo_text, positions)
         if not choice.score_only:
             async for piece in text_pieces(gen, self.tokenizer, self.client, opts.text):
@@ -222,15 +229,25 @@ class ManyChoicesServing(ServingBase):
             return chat_logprobs(texts, positions, opts.num_top), offset
         return completion_logprobs(texts, positions, opts.num_top, offset)
 
+    def _reasoning_tokens(self, choices: list[Choice], answers: dict | None) -> int | None:
+        """vLLM's usage.completion_tokens_details.reasoning_tokens, summed over the choices;
+        None (no details) without a reasoning parser, as vLLM."""
+        if answers is None or self.cfg.reasoning_parser is None:
+            return None
+        return sum(answers[c.gen.index].reasoning_tokens(c.gen.output_ids, self.tokenizer) for c in choices)
+
     @staticmethod
-    def _usage(choices: list[Choice], num_prompt: int) -> dict:
+    def _usage(choices: list[Choice], num_prompt: int, reasoning: int | None = None) -> dict:
         completion = sum(0 if c.score_only else c.gen.state.num_output_tokens for c in choices)
         # Counted once per prompt, like prompt_tokens: its first choice's (the n choices
         # of one prompt share its ids list; vLLM reports the first output's too).
         firsts = {id(c.gen.prompt_ids): c for c in reversed(choices)}.values()
         cached = sum(c.gen.state.num_cached_tokens for c in firsts)
-        return {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": num_prompt, "completion_tokens": completion, "total_tokens": num_prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     async def _whole_many(self, choices: list[Choice], opts: ChoiceOptions, num_prompt: int) -> web.Response:
         tasks = [asyncio.ensure_future(join_pieces(self._pieces(c, opts))) for c in choices]
@@ -240,6 +257,7 @@ class ManyChoicesServing(ServingBase):
             for task in tasks:  # one choice failed (or the client left): the others stop waiting too
                 task.cancel()
         texts = opts.texts(self.tokenizer)
+        answers = {c.gen.index: opts.answer() for c in choices} if opts.answer is not None else None
         out = []
         for choice, (text, positions, finish) in zip(choices, results):
             logprobs, _ = self._logprobs(texts, positions, opts, 0)
@@ -247,8 +265,8 @@ class ManyChoicesServing(ServingBase):
             token_ids = (choice.gen.output_ids if not choice.score_only else []) if opts.token_ids else None
             if opts.chat:
                 message = {"role": "assistant", "content": text, "refusal": None}
-                if opts.answer is not None:
-                    answer = opts.answer()
+                if answers is not None:
+                    answer = answers[index]
                     message.update(answer.message(text))
                     finish = answer.finish_reason(finish)
                 item = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish, "token_ids": token_ids}
@@ -260,7 +278,8 @@ class ManyChoicesServing(ServingBase):
             out.append(item)
         first = choices[0].gen.state
         body = {"id": f"{'chatcmpl' if opts.chat else 'cmpl'}-{first.request_id}", "object": "chat.completion" if opts.chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": out, "usage": self._usage(choices, num_prompt)}
+                "created": int(time.time()), "model": self.model_name, "choices": out,
+                "usage": self._usage(choices, num_prompt, self._reasoning_tokens(choices, answers))}
         if opts.chat:  # vLLM: top level for chat, always sent
             body["prompt_logprobs"] = prompt_logprobs(texts, first.prompt_logprobs) if opts.prompt_logprobs is not None else None
             body["prompt_token_ids"] = choices[0].gen.prompt_ids if opts.token_ids else None
@@ -292,29 +311,30 @@ class ManyChoicesServing(ServingBase):
 
         resp = self.finish_response(EventStream(status=200, headers=self.sse_headers[first.rank]))
         await resp.prepare(request)
+        answers = {c.gen.index: opts.answer() for c in choices} if opts.answer is not None else None
+        usage = lambda: self._usage(choices, num_prompt, self._reasoning_tokens(choices, answers))  # noqa: E731
         if opts.chat:
             await resp.write(b"".join(
                 chunk([{"index": c.gen.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
-                      self._usage(choices, num_prompt) if opts.usage_every_chunk else None, c.gen.prompt_ids if opts.token_ids else None)
+                      usage() if opts.usage_every_chunk else None, c.gen.prompt_ids if opts.token_ids else None)
                 for c in choices))
         tasks = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
-            if not await self._pump_events(resp, queue, choices, opts, chunk, num_prompt):
+            if not await self._pump_events(resp, queue, choices, opts, chunk, usage, answers):
                 return resp
         finally:
             for task in tasks:
                 task.cancel()
-        tail = chunk([], self._usage(choices, num_prompt)) if include_usage else b""
+        tail = chunk([], usage()) if include_usage else b""
         await resp.write_eof(tail + DONE)
         return resp
 
     async def _pump_events(self, resp: web.StreamResponse, queue: asyncio.Queue, choices: list[Choice],
-                           opts: ChoiceOptions, chunk, num_prompt: int) -> bool:
+                           opts: ChoiceOptions, chunk, usage, answers: dict | None) -> bool:
         """Write each choice's pieces as they come until all finished (True) or one failed
-        (False: the failure event ended the stream)."""
+        (False: the failure event ended the stream). `usage()`: the usage so far."""
         texts = opts.texts(self.tokenizer)
         offsets = {c.gen.index: 0 for c in choices}
-        answers = {c.gen.index: opts.answer() for c in choices} if opts.answer is not None else None
         shown = dict.fromkeys(offsets, -1) if opts.token_ids else None  # output ids each choice's chunks showed (-1: no chunk yet)
         remaining = len(choices)
         while remaining:
@@ -343,7 +363,7 @@ class ManyChoicesServing(ServingBase):
                     item["prompt_token_ids"] = choice.gen.prompt_ids
                 item["token_ids"] = choice.gen.output_ids[max(shown[index], 0):]
                 shown[index] = len(choice.gen.output_ids)
-            await resp.write(chunk([item], self._usage(choices, num_prompt) if opts.usage_every_chunk else None))
+            await resp.write(chunk([item], usage() if opts.usage_every_chunk else None))
             if piece.finish is not None:
                 remaining -= 1
         return True

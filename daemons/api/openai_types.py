@@ -143,6 +143,8 @@ class SamplingFields(Struct, kw_only=True):
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: right keeps the first ids
+    # vLLM's: these ids' logprobs at each generated position in place of the top ones (request_checks)
+    logprob_token_ids: Annotated[list[int], Meta(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
 
     def __post_init__(self) -> None:
         if self.stream is None:
@@ -312,6 +314,7 @@ class TokenizeRequest(Struct, kw_only=True):
     continue_final_message: bool | None = False
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # vLLM's: rendered by the chat template, as a chat completion's
 
 
 class TokenizeResponse(Struct):

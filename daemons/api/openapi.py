@@ -124,6 +124,8 @@ def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_mode
                 props[field]["anyOf"][0]["maximum"] = max_model_len - 1
         props["stop_token_ids"]["anyOf"][0]["items"] = token_id
         props["allowed_token_ids"]["anyOf"][0].update(items=token_id, minItems=1)
+        props["logprob_token_ids"]["anyOf"][0]["items"] = token_id
+        props["logprob_token_ids"]["description"] = "Needs logprobs set; at most --max-logprobs ids; without it, a 400."
         if "guided_choice" in props:  # an empty list, or an empty choice, is a 400
             choice = props["guided_choice"]["anyOf"][0]
             choice.update(minItems=1, items={"type": "string", "minLength": 1})

@@ -98,6 +98,48 @@ class Qwen3ReasoningParser(ReasoningParser):
     implicit_ends = ("<tool_call>",)
 
 
+class ReasoningTokens:
+    """vLLM's usage.completion_tokens_details.reasoning_tokens of one answer: its output
+    ids from the start (past a leading <think>) up to the first tag that ends the
+    reasoning, counted as the ids arrive. When a tag is not one token of the vocabulary,
+    the reasoning text the parser found is tokenized instead."""
+
+    __slots__ = ("parser", "tokenizer", "start_id", "end_ids", "count", "seen", "done")
+
+    def __init__(self, parser: ReasoningParser, tokenizer) -> None:
+        self.parser = parser
+        self.tokenizer = tokenizer
+        ids = [_single_token(tokenizer, tag) for tag in (THINK_START, *parser.end_tags, *parser.implicit_ends)]
+        self.start_id = ids[0]
+        self.end_ids = frozenset(ids[1:]) if all(i is not None for i in ids[1:]) else None
+        self.count = 0
+        self.seen = 0
+        self.done = not parser.thinking
+
+    def update(self, ids: list[int]) -> int:
+        """The count after `ids`, the answer's output ids so far (a longer list each call)."""
+        if self.done:
+            return self.count
+        if self.end_ids is None:
+            reasoning, _ = self.parser.result()
+            return len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        for i in range(self.seen, len(ids)):
+            token = ids[i]
+            if token in self.end_ids:
+                self.done = True
+                break
+            if not (i == 0 and token == self.start_id):
+                self.count += 1
+        self.seen = len(ids)
+        return self.count
+
+
+def _single_token(tokenizer, text: str) -> int | None:
+    """The id of `text` when it is one token of the vocabulary, else None."""
+    token_id = tokenizer.backend.token_to_id(text)
+    return token_id if token_id is not None and tokenizer.decode((token_id,), skip_special_tokens=False) == text else None
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     cls.name: cls for cls in (ReasoningParser, Qwen3ReasoningParser)
 }

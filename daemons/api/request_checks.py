@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from dpserve.daemons.api.lax_decode import lax_decode, pydantic_words
 from dpserve.daemons.api.openai_types import (
     MAX_CHOICES,
     ApiError,
@@ -49,6 +50,15 @@ def _decoder(kind: type) -> msgspec.json.Decoder:
     return decoder
 
 
+def _invalid(text: str) -> ApiError:
+    """The 400 of a validation failure, naming its field."""
+    match = _ERR_PATH.search(text)
+    # A dict's value is at `$.field[...]`: name the field itself.
+    param = match.group(1).replace("[...]", "") if match else None
+    return ApiError(400, f"Invalid request: {text}{pydantic_words(text)}", param=param or None)
+
+
+
 def decode_request(body: bytes, kind: type[Struct], on_unknown: Callable[[str], None] | None = None) -> Any:
     """Decode a JSON body into `kind`, turning every failure into a 400 ApiError.
 
@@ -67,11 +77,13 @@ def decode_request(body: bytes, kind: type[Struct], on_unknown: Callable[[str], 
                 on_unknown(unknown.group(1))
         return _decoder(kind).decode(body)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        match = _ERR_PATH.search(text)
-        # A dict's value is at `$.field[...]`: name the field itself.
-        param = match.group(1).replace("[...]", "") if match else None
-        raise ApiError(400, f"Invalid request: {text}", param=param or None) from None
+        try:
+            lax = lax_decode(body, kind, exc)
+        except msgspec.ValidationError as again:
+            lax, exc = None, again
+        if lax is not None:
+            return lax
+        raise _invalid(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"Malformed JSON body: {exc}") from None
     except RecursionError:
@@ -135,6 +147,28 @@ def chat_logprob_counts(req: ChatCompletionRequest, vocab_size: int, max_logprob
         raise ApiError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
     num_top = check_logprobs("top_logprobs", req.top_logprobs or 0, vocab_size, max_logprobs) if req.logprobs else None
     return num_top, check_logprobs("prompt_logprobs", req.prompt_logprobs, vocab_size, max_logprobs)
+
+
+def logprob_token_ids(req: SamplingFields, vocab_size: int, max_logprobs: int) -> tuple[int, ...]:
+    """vLLM's logprob_token_ids, checked: they need logprobs (chat: true; completions: set, and
+    generated tokens), lie in the vocabulary, and number at most --max-logprobs. () when unset."""
+    ids = req.logprob_token_ids
+    if not ids:
+        return ()
+    if isinstance(req, CompletionRequest):
+        if req.echo and req.max_tokens == 0:
+            raise ApiError(400, "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no "
+                           "output tokens are generated.", param="logprob_token_ids")
+        if req.logprobs is None:
+            raise ApiError(400, "when using `logprob_token_ids`, `logprobs` must be set.", param="logprob_token_ids")
+    elif not req.logprobs:
+        raise ApiError(400, "when using `logprob_token_ids`, `logprobs` must be set to true.", param="logprob_token_ids")
+    bound = vocab_size if max_logprobs == -1 else max_logprobs
+    if len(ids) > bound:
+        raise ApiError(400, f"Requested logprob_token_ids of length {len(ids)}, which is greater than max allowed: "
+                       f"{bound} (--max-logprobs).", param="logprob_token_ids")
+    out_of_vocab("logprob_token_ids", ids, vocab_size)
+    return tuple(ids)
 
 
 def chat_template_args(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -203,7 +237,7 @@ _EXTRA_FIELDS = (
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "include_stop_str_in_output",
     "min_p", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "logprobs",
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-    "allowed_token_ids", "return_token_ids", "return_tokens_as_token_ids",
+    "allowed_token_ids", "return_token_ids", "return_tokens_as_token_ids", "logprob_token_ids",
 )
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from dpserve.daemons.api.chat import ChatServing
 from dpserve.daemons.api.guided import guided_grammar
-from dpserve.daemons.api.many_choices import ManyChoicesServing, choice_options
+from dpserve.daemons.api.many_choices import choice_options
 from dpserve.daemons.api.openai_types import (
     ApiError,
     BatchChatCompletionRequest,
@@ -27,6 +28,7 @@ from dpserve.daemons.api.openai_types import (
     TokenizeResponse,
     encode,
 )
+from dpserve.daemons.api.reasoning import answer_grammar, thinking_enabled
 from dpserve.daemons.api.request_checks import (
     chat_logprob_counts,
     chat_messages,
@@ -35,6 +37,7 @@ from dpserve.daemons.api.request_checks import (
     out_of_vocab,
     truncate_prompt,
 )
+from dpserve.daemons.api.tools.choice import check_tools
 
 # tokenizer_config.json fields that name files on this machine: never shown.
 _PRIVATE_FIELDS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
@@ -51,7 +54,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class UtilityServing(ManyChoicesServing):
+class UtilityServing(ChatServing):
     async def tokenize_endpoint(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a `prompt` (special tokens added by default) or chat
         `messages` rendered by the chat template (the ids a chat completion would send)."""
@@ -74,8 +77,11 @@ class UtilityServing(ManyChoicesServing):
     def _chat_ids_for(self, req: TokenizeRequest) -> list[int]:
         tok = self.tokenizer
         kwargs = dict(req.chat_template_kwargs or {})
-        for reserved in ("messages", "add_generation_prompt", "continue_final_message"):
+        for reserved in ("messages", "add_generation_prompt", "continue_final_message", "tools"):
             kwargs.pop(reserved, None)
+        tools = check_tools(req.tools)
+        if tools:  # as a chat completion renders them (vLLM's /tokenize takes tools too)
+            kwargs["tools"] = tools
         try:
             text = tok.apply_chat_template(chat_messages(req), add_generation_prompt=bool(req.add_generation_prompt),
                                            continue_final_message=bool(req.continue_final_message), **kwargs)
@@ -148,7 +154,12 @@ class UtilityServing(ManyChoicesServing):
             ids = await self.tokenize(request, self.chat_ids, messages, req.add_generation_prompt, args)
             ids_list.append(truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len, req.truncation_side))
         opts = choice_options(True, req, num_top, num_prompt_top, tokens_as_ids=self.cfg.return_tokens_as_token_ids)
+        # the reasoning parser reads each answer, and structured output binds the answer after it, as in a chat completion
+        thinking = self.cfg.reasoning_parser is not None and thinking_enabled(self.cfg.reasoning_parser, req.chat_template_kwargs)
+        opts.answer = self._answer(req, None, thinking)
         grammar = await guided_grammar(req, self.cfg, len(ids_list), self.vocab_size)
+        if grammar is not None and thinking:
+            grammar = answer_grammar(grammar, self._think_tokens)
         asked = req.max_completion_tokens or req.max_tokens
         choices = [self.new_choice(req, i, ids, asked or max(self.max_model_len - len(ids), 1), 0, num_top, num_prompt_top, None, grammar)
                    for i, ids in enumerate(ids_list)]

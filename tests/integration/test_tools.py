@@ -32,9 +32,9 @@ CALL_JSON = '\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}
 
 
 def spelled(*parts: str) -> str:
-    """A Lark grammar of exactly this text; the tags are the tokenizer's single tokens (as a
-    Hermes / Qwen model writes them; a regex spelling them out would take other tokens)."""
-    return "start: " + " ".join(p if p in ("<tool_call>", "</tool_call>") else json.dumps(p) for p in parts)
+    """A Lark grammar of exactly this text; the tags, added tokens that are not special,
+    are text to llguidance too (engine/grammar.llg_tokenizer), so the text spells them."""
+    return "start: " + " ".join(json.dumps(p) for p in parts)
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +202,14 @@ def test_reasoning_content_apart_from_the_answer(client):
     jsonschema.validate(json.loads(msg.content), schema)
     content, streamed_reasoning, calls, finish, _ = joined_stream(client, **kw)
     assert (content, streamed_reasoning, finish) == (msg.content, reasoning, "stop") and not calls
-    hidden = ask(client, extra_body={"include_reasoning": False}, **kw).choices[0].message
-    assert "reasoning_content" not in (hidden.model_extra or {}) and hidden.content == msg.content
+    hidden = ask(client, extra_body={"include_reasoning": False, "return_token_ids": True}, **kw)
+    assert "reasoning_content" not in (hidden.choices[0].message.model_extra or {}) and hidden.choices[0].message.content == msg.content
+    # vLLM's reasoning_tokens: the ids before </think> (7), counted when the reasoning is hidden too
+    ids = hidden.choices[0].model_extra["token_ids"]
+    assert whole.usage.completion_tokens_details.reasoning_tokens == hidden.usage.completion_tokens_details.reasoning_tokens
+    assert hidden.usage.completion_tokens_details.reasoning_tokens == ids.index(7) - (ids[0] == 6) > 0
+    last = list(ask(client, stream=True, stream_options={"include_usage": True}, **kw))[-1]
+    assert last.usage.completion_tokens_details.reasoning_tokens == ids.index(7) - (ids[0] == 6)
 
 
 def test_a_forced_call_follows_the_reasoning(client):
@@ -218,3 +224,25 @@ def test_a_forced_call_follows_the_reasoning(client):
     content, reasoning, calls, finish, _ = joined_stream(client, **kw)
     assert reasoning == msg.model_extra["reasoning_content"] and finish == whole.choices[0].finish_reason
     assert [(name, args) for _, name, args in calls.values()] == [("get_weather", msg.tool_calls[0].function.arguments)]
+
+
+def test_tokenize_renders_tools_and_the_batch_reads_the_reasoning(server, client):
+    """vLLM's /tokenize with tools counts what a chat completion with those tools is charged
+    for; /v1/chat/completions/batch puts each answer's thinking in reasoning_content."""
+    import urllib.request
+
+    def post(path, body):
+        req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with_tools = post("/tokenize", {"model": "demo", "messages": messages, "tools": TOOLS})["count"]
+    assert with_tools > post("/tokenize", {"model": "demo", "messages": messages})["count"]
+    assert ask(client, tools=TOOLS, tool_choice="none", max_tokens=1).usage.prompt_tokens == with_tools
+    got = post("/v1/chat/completions/batch", {"model": "demo", "messages": [messages, messages], "max_tokens": 60, "seed": 3,
+                                              "temperature": 1.0, "logit_bias": {"7": 6.0}})
+    for choice in got["choices"]:
+        reasoning = choice["message"]["reasoning_content"]
+        assert reasoning is not None and "</think>" not in reasoning  # (the answer after the first may hold more)
+    assert got["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0

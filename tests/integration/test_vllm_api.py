@@ -259,11 +259,40 @@ def test_vllm_errors(client):
     assert "out of vocabulary" in bad_request(client, "prompt", client.completions.create, prompt=[1, 2, 99999])
 
 
-def test_echoed_special_tokens_agree_with_offsets(client):
+def test_echoed_special_tokens_agree_with_offsets(client, tokenizer):
+    # vLLM's: a token-id prompt echoes as its decode with special tokens' text, and logprobs show them so
     got = client.completions.create(model="demo", prompt=[0, 0, 0], echo=True, max_tokens=1, logprobs=0, temperature=0)
     lp = got.choices[0].logprobs
     text = got.choices[0].text
+    assert text.startswith(tokenizer.decode([0, 0, 0], skip_special_tokens=False)) and lp.tokens[0] == tokenizer.decode([0], False)
     assert [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+    got = client.completions.create(model="demo", prompt="hello there", echo=True, max_tokens=1, logprobs=0, temperature=0)
+    text, lp = got.choices[0].text, got.choices[0].logprobs
+    assert text.startswith("hello there") and [text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
+
+
+def test_logprob_token_ids_report_the_listed_ids(client, tokenizer):
+    # vLLM's logprob_token_ids: the chosen token, then exactly the listed ones, at every position
+    msgs = [{"role": "user", "content": "hi"}]
+    listed = [5, 100, 1000]
+    body = {"logprob_token_ids": listed, "return_tokens_as_token_ids": True}
+    got = client.chat.completions.create(model="demo", messages=msgs, max_tokens=3, temperature=0, logprobs=True, top_logprobs=1,
+                                         extra_body=body)
+    for pos in got.choices[0].logprobs.content:
+        ids = [int(t.token.removeprefix("token_id:")) for t in pos.top_logprobs]
+        chosen = int(pos.token.removeprefix("token_id:"))
+        assert ids[0] == chosen and set(ids) == {chosen, *listed} and len(ids) == len(set(ids))
+    streamed = client.chat.completions.create(model="demo", messages=msgs, max_tokens=3, temperature=0, logprobs=True,
+                                              stream=True, extra_body=body)
+    chunks = [pos for chunk in streamed if chunk.choices and chunk.choices[0].logprobs for pos in chunk.choices[0].logprobs.content]
+    assert [[t.token for t in pos.top_logprobs] for pos in chunks] == [[t.token for t in pos.top_logprobs] for pos in got.choices[0].logprobs.content]
+    got = client.completions.create(model="demo", prompt="hello", max_tokens=2, temperature=0, logprobs=0,
+                                    extra_body={"logprob_token_ids": listed})
+    for token, tops in zip(got.choices[0].logprobs.tokens, got.choices[0].logprobs.top_logprobs):
+        assert set(tops) == {token, *(tokenizer.decode([i]) for i in listed)}
+    assert "[99999]" in bad_request(client, "logprob_token_ids", client.chat.completions.create, messages=msgs, logprobs=True,
+                                    extra_body={"logprob_token_ids": [5, 99999]})
+    bad_request(client, "logprob_token_ids", client.chat.completions.create, messages=msgs, extra_body={"logprob_token_ids": [5]})
 
 
 # ------------------------------------------------------------------ part 5: vLLM's request metrics

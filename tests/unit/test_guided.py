@@ -313,3 +313,26 @@ def test_the_flags_reach_the_api_servers_budget():
     with pytest.raises(ApiError, match="--max-guided-regex-size"):
         check_cost("guided_regex", "a{51}", budget, 1)
     check_cost("guided_regex", "a{50}", budget, 1)
+
+
+def test_added_tokens_that_are_not_special_can_be_spelled(tmp_path):
+    """A regex or JSON that spells a non-special added token's text (Hermes' <tool_call>) is
+    followed, by that token too; a special token stays reachable only as a token."""
+    llguidance = pytest.importorskip("llguidance")
+    from dpserve.engine.grammar import GrammarCompiler
+    from dpserve.engine.testing.demo_model import write_tokenizer
+    from tokenizers import Tokenizer
+
+    model = write_tokenizer(str(tmp_path / "tok"), chat="tools")
+    tok = Tokenizer.from_file(f"{model}/tokenizer.json")
+    lltok = GrammarCompiler._build_tokenizer(model, tok.get_vocab_size(), [1])
+    tool_call, im_end = tok.token_to_id("<tool_call>"), tok.token_to_id("<|im_end|>")
+    for grammar, text in ((llguidance.LLMatcher.grammar_from_regex('<tool_call>\\{"a": 1\\}</tool_call>'), '<tool_call>{"a": 1}</tool_call>'),
+                          (llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "const": "<tool_call>"}), '"<tool_call>"')):
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert tool_call in ids
+        matcher = llguidance.LLMatcher(lltok, grammar)
+        assert matcher.consume_tokens(ids) and matcher.is_accepting(), matcher.get_error()
+    special = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_regex("<\\|im_end\\|>"))
+    assert not special.consume_token(im_end)  # its text is not its token: a special token is no text
+    assert llguidance.LLMatcher(lltok, f"start: <[{im_end}]>").consume_token(im_end)

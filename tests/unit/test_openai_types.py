@@ -26,7 +26,7 @@ def completion(**kw) -> CompletionRequest:
     "field, value",
     [
         ("max_tokens", -1), ("max_tokens", "3"), ("temperature", -1), ("top_p", 0), ("top_p", 1.01), ("top_k", -2),
-        ("n", 0), ("stream", "yes"),
+        ("n", 0), ("stream", "maybe"), ("stream", 2), ("stream", " true"), ("echo", "truest"),
         # Numbers an engine cannot hold: top_k once crashed a rank from int64 overflow.
         ("top_k", 2**64 - 1), ("top_k", 10**30), ("top_k", INT32_MAX + 1), ("max_tokens", INT32_MAX + 1),
         ("max_tokens", 10**30), ("min_tokens", -1), ("min_tokens", INT32_MAX + 1), ("seed", 2**63), ("seed", -(2**63) - 1),
@@ -215,3 +215,51 @@ def test_chat_messages_join_text_parts_and_check_roles():
     bad = decode_request(json.dumps({"model": "m", "messages": [{"role": "", "content": "x"}]}).encode(), ChatCompletionRequest)
     with pytest.raises(ApiError):
         chat_messages(bad)
+
+
+@pytest.mark.parametrize("sent, read", [("true", True), ("TRUE", True), ("yes", True), ("on", True), ("1", True), (1, True),
+                                        (1.0, True), ("false", False), ("No", False), ("off", False), ("0", False), (0, False)])
+def test_bools_sent_as_strings_are_read_as_pydantic_does(sent, read):
+    # vLLM's pydantic lax mode: its own test_chat_echo sends "logprobs": "true"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": sent, "stream": sent}
+    req = decode_request(json.dumps(body).encode(), ChatCompletionRequest, lambda name: None)
+    assert req.logprobs is read and req.stream is read
+
+
+def test_lax_bools_loosen_nothing_else():
+    # an int, a float, a nested bool stay strict; another field's error still names that field
+    for extra, param in (({"max_tokens": "3"}, "max_tokens"), ({"temperature": "1"}, "temperature"), ({"echo": 2}, "echo"),
+                         ({"stream_options": {"include_usage": "true"}, "stream": True}, "stream_options.include_usage"),
+                         ({"logprobs": "true", "temperature": -1}, "temperature"), ({"logprobs": "true", "n": "2"}, "n")):
+        with pytest.raises(ApiError) as err:
+            decode_request(json.dumps({"model": "m", "messages": [], **extra}).encode(), ChatCompletionRequest)
+        assert err.value.param == param, (extra, err.value.message)
+
+
+@pytest.mark.parametrize("seed, words", [(2**63, "less_than_equal"), (-(2**63) - 1, "greater_than_equal")])
+def test_range_errors_carry_pydantics_type_names(seed, words):
+    # vLLM's test_long_seed looks for pydantic's names in the message; the param stays named
+    with pytest.raises(ApiError) as err:
+        completion(seed=seed)
+    assert err.value.param == "seed" and f"[type={words}]" in err.value.message and "Expected `int`" in err.value.message
+
+
+def test_logprob_token_ids_are_checked_as_vllm_does():
+    from dpserve.daemons.api.request_checks import logprob_token_ids
+
+    def chat(**kw):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+        return decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+
+    assert logprob_token_ids(chat(logprobs=True, logprob_token_ids=[5, 0]), 100, 20) == (5, 0)
+    assert logprob_token_ids(chat(logprob_token_ids=[]), 100, 20) == ()
+    assert logprob_token_ids(completion(logprobs=0, logprob_token_ids=[1]), 100, 20) == (1,)
+    for req, max_logprobs, words in ((chat(logprob_token_ids=[5]), 20, "must be set to true"),
+                                     (completion(logprob_token_ids=[5]), 20, "must be set"),
+                                     (completion(logprobs=1, echo=True, max_tokens=0, logprob_token_ids=[5]), 20, "no output tokens"),
+                                     (chat(logprobs=True, logprob_token_ids=[5, 100, -1]), 20, "[100, -1]"),
+                                     (chat(logprobs=True, logprob_token_ids=list(range(21))), 20, "max allowed: 20"),
+                                     (chat(logprobs=True, logprob_token_ids=list(range(101))), -1, "max allowed: 100")):
+        with pytest.raises(ApiError) as err:
+            logprob_token_ids(req, 100, max_logprobs)
+        assert err.value.param == "logprob_token_ids" and words in err.value.message

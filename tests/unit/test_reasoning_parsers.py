@@ -86,15 +86,16 @@ def test_answer_grammar_wraps_json_and_lark_grammars():
 @pytest.mark.parametrize("chat", ["tools", "plain"])  # the tags as added tokens, or as plain text
 def test_answer_grammar_binds_only_the_answer(tmp_path, chat):
     llguidance = pytest.importorskip("llguidance")
+    from dpserve.engine.grammar import llg_tokenizer
     from dpserve.engine.testing.demo_model import write_tokenizer
     from tokenizers import Tokenizer
 
     model = write_tokenizer(str(tmp_path / "tok"), chat=chat)
     tok = Tokenizer.from_file(f"{model}/tokenizer.json")
-    lltok = llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=[1])
+    lltok = llg_tokenizer(tok, tok.get_vocab_size(), [1])  # as a rank builds it: non-special tags are text
     schema = llguidance.LLMatcher.grammar_from_json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
                                                             "required": ["a"], "additionalProperties": False})
-    grammar = answer_grammar(schema, chat == "tools")
+    grammar = answer_grammar(schema, False)
     assert llguidance.LLMatcher.validate_grammar(grammar) == ""
     for text, ok in (('<think>any {"b": text}</think>\n{"a": 1}', True), ('no open tag</think>{"a":2}', True),
                      ('<think>x</think>{"b": 1}', False), ('{"a": 1}', False)):
@@ -155,3 +156,24 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
         deltas = [answer.feed(c, i == len(chunks) - 1) for i, c in enumerate(chunks)]
         assert {t["index"] for d in deltas for t in d.get("tool_calls", ())} == {0}
         assert answer.finish_reason("stop") == "tool_calls"
+
+
+@pytest.mark.parametrize("chat", ["tools", "plain"])  # the tags as single tokens, or as text tokenized
+def test_reasoning_tokens_count_the_ids_before_the_end_tag(tmp_path, chat):
+    # vLLM's usage.completion_tokens_details.reasoning_tokens: counted as the ids arrive
+    from dpserve.daemons.api.tokenizer import TextTokenizer
+    from dpserve.engine.testing.demo_model import write_tokenizer
+
+    tok = TextTokenizer.from_dir(write_tokenizer(str(tmp_path / "tok"), chat=chat))
+    thought, answer = "let me think about it", "the answer"
+    ids = tok.encode(f"<think>{thought}</think>{answer}", add_special_tokens=False)
+    answer_ = ChatAnswer(REASONING_PARSERS["deepseek_r1"](), None)
+    answer_.message(tok.decode(ids, skip_special_tokens=False))
+    assert answer_.reasoning_tokens(ids, tok) == len(tok.encode(thought, add_special_tokens=False))
+    streamed = ChatAnswer(REASONING_PARSERS["qwen3"](), None)
+    for i in range(1, len(ids) + 1):  # one more id each call
+        streamed.feed(tok.decode(ids[i - 1 : i], skip_special_tokens=False), i == len(ids))
+        count = streamed.reasoning_tokens(ids[:i], tok)
+    assert count == len(tok.encode(thought, add_special_tokens=False))
+    off = ChatAnswer(REASONING_PARSERS["qwen3"](thinking=False), None)
+    assert off.reasoning_tokens(ids, tok) == 0 and ChatAnswer(None, None).reasoning_tokens(ids, tok) == 0

@@ -267,3 +267,14 @@ def test_a_grammar_past_the_resource_limits_fails_its_own_answer_and_spares_the_
     outs = run(engine, AddRequest("plain", prompt(9, 9), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), 0.0))
     alone = run(make_engine(loaded_demo_model), AddRequest("plain", prompt(9, 9), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), 0.0))
     assert [t for o in outs["plain"] for t in o.new_token_ids] == [t for o in alone["plain"] for t in o.new_token_ids]
+
+
+def test_logprob_token_ids_report_those_ids_in_their_order():
+    # vLLM's logprob_token_ids: the listed ids' logprobs in place of the top ones, row by row
+    logits = torch.randn(2, VOCAB)
+    ref = torch.log_softmax(logits, dim=-1)
+    plain, listed = token_logprobs(logits, [3, 4], [2, 2], [(), (9, 0, 4)])
+    assert plain.top_ids == ref[0].topk(2).indices.tolist()
+    assert listed.top_ids == [9, 0, 4] and listed.token_id == 4
+    torch.testing.assert_close(torch.tensor(listed.top_logprobs), ref[1, [9, 0, 4]])
+    assert listed.rank == int((ref[1] > ref[1, 4]).sum()) + 1

@@ -12,7 +12,7 @@ rest follows as content. Never raises on model text.
 
 from __future__ import annotations
 
-from dpserve.daemons.api.reasoning import ReasoningParser
+from dpserve.daemons.api.reasoning import ReasoningParser, ReasoningTokens
 from dpserve.daemons.api.tools.base import ToolParser
 from dpserve.engine.common.protocol import FINISH_STOP
 
@@ -24,7 +24,7 @@ class ChatAnswer:
     `show_reasoning`: false (vLLM's include_reasoning) leaves the reasoning out.
     `single_call`: parallel_tool_calls false keeps the first call only (vLLM's filter)."""
 
-    __slots__ = ("reasoning", "tools", "named", "show_reasoning", "single_call", "_called")
+    __slots__ = ("reasoning", "tools", "named", "show_reasoning", "single_call", "_called", "_counter")
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, named: bool = False,
                  show_reasoning: bool = True, single_call: bool = False) -> None:
@@ -34,6 +34,16 @@ class ChatAnswer:
         self.show_reasoning = show_reasoning
         self.single_call = single_call
         self._called = False
+        self._counter: ReasoningTokens | None = None
+
+    def reasoning_tokens(self, ids: list[int], tokenizer) -> int:
+        """vLLM's reasoning_tokens of the answer whose output ids so far are `ids` (0 without
+        a reasoning parser); hidden reasoning (include_reasoning false) counts too."""
+        if self.reasoning is None:
+            return 0
+        if self._counter is None:
+            self._counter = ReasoningTokens(self.reasoning, tokenizer)
+        return self._counter.update(ids)
 
     def feed(self, text: str, final: bool) -> dict:
         """The delta this text adds: reasoning_content / reasoning, content, tool_calls
