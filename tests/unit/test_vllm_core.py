@@ -81,6 +81,8 @@ def test_sampling_params_map_one_to_one():
                   "ignore_eos": True, "min_tokens": 2, "presence_penalty": 0.1, "frequency_penalty": 0.2, "repetition_penalty": 1.1,
                   "logprobs": 2, "prompt_logprobs": 1, "detokenize": False, "logit_bias": {7: -100.0}}
     assert sampling_kwargs(SamplingParams(max_tokens=1, top_k=40))["top_k"] == 40
+    listed = sampling_kwargs(SamplingParams(max_tokens=1, logprobs=2, logprob_token_ids=(4, 9)))  # vLLM's logprobs None then
+    assert (listed["logprobs"], listed["logprob_token_ids"]) == (None, [4, 9])
 
 
 def test_structured_output_grammars_as_the_api_server_builds_them():
@@ -111,6 +113,8 @@ def test_logprobs_keep_the_chosen_token_and_the_top_k():
     assert (lp.token_id, lp.logprob, lp.rank, lp.top_ids, lp.top_logprobs) == (99, -5.0, 7, [11, 12], [-0.1, -2.0])
     lp = to_token_logprobs(11, {11: _Logprob(-0.1, 1)}, 0)
     assert (lp.rank, lp.top_ids) == (1, [])
+    lp = to_token_logprobs(99, entries, 0, (12, 11))  # logprob_token_ids: those ids, in their order
+    assert (lp.logprob, lp.top_ids, lp.top_logprobs) == (-5.0, [12, 11], [-2.0, -0.1])
 
 
 def test_devices_of_a_rank_follow_dp_times_tp():

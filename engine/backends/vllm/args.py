@@ -182,14 +182,19 @@ def sampling_kwargs(p: SamplingParams, num_prior_outputs: int = 0) -> dict:
     }
     if p.logit_bias:
         kw["logit_bias"] = {token: bias for token, bias in p.logit_bias}
+    if p.logprob_token_ids:  # vLLM's: these ids' logprobs in place of the top ones
+        kw["logprobs"], kw["logprob_token_ids"] = None, list(p.logprob_token_ids)
     return kw
 
 
-def to_token_logprobs(token_id: int, entries: dict, k: int) -> TokenLogprobs:
-    """One position of vLLM's logprobs ({id: Logprob(logprob, rank, ...)}) as dpserve's TokenLogprobs."""
+def to_token_logprobs(token_id: int, entries: dict, k: int, listed: tuple[int, ...] = ()) -> TokenLogprobs:
+    """One position of vLLM's logprobs ({id: Logprob(logprob, rank, ...)}) as dpserve's TokenLogprobs;
+    `listed`: the request's logprob_token_ids, reported in their order in place of the top k."""
     chosen = entries.get(token_id)
     ranked = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entries.items() if lp.rank is not None), key=lambda t: t[0])
     top = [(tid, logprob) for rank, tid, logprob in ranked if rank <= k][:k]
+    if listed:
+        top = [(tid, entries[tid].logprob) for tid in listed if tid in entries]
     return TokenLogprobs(
         token_id,
         float(chosen.logprob) if chosen is not None else float("-inf"),

@@ -167,7 +167,7 @@ class VllmCore:
         self._stepper = ThreadPoolExecutor(1, thread_name_prefix="vllm-step")
         self._reqs: dict[str, list[int]] = {}
         self._prompt_ids: dict[str, list[int]] = {}  # only for requests with prompt logprobs
-        self._k: dict[str, tuple[int, int]] = {}  # (logprobs, prompt_logprobs) asked for, where either is
+        self._k: dict[str, tuple[int, int, tuple]] = {}  # (logprobs, prompt_logprobs, logprob_token_ids) asked for, where either is
         self._unstarted_tokens = 0  # prompt tokens of requests without a first token yet
         self._remaining = 0  # answer tokens still to come, at most
         self._last_step_ms = 0.0
@@ -212,7 +212,7 @@ class VllmCore:
         if p.prompt_logprobs is not None:
             self._prompt_ids[rid] = list(req.prompt_token_ids)
         if p.logprobs is not None or p.prompt_logprobs is not None:
-            self._k[rid] = (p.logprobs or 0, p.prompt_logprobs or 0)
+            self._k[rid] = (p.logprobs or 0, p.prompt_logprobs or 0, p.logprob_token_ids)
         self._unstarted_tokens += n
         self._remaining += kw["max_tokens"]
         return None
@@ -319,9 +319,9 @@ class VllmCore:
             result.num_cached_tokens = out.num_cached_tokens or 0  # with the first token, as the native engine
         if reason == FINISH_ERROR:
             result.error = "vLLM ended the request without a reason"
-        k, prompt_k = self._k.get(rid, (0, 0))
+        k, prompt_k, listed = self._k.get(rid, (0, 0, ()))
         if choice is not None and choice.logprobs and tokens:
-            result.logprobs = [to_token_logprobs(t, entries, k) for t, entries in zip(tokens, choice.logprobs[-len(tokens):])]
+            result.logprobs = [to_token_logprobs(t, entries, k, listed) for t, entries in zip(tokens, choice.logprobs[-len(tokens):])]
         if out.prompt_logprobs and rid in self._prompt_ids:
             ids = self._prompt_ids.pop(rid)
             result.prompt_logprobs = [to_token_logprobs(t, entries or {}, prompt_k) for t, entries in zip(ids[1:], out.prompt_logprobs[1:])]
