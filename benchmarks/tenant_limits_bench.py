@@ -1,6 +1,6 @@
 """Tenant limits across API servers, and what the coordinator pays for them (issue 28).
 
-    .venv/bin/python benchmarks/tenant_limits_bench.py [--part limits|coordinator|both] [--json]
+    .venv/bin/python benchmarks/tenant_limits_bench.py [--part overhead|limits|coordinator|all] [--json]
 
 Part 1 (limits): the real coordinator and 4 API servers sharing one port on
 simulated ranks (benchmarks/simcluster.py), a tenants file whose tenant "capped"
@@ -9,6 +9,12 @@ servers by the kernel) send as fast as they are let, each 429 answered by a
 short pause. Measured: the tokens (prompt + completion, from usage) served in
 the window after the bucket's starting burst, per minute, against T. The same
 limit held by each API server alone would let through about 4 T.
+
+Part 0 (overhead, in process): what the plain path (one key, no tenants file)
+pays per request for tenants (a dict set in the middleware, two ContextVar
+reads in sampling and run), and what a tenants file's path pays (sha256 of the
+key, a compare per tenant, buckets, settle), against ~420 us of API CPU a
+request (RESULTS.md section 4).
 
 Part 2 (coordinator): the coordinator at --ranks simulated ranks reporting every
 0.1 s and 32 table subscribers, with and without 32 API servers' TenantUsage
@@ -63,6 +69,43 @@ async def _offer(url: str, clients: int, seconds: float, max_tokens: int) -> lis
     # one connection per client, kept alive: the port's accept spreads them over the API servers
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as session:
         await asyncio.gather(*(loop(session) for _ in range(clients)))
+    return out
+
+
+def part_overhead(args, run) -> dict:
+    import timeit
+
+    from dpserve.daemons.api.tenants import DEFAULT_TENANT, Tenant
+    from dpserve.daemons.api.tenants.gate import CALL, TenantGate
+    from dpserve.daemons.api.tenants.keyfile import parse_tenants
+
+    request: dict = {}
+
+    def plain() -> None:  # what auth_middleware, sampling() and run() add on the plain path
+        request["tenant"] = DEFAULT_TENANT
+        CALL.get()
+        CALL.get()
+
+    n = 200_000
+    out = {"plain_path_us": min(timeit.repeat(plain, number=n, repeat=5)) / n * 1e6}
+    for tenants in (1, 100):
+        text = "".join(f'[tenants.t{i}]\nkey = "sk-key-{i:06d}"\ntokens_per_min = 100000000\nrequests_per_s = 1000000\n' for i in range(tenants))
+        gate = TenantGate("<bench>", parse_tenants(text), None)
+        header = f"Bearer sk-key-{tenants - 1:06d}".encode()
+
+        def tenant_path(gate=gate, header=header) -> None:  # authenticate, admit, reserve, settle
+            call = gate.admit(gate.authenticate(header))
+            token = CALL.set(call)
+            call.limits.reserve(call.st, 20, 16)
+            call.prompt, call.completion = 20, 16
+            CALL.reset(token)
+            call.finish()
+
+        m = 20_000
+        out[f"tenants_{tenants}_path_us"] = min(timeit.repeat(tenant_path, number=m, repeat=5)) / m * 1e6
+    assert Tenant("x").weight == 1.0
+    run.log("per request: plain path +{plain_path_us:.3f} us; tenants file, 1 tenant {tenants_1_path_us:.2f} us, "
+            "100 tenants {tenants_100_path_us:.2f} us".format(**out))
     return out
 
 
@@ -155,7 +198,7 @@ def part_coordinator(args, run) -> dict:
 
 def main(argv=None) -> None:
     p = parser(__doc__, json=True)
-    p.add_argument("--part", choices=("limits", "coordinator", "both"), default="both")
+    p.add_argument("--part", choices=("overhead", "limits", "coordinator", "all"), default="all")
     p.add_argument("--tokens-per-min", type=int, default=60_000)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--seconds", type=float, default=40.0)
@@ -167,9 +210,11 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=float, default=6.0)
     args, run = begin(p, argv)
     out = run.info(loadavg=os.getloadavg())
-    if args.part in ("limits", "both"):
+    if args.part in ("overhead", "all"):
+        out["overhead"] = part_overhead(args, run)
+    if args.part in ("limits", "all"):
         out["limits"] = part_limits(args, run)
-    if args.part in ("coordinator", "both"):
+    if args.part in ("coordinator", "all"):
         out["coordinator"] = part_coordinator(args, run)
     if args.json:
         import json

@@ -93,6 +93,20 @@ def test_keys_limits_and_reload(node):
     assert [c["pid"] for c in node.status()["children"] if c["name"].startswith("api-")] == [c["pid"] for c in apis]
     assert "tenant added" in node.log() and "tenant=late" in node.log()
 
+    # the supervisor's SIGHUP (systemctl reload): API servers restarted one by one read the file anew
+    node.key_path.write_text(TENANTS.replace("max_tokens = 8", "max_tokens = 6"))
+    node.proc.send_signal(signal.SIGHUP)
+    old = {c["pid"] for c in apis}
+
+    def restarted() -> bool:
+        now = [c for c in node.status()["children"] if c["name"].startswith("api-")]
+        return not old & {c["pid"] for c in now} and all(c["state"] == "ready" for c in now)
+
+    wait_until(restarted, 60, what="a rolling restart of the API servers")
+    assert all(post(node.url, KEY_LATE, body())[0] == 401 for _ in range(4))  # removed from the file
+    assert post(node.url, KEY_SEARCH, body(7))[0] == 400
+    assert "tenant changed" in node.log() and "max_tokens='8 -> 6'" in node.log()
+
 
 def test_no_key_in_logs_or_ps(node):
     node.refresh_child_pids()
