@@ -1,0 +1,96 @@
+"""What a restarted rank reuses of its compile beyond inductor's cache: the CPU's vector-ISA probe.
+
+Before inductor compiles or loads CPU code it probes which vector ISAs (AVX2,
+AVX-512, AMX, ...) this machine can build and run: one C++ build and one child
+Python that dlopens the result per ISA, ~2.9 s of a 5 s warm-cache start
+(benchmarks/RESULTS.md). The answer only changes with the CPU, the compiler or
+torch, so it is recorded under the compile cache dir once probed, and a later
+start trusts the record (inductor's own switch, config.cpp.vec_isa_ok). Must
+never trust a record written for another CPU, compiler or torch, nor override
+a TORCHINDUCTOR_VEC_ISA_OK the user set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+
+import torch
+
+log = logging.getLogger(__name__)
+
+RECORD_NAME = "dpserve-vec-isa.json"
+
+
+def machine_key() -> str:
+    """A digest of what the probe's answer depends on: torch, the C++ compiler inductor
+    runs (its path, size and mtime) and the CPU's model and feature flags."""
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++") or ""
+    parts = [torch.__version__, platform.machine(), compiler]
+    if compiler:
+        st = os.stat(os.path.realpath(compiler))
+        parts += [str(st.st_size), str(st.st_mtime_ns)]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            parts += sorted({line.strip() for line in f if line.startswith(("flags", "model name", "Features"))})
+    except OSError:
+        parts.append("no /proc/cpuinfo")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _valid_isas(trust: bool | None) -> list[str]:
+    """inductor's list of usable vector ISAs with its probe (trust None) or from the CPU flags alone (True)."""
+    from torch._inductor import config, cpu_vec_isa
+
+    config.cpp.vec_isa_ok = trust
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+
+
+def settle_vec_isa(cache_dir: str) -> str:
+    """Fix config.cpp.vec_isa_ok before the compile, the same way on every start of this machine
+    (it is part of inductor's cache key): True when every ISA the CPU reports passed the probe,
+    from the record when there is one for this machine, else by probing now and recording.
+    Returns how: "user" (the environment set it), "recorded", "probed" or "unsettled"
+    (some ISA failed its probe: inductor keeps probing at every start)."""
+    from torch._inductor import config
+
+    if config.cpp.vec_isa_ok is not None:
+        return "user"
+    path = os.path.join(cache_dir, RECORD_NAME)
+    key = machine_key()
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        record = {}
+    if record.get("key") == key and _valid_isas(True) == record.get("valid"):
+        return "recorded"
+    probed = _valid_isas(None)
+    flagged = _valid_isas(True)
+    if probed != flagged:
+        log.info("vector ISAs %s passed inductor's probe of %s: it probes at every start", probed, flagged)
+        _valid_isas(None)
+        return "unsettled"
+    _write_json(path, {"key": key, "valid": probed, "torch": torch.__version__})
+    return "probed"
+
+
+def _write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".vec-isa-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("could not record the vector-ISA probe in %s: %s", path, exc)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
