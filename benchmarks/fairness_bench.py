@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""Fair shares when the cluster is saturated: admission held at the frontend (issue 28).
+
+    python benchmarks/fairness_bench.py [--engine sim|native|vllm] [--only noisy jain priority]
+                                        [--phase-s S] [--hold N] [--ranks N] [--json]
+
+Tenants come from a TOML key file (--api-key-file); each scenario runs on one
+cluster, phases back to back. Figures are printed, never asserted.
+
+- noisy: 4 tenants of equal weight. Alone: one quiet tenant sends at half its
+  share (open loop, Poisson); then the same three quiet tenants and a fourth
+  sending 10x its share. The quiet tenants' TTFT p99 against the alone p99
+  (the issue asks <= 1.2x), and the noisy one's 429s.
+- jain: 4 tenants of equal weight, each backlogged (closed loop, more clients
+  than its share of batch places), asking 4 / 8 / 16 / 32 answer tokens: Jain's
+  index of the tokens each is delivered (prompt + answer) in 10 s windows
+  (the issue asks >= 0.95: fair by tokens, not by requests).
+- priority: an interactive tenant (priority 0) at a low rate, alone, then
+  while a bulk tenant (priority 1) floods: its TTFT p99 against unloaded (the
+  issue asks <= 1.1x).
+
+--engine sim: simulated ranks (engine/testing/sim.py) at the realistic model's
+measured speeds on this CPU (benchmarks/prefix_sim.py: prefill 245 tokens/s, a
+decode step of 215 ms + 5.3 ms a sequence, taken at --max-num-seqs). native / vllm:
+the realistic model (`dpserve demo-model --size small`) on one node, DP 1,
+--scheduling-policy priority (vllm: vLLM's engine in the rank, which sees
+`priority`). --hold 0 turns the frontend's hold off (every request straight to
+a rank's FIFO), for the comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aiohttp  # noqa: E402
+
+from benchmarks.common import begin, fmt, load_average, parser, render, vllm_python  # noqa: E402
+
+PREFILL_TOKENS_PER_S = 245.0  # the realistic model, eager, 1 thread (benchmarks/prefix_sim.py)
+DECODE_BASE_MS, DECODE_PER_SEQ_MS = 215.0, 5.3
+WINDOW_S = 10.0
+PROMPT = [1000 + i for i in range(8)]  # 8 token ids: the answers' sizes, not the prompt, set a request's cost
+
+
+@dataclass
+class Result:
+    tenant: str
+    t0: float
+    status: int = 0
+    t_first: float = 0.0
+    t_end: float = 0.0
+    tokens: int = 0  # prompt + completion (usage)
+
+    @property
+    def ttft(self) -> float:
+        return self.t_first - self.t0
+
+
+@dataclass
+class Tenants:
+    """name -> (key, weight, priority); written as the TOML key file."""
+
+    spec: dict[str, tuple[float, int]]
+    keys: dict[str, str] = field(default_factory=dict)
+
+    def write(self, directory: str) -> str:
+        lines = []
+        for name, (weight, priority) in self.spec.items():
+            self.keys[name] = f"sk-bench-{name}-{os.urandom(6).hex()}"
+            lines += [f"[tenants.{name}]", f'key = "{self.keys[name]}"', f"weight = {weight}", f"priority = {priority}", ""]
+        path = os.path.join(directory, "tenants.toml")
+        Path(path).write_text("\n".join(lines))
+        return path
+
+
+TENANTS = Tenants({"t0": (1, 0), "t1": (1, 0), "t2": (1, 0), "t3": (1, 0), "interactive": (1, 0), "bulk": (1, 1)})
+
+
+# ----------------------------------------------------------------- load
+
+
+async def request(http: aiohttp.ClientSession, url: str, model: str, tenant: str, max_tokens: int, out: list[Result]) -> None:
+    res = Result(tenant, time.monotonic())
+    out.append(res)
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {TENANTS.keys[tenant]}"}
+    try:
+        async with http.post(url + "/v1/completions", json=body, headers=headers) as resp:
+            res.status = resp.status
+            if resp.status != 200:
+                await resp.read()
+                return
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if not res.t_first and any(c.get("text") for c in chunk.get("choices", ())):
+                    res.t_first = time.monotonic()
+                if chunk.get("usage"):
+                    res.tokens = chunk["usage"]["total_tokens"]
+            res.t_end = time.monotonic()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        res.status = -1
+
+
+async def open_loop(http, url, model, tenant: str, rate: float, max_tokens: int, until: float, out: list, tasks: list) -> None:
+    rng = random.Random(hash(tenant))
+    while True:
+        await asyncio.sleep(rng.expovariate(rate))
+        if time.monotonic() >= until:
+            return
+        tasks.append(asyncio.create_task(request(http, url, model, tenant, max_tokens, out)))
+
+
+async def closed_loop(http, url, model, tenant: str, clients: int, max_tokens: int, until: float, out: list) -> None:
+    async def client():
+        while time.monotonic() < until:
+            await request(http, url, model, tenant, max_tokens, out)
+    await asyncio.gather(*(client() for _ in range(clients)))
+
+
+async def phase(url: str, model: str, seconds: float, drain_s: float, open_loops=(), closed_loops=()) -> list[Result]:
+    """Run the loads for `seconds`; requests still open `drain_s` later are cancelled (their clients leave)."""
+    out: list[Result] = []
+    tasks: list[asyncio.Task] = []
+    until = time.monotonic() + seconds
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as http:
+        loops = [asyncio.create_task(open_loop(http, url, model, *spec, until, out, tasks)) for spec in open_loops]
+        loops += [asyncio.create_task(closed_loop(http, url, model, *spec, until, out)) for spec in closed_loops]
+        await asyncio.gather(*loops)
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=drain_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    return out
+
+
+# ----------------------------------------------------------------- figures
+
+
+def p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
+
+
+def ttfts(results: list[Result], tenant: str) -> list[float]:
+    return [r.ttft for r in results if r.tenant == tenant and r.status == 200 and r.t_first]
+
+
+def jain(xs: list[float]) -> float | None:
+    return (sum(xs) ** 2) / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else None
+
+
+def windows_jain(results: list[Result], tenants: list[str], start: float, end: float) -> list[float]:
+    """Jain's index per 10 s window of the tokens delivered to each tenant, a request's
+    tokens spread evenly from its first token to its end."""
+    out = []
+    t = start
+    while t + WINDOW_S <= end:
+        got = dict.fromkeys(tenants, 0.0)
+        for r in results:
+            if r.status != 200 or not r.t_end or r.t_end <= t or r.t_first >= t + WINDOW_S:
+                continue
+            span = max(r.t_end - r.t_first, 1e-6)
+            overlap = min(r.t_end, t + WINDOW_S) - max(r.t_first, t)
+            got[r.tenant] += r.tokens * max(0.0, overlap) / span
+        out.append(jain(list(got.values())))
+        t += WINDOW_S
+    return out
+
+
+# ----------------------------------------------------------------- scenarios
+
+
+async def noisy(url, model, args, capacity: float) -> dict:
+    share = capacity / 4
+    rate, drain = share / 2, args.phase_s
+    alone = await phase(url, model, args.phase_s, drain, open_loops=[("t1", rate, args.max_tokens)])
+    loaded = await phase(url, model, args.phase_s, drain, open_loops=[("t0", 10 * share, args.max_tokens)]
+                         + [(t, rate, args.max_tokens) for t in ("t1", "t2", "t3")])
+    base = p99(ttfts(alone, "t1"))
+    rows = {t: p99(ttfts(loaded, t)) for t in ("t1", "t2", "t3")}
+    return {"share_req_s": share, "quiet_rate": rate, "alone_p99_s": base, "loaded_p99_s": rows,
+            "worst_ratio": max(v / base for v in rows.values()) if base and all(rows.values()) else None,
+            "noisy_sent": sum(r.tenant == "t0" for r in loaded), "noisy_429": sum(r.tenant == "t0" and r.status == 429 for r in loaded),
+            "quiet_not_200": sum(r.tenant != "t0" and r.status != 200 for r in loaded)}
+
+
+async def fair_tokens(url, model, args, slots: int) -> dict:
+    names, sizes = ["t0", "t1", "t2", "t3"], [4, 8, 16, 32]
+    clients = slots  # each tenant alone could fill every place: all four stay backlogged
+    t0 = time.monotonic()
+    res = await phase(url, model, args.jain_s, 0.0, closed_loops=[(n, clients, s) for n, s in zip(names, sizes)])
+    idx = windows_jain(res, names, t0 + WINDOW_S / 2, t0 + args.jain_s)  # (the first half window fills the ranks)
+    tokens = {n: sum(r.tokens for r in res if r.tenant == n and r.status == 200) for n in names}
+    return {"windows": idx, "min": min((i for i in idx if i is not None), default=None), "tokens": tokens,
+            "requests": {n: sum(r.tenant == n and r.status == 200 for r in res) for n in names}}
+
+
+async def priority(url, model, args, slots: int, capacity: float) -> dict:
+    rate = capacity / 8
+    alone = await phase(url, model, args.phase_s, args.phase_s, open_loops=[("interactive", rate, args.max_tokens)])
+    loaded = await phase(url, model, args.phase_s, args.phase_s, open_loops=[("interactive", rate, args.max_tokens)],
+                         closed_loops=[("bulk", 3 * slots, args.max_tokens)])
+    base, under = p99(ttfts(alone, "interactive")), p99(ttfts(loaded, "interactive"))
+    return {"rate": rate, "unloaded_p99_s": base, "flooded_p99_s": under, "ratio": under / base if base and under else None,
+            "bulk_served": sum(r.tenant == "bulk" and r.status == 200 for r in loaded)}
+
+
+# ----------------------------------------------------------------- clusters
+
+
+def start_cluster(args, tenants_file: str):
+    """(base url, model name, stop) of the cluster --engine asks for."""
+    if args.engine == "sim":
+        from benchmarks.simcluster import SimCluster
+
+        step_ms = DECODE_BASE_MS + DECODE_PER_SEQ_MS * args.max_num_seqs
+        c = SimCluster(args.ranks, num_api_servers=args.api_servers, ranks_per_process=args.ranks, report_interval_s=0.2,
+                       decode_step_ms=step_ms, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, max_num_seqs=args.max_num_seqs,
+                       api_options={"tenants_file": tenants_file, "hold_waiting_per_rank": args.hold})
+        c.start()
+        c.wait_routable(args.ranks, timeout=60)
+        return c.url.removesuffix("/v1"), "sim", c.stop, step_ms / 1000
+    from benchmarks.engine_realistic import small_model_dir
+    from benchmarks.nodes import SERVED_MODEL, DpNode
+
+    python = vllm_python(None) if args.engine == "vllm" else None
+    extra = ["--api-key-file", tenants_file, "--hold-waiting-per-rank", str(args.hold), "--scheduling-policy", "priority",
+             "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048"] + (["--engine", "vllm"] if args.engine == "vllm" else [])
+    node = DpNode(small_model_dir(None), dp=args.ranks, api=args.api_servers, extra=extra, python=python,
+                  env={"DPSERVE_ENFORCE_EAGER": "1"} if args.engine == "native" else None)
+    node.spawn()
+    node.wait_ready(600)
+    return node.url, SERVED_MODEL, node.stop, (DECODE_BASE_MS + DECODE_PER_SEQ_MS * args.max_num_seqs) / 1000
+
+
+def main(argv=None) -> None:
+    p = parser(__doc__, json=True)
+    p.add_argument("--engine", choices=("sim", "native", "vllm"), default="sim")
+    p.add_argument("--only", nargs="+", choices=("noisy", "jain", "priority"), default=["noisy", "jain", "priority"])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--api-servers", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=12, help="answer tokens of the noisy and priority scenarios")
+    p.add_argument("--hold", type=int, default=1, help="--hold-waiting-per-rank (0: off)")
+    p.add_argument("--phase-s", type=float, default=15.0)
+    p.add_argument("--jain-s", type=float, default=30.0)
+    args, run = begin(p, argv)
+    with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
+        url, model, stop, step_s = start_cluster(args, TENANTS.write(tmp))
+        try:
+            slots = args.ranks * args.max_num_seqs
+            capacity = slots / ((args.max_tokens + 1) * step_s)  # requests/s the batch places finish
+            out = {"engine": args.engine, "hold": args.hold, "ranks": args.ranks, "slots": slots, "capacity_req_s": capacity}
+            for name in args.only:
+                run.log(f"{name} ...")
+                fn = {"noisy": lambda: noisy(url, model, args, capacity), "jain": lambda: fair_tokens(url, model, args, slots),
+                      "priority": lambda: priority(url, model, args, slots, capacity)}[name]
+                out[name] = asyncio.run(fn())
+                out[name]["loadavg"] = load_average()
+        finally:
+            stop()
+    report(out, run, args)
+
+
+def report(out: dict, run, args) -> None:
+    if args.json:
+        print(json.dumps(run.info(**out), indent=1))
+        return
+    rows = []
+    if "noisy" in out:
+        n = out["noisy"]
+        rows.append(["noisy: quiet TTFT p99 / alone", fmt(n["worst_ratio"], 2), "<= 1.2",
+                     f"alone {fmt(n['alone_p99_s'], 3)} s, loaded {', '.join(fmt(v, 3) for v in n['loaded_p99_s'].values())}; "
+                     f"noisy 429 {n['noisy_429']}/{n['noisy_sent']}, quiet errors {n['quiet_not_200']}"])
+    if "jain" in out:
+        j = out["jain"]
+        rows.append(["jain: min over 10 s windows", fmt(j["min"], 3), ">= 0.95",
+                     f"windows {', '.join(fmt(w, 3) for w in j['windows'])}; tokens {j['tokens']}"])
+    if "priority" in out:
+        q = out["priority"]
+        rows.append(["priority: interactive TTFT p99 / unloaded", fmt(q["ratio"], 2), "<= 1.1",
+                     f"unloaded {fmt(q['unloaded_p99_s'], 3)} s, flooded {fmt(q['flooded_p99_s'], 3)} s; bulk served {q['bulk_served']}"])
+    print(f"engine {out['engine']}, hold {out['hold']}, {out['ranks']} ranks, {out['slots']} places, "
+          f"capacity ~{out['capacity_req_s']:.1f} req/s; load {load_average()}")
+    print(render(["target", "figure", "asked", "detail"], rows))
+
+
+if __name__ == "__main__":
+    main()
