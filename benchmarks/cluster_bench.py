@@ -44,7 +44,7 @@ import zmq
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpserve.engine.common.protocol import Codec, LoadTable  # noqa: E402
+from dpserve.engine.common.protocol import Codec, LoadTable, PrefixRouted, TableChannel  # noqa: E402
 
 from benchmarks.load import LoadConfig, run_load  # noqa: E402
 from benchmarks.simcluster import SimCluster, probe_json  # noqa: E402
@@ -52,7 +52,7 @@ from benchmarks.simcluster import SimCluster, probe_json  # noqa: E402
 
 def cpu_window(cluster: SimCluster, seconds: float, during=None) -> dict:
     """CPU share of one core per component over a window (during() runs in it, if given)."""
-    names = ("coordinator", "api-", "sim-")
+    names = ("coordinator", "api-", "sim-", "relay")
     before = {n: cluster.cpu(n) for n in names}
     per_api_before = [cluster.cpu(f"api-{i}") for i in range(cluster.num_api_servers)]
     t0 = time.monotonic()
@@ -67,6 +67,8 @@ def cpu_window(cluster: SimCluster, seconds: float, during=None) -> dict:
         "api_max_pct": 100 * max(per_api, default=0.0) / wall,
         "api_cpu_s": after["api-"] - before["api-"],
         "sims_pct": 100 * (after["sim-"] - before["sim-"]) / wall,
+        "relay_pct": 100 * (after["relay"] - before["relay"]) / wall,
+        "loadavg": Path("/proc/loadavg").read_text().split()[0],
         "result": result,
     }
 
@@ -105,7 +107,7 @@ def time_to_drop(cluster: SimCluster, name: str, sig: int, expected: int, timeou
     (2) a sweep over every API server's probe found none routing to it (the sweep,
     tens of ms a server on a busy node, adds up to its own length to the second)."""
     ranks = {int(r) for r in name.split("-")[1:2]}
-    codec = Codec(LoadTable)
+    codec = Codec(TableChannel)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -141,6 +143,7 @@ def part_cluster(args) -> dict:
     cluster = SimCluster(
         args.ranks, args.api_servers, args.ranks_per_process, num_alone=2,
         report_interval_s=args.report_interval_s, stale_after_s=args.stale_after_s, prefork=args.launch == "prefork",
+        ranks_per_node=args.ranks_per_node, node_heartbeat_s=args.node_heartbeat_s,
     )
     out: dict = {"launch": args.launch, "ranks": args.ranks, "api_servers": args.api_servers, "ranks_per_process": args.ranks_per_process,
                  "sim_processes": 0, "report_interval_s": args.report_interval_s, "stale_after_s": args.stale_after_s}
@@ -149,6 +152,7 @@ def part_cluster(args) -> dict:
         out["api_ready_s"], out["registered_s"], out["routable_s"] = wait_all(cluster, args.ranks, timeout=300)
         time.sleep(2.0)  # settle
         out["rest"] = cpu_window(cluster, args.window)
+        out["memory"] = memory(cluster, args.ranks)
         cfg = LoadConfig(url=f"http://127.0.0.1:{cluster.port}", model="sim", concurrency=args.concurrency,
                          duration=args.window, warmup=1.0, max_tokens=16)
         table = Subscribers(cluster.table_address, 1, count_entries=True)
@@ -177,7 +181,7 @@ class Subscribers:
     def __init__(self, address: str, n: int, count_entries: bool = False) -> None:
         self.count_entries = count_entries
         self.entries = 0
-        self.codec = Codec(LoadTable)
+        self.codec = Codec(TableChannel)
         self.ctx = zmq.Context()
         self.socks = []
         for _ in range(n):
@@ -207,8 +211,8 @@ class Subscribers:
                     self.messages += 1
                     self.bytes += len(data)
                     self.largest = max(self.largest, len(data))
-                    if self.count_entries:
-                        self.entries += len(self.codec.decode(data).ranks)
+                    if self.count_entries and type(msg := self.codec.decode(data)) is not PrefixRouted:
+                        self.entries += len(msg.ranks)
 
     def close(self) -> None:
         self.stop = True
@@ -216,13 +220,23 @@ class Subscribers:
         self.ctx.destroy(linger=0)
 
 
-def part_coordinator(args, vary: bool) -> dict:
+def memory(cluster: SimCluster, ranks: int) -> dict:
+    """Resident memory: each API server's (mean, max), the coordinator's, and the simulated ranks' per rank."""
+    api = cluster.rss_mib("api-")
+    return {"api_server_mean_mib": sum(api) / max(1, len(api)), "api_server_max_mib": max(api, default=0.0),
+            "coordinator_mib": sum(cluster.rss_mib("coordinator")), "sim_per_rank_mib": sum(cluster.rss_mib("sim-")) / ranks}
+
+
+def part_coordinator(args, vary: bool, relay: bool = False) -> dict:
     n = args.coordinator_ranks
     interval = args.coordinator_report_interval_s
     cluster = SimCluster(n, 0, args.coordinator_ranks_per_process, report_interval_s=interval, stale_after_s=3 * interval + 1,
-                         vary_load=vary)
+                         vary_load=vary, ranks_per_node=args.ranks_per_node, node_heartbeat_s=args.node_heartbeat_s)
     with cluster:
-        subs = Subscribers(cluster.table_address, 32)
+        # 32 API servers' subscriptions: on the head's table directly, or on one node relay of it
+        local = cluster.start_table_relay() if relay else cluster.table_address
+        subs = Subscribers(local, 32)
+        head = Subscribers(cluster.table_address, 1) if relay else subs  # what the head sends one subscriber
         try:
             start = time.monotonic()
             # registered: every rank in the table the subscribers see (count distinct alive ranks)
@@ -230,29 +244,35 @@ def part_coordinator(args, vary: bool) -> dict:
             probe = zmq.Context.instance().socket(zmq.SUB)
             probe.setsockopt(zmq.SUBSCRIBE, b"")
             probe.connect(cluster.table_address)
-            codec = Codec(LoadTable)
+            codec = Codec(TableChannel)
             deadline = start + 120
             while sum(seen.values()) < n and time.monotonic() < deadline:
                 cluster.check_alive()
-                if probe.poll(200):
-                    for e in codec.decode(probe.recv()).ranks:
+                if probe.poll(200) and type(table := codec.decode(probe.recv())) is LoadTable:
+                    for e in table.ranks:
                         seen[e.rank] = e.is_alive
             registered_s = time.monotonic() - cluster.started_at
             probe.close(0)
             time.sleep(2.0)
-            m0, b0 = subs.messages, subs.bytes
+            m0, b0, h0 = subs.messages, subs.bytes, head.bytes
             w = cpu_window(cluster, args.window)
             w.pop("result")
             return {
-                "ranks": n, "subscribers": 32, "every_report_a_change": vary, "all_alive_s": registered_s,
-                "coordinator_pct": w["coordinator_pct"], "sims_pct": w["sims_pct"],
+                "ranks": n, "subscribers": 32, "table_relay": relay, "every_report_a_change": vary, "all_alive_s": registered_s,
+                "coordinator_pct": w["coordinator_pct"], "relay_pct": w["relay_pct"], "sims_pct": w["sims_pct"],
+                "loadavg": w["loadavg"], "nodes": n // max(1, args.ranks_per_node) if args.ranks_per_node else None,
                 "published_msgs_per_s": (subs.messages - m0) / w["wall_s"],
-                "published_kib_per_s": (subs.bytes - b0) / w["wall_s"] / 1024,
+                # what the head sends: to the 32 subscribers, or once to the relay (the probe `head` counts it)
+                "published_kib_per_s": (head.bytes - h0) / w["wall_s"] / 1024,
+                "delivered_kib_per_s": (subs.bytes - b0) / w["wall_s"] / 1024,
                 "largest_message_bytes": subs.largest,
-                "reports_per_s": n / interval, "report_interval_s": interval,
+                "reports_per_s": n / interval, "report_interval_s": interval, "node_heartbeat_s": cluster.node_heartbeat_s,
+                "coordinator_mib": sum(cluster.rss_mib("coordinator")),
             }
         finally:
             subs.close()
+            if head is not subs:
+                head.close()
 
 
 class GrowingCluster(SimCluster):
@@ -346,7 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--window", type=float, default=10.0)
     ap.add_argument("--coordinator-ranks", type=int, default=1024)
-    ap.add_argument("--coordinator-ranks-per-process", type=int, default=256)
+    ap.add_argument("--coordinator-ranks-per-process", type=int, default=512)
+    ap.add_argument("--ranks-per-node", type=int, default=8, help="simulated nodes: each node's relay sends one NodeLoad an interval")
+    ap.add_argument("--node-heartbeat-s", type=float, default=None,
+                    help="a node's heartbeat when no load changed (default: stale limit / 4; the report interval: one message a node an interval)")
+    ap.add_argument("--table-relay", action="store_true", help="also measure the coordinator with a node relay of the table")
     ap.add_argument("--coordinator-report-interval-s", type=float, default=0.1)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: cluster, coordinator, membership")
     ap.add_argument("--quick", action="store_true", help="64 ranks x 4 API servers, 256-rank coordinator, 3 s windows")
@@ -360,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         results["cluster"] = part_cluster(args)
         print(json.dumps(results["cluster"], indent=1), file=sys.stderr, flush=True)
     if "coordinator" not in skip:
-        results["coordinator"] = [part_coordinator(args, vary) for vary in (False, True)]
+        runs = [(vary, False) for vary in (False, True)] + ([(True, True)] if args.table_relay else [])
+        results["coordinator"] = [part_coordinator(args, vary, relay) for vary, relay in runs]
         print(json.dumps(results["coordinator"], indent=1), file=sys.stderr, flush=True)
     if "membership" not in skip:
         results["membership"] = part_membership(args)
@@ -378,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| start -> every rank alive in every API server's table | {c['registered_s']:.1f} s |")
         print(f"| start -> every rank routable in every API server | {c['routable_s']:.1f} s |")
         print(f"| at rest: coordinator / all API servers / busiest API server | {r['coordinator_pct']:.1f}% / {r['api_total_pct']:.1f}% / {r['api_max_pct']:.1f}% of a core |")
+        print(f"| at rest: simulated ranks (all processes) | {r['sims_pct']:.1f}% of a core (load average {r['loadavg']}) |")
+        mem = c["memory"]
+        print(f"| RSS: API server mean / max, coordinator, simulated rank | {mem['api_server_mean_mib']:.0f} / {mem['api_server_max_mib']:.0f} MiB, "
+              f"{mem['coordinator_mib']:.0f} MiB, {mem['sim_per_rank_mib']:.2f} MiB |")
         print(f"| load: {ld['req_per_s']:.0f} req/s ({ld['ok']} ok, {ld['errors']} errors, {ld['ranks_used']} ranks used), p50 {ld['p50_ms']:.0f} ms, p99 {ld['p99_ms']:.0f} ms | |")
         print(f"| under load: coordinator / all API servers / busiest API server | {ld['coordinator_pct']:.1f}% / {ld['api_total_pct']:.1f}% / {ld['api_max_pct']:.1f}% of a core |")
         print(f"| API-server CPU per request (everything, not only routing) | {ld['api_cpu_us_per_request']:.0f} us |")
@@ -396,11 +425,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| streamed requests across both (32 clients, 64 tokens) | {m['ok']} ok, {m['errors']} errors {m['error_kinds'] or ''} |")
     for row in results.get("coordinator", []):
         kind = "every report a change" if row["every_report_a_change"] else "reports repeat the load"
-        print(f"\n## coordinator: {row['ranks']} ranks reporting every {row['report_interval_s'] * 1000:.0f} ms ({kind}), 32 table subscribers\n")
+        via = " through one node table relay" if row["table_relay"] else ""
+        print(f"\n## coordinator: {row['ranks']} ranks ({row['nodes']} nodes) reporting every {row['report_interval_s'] * 1000:.0f} ms "
+              f"({kind}), 32 table subscribers{via} (load average {row['loadavg']})\n")
         print("| measure | value |\n|---|---|")
         print(f"| reports in | {row['reports_per_s']:,.0f}/s |")
-        print(f"| coordinator CPU | {row['coordinator_pct']:.1f}% of a core |")
-        print(f"| tables out (all subscribers) | {row['published_msgs_per_s']:,.0f} msg/s, {row['published_kib_per_s']:,.0f} KiB/s |")
+        print(f"| coordinator CPU | {row['coordinator_pct']:.1f}% of a core (relay {row['relay_pct']:.1f}%) |")
+        print(f"| tables out of the coordinator | {row['published_kib_per_s']:,.0f} KiB/s |")
+        print(f"| tables into the 32 subscribers | {row['published_msgs_per_s']:,.0f} msg/s, {row['delivered_kib_per_s']:,.0f} KiB/s |")
+        print(f"| coordinator RSS | {row['coordinator_mib']:.0f} MiB |")
         print(f"| largest table message | {row['largest_message_bytes']:,} B |")
         print(f"| start -> all ranks alive in the table | {row['all_alive_s']:.1f} s |")
     return 0

@@ -126,6 +126,7 @@ class SimCluster:
         prefork: bool = False,
         run_dir: str | None = None,
         ranks_per_node: int = 8,
+        node_heartbeat_s: float | None = None,
         max_num_seqs: int = 64,
         api_options: dict | None = None,
     ) -> None:
@@ -141,6 +142,8 @@ class SimCluster:
         self.max_waiting_per_rank = max_waiting_per_rank
         self.vary_load = vary_load
         self.ranks_per_node = ranks_per_node  # simulated nodes: one NodeLoad each (0: one node a process)
+        # a node's heartbeat: a quarter of the silence limit (changes still go within the report interval)
+        self.node_heartbeat_s = stale_after_s / 4 if node_heartbeat_s is None else node_heartbeat_s
         self.max_num_seqs = max_num_seqs
         self.api_options = api_options or {}  # other ApiServerConfig fields (e.g. admission's)
         # prefork: API servers forked from dpserve's launcher after one import, as
@@ -289,6 +292,7 @@ class SimCluster:
             "--report-interval-s", str(self.report_interval_s), "--decode-step-ms", str(self.decode_step_ms),
             "--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--parent-pid", str(os.getpid()),
             "--ranks-per-node", str(self.ranks_per_node), "--max-num-seqs", str(self.max_num_seqs),
+            "--node-heartbeat-s", str(self.node_heartbeat_s),
         ] + (["--vary-load"] if self.vary_load else [])
         self._spawn(name, "dpserve.engine.testing.sim", None, args)
         self.sim_procs.append(name)
@@ -371,6 +375,24 @@ class SimCluster:
 
     def pids(self, prefix: str) -> list[int]:
         return [p.pid for n, p in self.procs.items() if n.startswith(prefix) and p.poll() is None]
+
+    def rss_mib(self, prefix: str) -> list[float]:
+        """Resident memory (MiB) of each live process whose name starts with `prefix`."""
+        out = []
+        for pid in self.pids(prefix):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    out += [int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:")]
+            except OSError:
+                pass
+        return out
+
+    def start_table_relay(self) -> str:
+        """A node's table relay (daemons/coordinator/table_relay.py): the local address to subscribe to."""
+        local = f"ipc://{self.run_dir}/node.table"
+        self._spawn("relay", "dpserve.daemons.coordinator.table_relay", None,
+                    ["--upstream", self.table_address, "--bind", local, "--parent-pid", str(os.getpid())])
+        return local
 
     def cpu(self, prefix: str) -> float:
         """CPU seconds used so far by the live processes whose name starts with `prefix`."""

@@ -1,6 +1,9 @@
 """One node's ranks speak to the coordinator in one message (issue 30): their load
-reports and heartbeats gather here and leave as a NodeLoad, once per report
-interval and, while loads change, at most every flush interval. Pure state: the
+reports and heartbeats gather here and leave as a NodeLoad: the changes at most
+every flush interval (so within the report interval), and a heartbeat every
+`beat_s`. The heartbeat need not follow the ranks' report interval: it only has
+to beat the coordinator's silence limit a few times over (the default owner
+setting is a quarter of it), so a quiet cluster's coordinator idles. Pure state: the
 owner hands it reports and the clock and sends what flush() returns; it never
 sends, never polls and never judges a rank's membership (registration,
 readiness and deaths still go from each rank to the coordinator).
@@ -30,9 +33,13 @@ class NodeAggregator:
     from the one the last NodeLoad carried. A rank is listed alive while its last
     report is younger than `silence_s`."""
 
-    def __init__(self, node_rank: int, interval_s: float, silence_s: float, flush_s: float = NODE_FLUSH_S) -> None:
+    def __init__(
+        self, node_rank: int, interval_s: float, silence_s: float, flush_s: float = NODE_FLUSH_S, beat_s: float = 0.0
+    ) -> None:
+        """`interval_s`: the ranks' report interval; `silence_s`: a rank unheard this long
+        is not listed alive; `beat_s`: the heartbeat's period (default: the interval)."""
         self.node_rank = node_rank
-        self.interval_s = interval_s
+        self.interval_s = max(interval_s, beat_s)  # between two heartbeats
         self.silence_s = silence_s
         self.flush_s = min(flush_s, interval_s)
         self.latest: dict[int, tuple] = {}

@@ -66,6 +66,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     fingerprint: str
     node_rank: int = 0
     ranks_per_node: int = 0  # 0: the process is one node, named node_rank; else node = first rank of each group
+    node_heartbeat_s: float = 0.0  # a node's heartbeat to the coordinator (0: every report interval)
     key_file: str = ""
     report_interval_s: float = 1.0  # a load report at least this often (the heartbeat)
     prefill_tokens_per_s: float = 50_000.0
@@ -208,7 +209,9 @@ class SimNode:
     def __init__(self, eng: SimEngine, node_rank: int) -> None:
         cfg = eng.cfg
         self.eng = eng
-        self.agg = NodeAggregator(node_rank, cfg.report_interval_s, silence_s=2.5 * cfg.report_interval_s)
+        self.agg = NodeAggregator(
+            node_rank, cfg.report_interval_s, silence_s=2.5 * cfg.report_interval_s, beat_s=cfg.node_heartbeat_s
+        )
         self.codec = Codec(CoordinatorInput)
         self.sock = make_socket(
             eng.ctx, zmq.DEALER, eng.keys, identity=f"node-{node_rank}-{uuid.uuid4().hex[:8]}".encode(),
@@ -396,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", required=True, help="ranks this process simulates, e.g. 0-63 or 0,2,5-7")
     ap.add_argument("--node-rank", type=int, default=0)
     ap.add_argument("--ranks-per-node", type=int, default=0, help="simulate nodes of this many ranks (0: one node, --node-rank)")
+    ap.add_argument("--node-heartbeat-s", type=float, default=0.0,
+                    help="a node's heartbeat to the coordinator when no load changed (0: every report interval)")
     ap.add_argument("--key-file", default="")
     ap.add_argument("--report-interval-s", type=float, default=1.0)
     ap.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
@@ -413,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         fingerprint=args.fingerprint,
         node_rank=args.node_rank,
         ranks_per_node=args.ranks_per_node,
+        node_heartbeat_s=args.node_heartbeat_s,
         key_file=args.key_file,
         report_interval_s=args.report_interval_s,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
