@@ -15,9 +15,13 @@ import time
 import msgspec
 import pytest
 import structlog
-from dpserve.daemons.cli.main import _api_key
+from dpserve.daemons.cli.main import _api_keys
 from dpserve.engine.common.logs import _FloodFilter
 from dpserve.engine.common.protocol import UNDECODABLE_LOG_INTERVAL_S, Codec, LoadTable, PrefixRouted, RankLoad, TableChannel
+
+
+def _api_key(opts: dict) -> str | None:
+    return _api_keys(opts)["api_key"]  # (a tenants file: None, with tenants_file and tenant_keys)
 
 
 def test_soft_fd_limit_is_raised_to_the_hard_limit():
