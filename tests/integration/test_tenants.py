@@ -1,10 +1,11 @@
 """Tenants on a started node (one rank, two API servers behind the port): 401 for an
 unknown key, 429 with Retry-After naming the limit, one limit held by both API
 servers together, a tenant's max_tokens cap, SIGHUP reloading the file in place,
-per-tenant /metrics, and no key in any log line, error body or `ps`."""
+per-tenant /metrics, and no key in any log line, error body, /status or `ps`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -121,3 +122,5 @@ def test_no_key_in_logs_or_ps(node):
             assert not any(s in text for s in secrets), (pid, part)
     log = node.log()
     assert not any(s in log for s in secrets)
+    status = json.dumps(node.status())  # /status: neither a key nor its digest
+    assert not any(s in status or hashlib.sha256(s.encode()).hexdigest() in status for s in secrets)
