@@ -18,6 +18,8 @@ block drops what was filed under it), which the router's walk relies on.
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
 
 from dpserve.daemons.api.prefix_index import BLOCK
 from dpserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
@@ -31,7 +33,7 @@ class _RankKV:
     this block's included; key: set when this block ends a routing block.
     """
 
-    __slots__ = ("incarnation", "seq", "synced", "nodes", "children")
+    __slots__ = ("incarnation", "seq", "synced", "nodes", "children", "keys")
 
     def __init__(self, incarnation: str) -> None:
         self.incarnation = incarnation
@@ -39,6 +41,7 @@ class _RankKV:
         self.synced = True  # False between a gap and the snapshot that repairs it
         self.nodes: dict = {}
         self.children: dict = {}  # engine hash -> the filed blocks whose parent it is
+        self.keys: set[int] = set()  # the routing keys its events confirm
 
 
 class KVIndex:
@@ -47,15 +50,26 @@ class KVIndex:
     Invariant: for a synced rank, its entries are exactly the routing blocks
     whose whole chain of engine blocks it reported stored and not removed;
     for a rank awaiting a snapshot, none.
+
+    Besides what events confirmed, `expect` notes prompts this API server sent
+    and their rank has yet to compute (a long prefill takes seconds; without
+    the note every request of a tenant arriving meanwhile would look uncached
+    everywhere and compute the prefix again elsewhere). A note ends when the
+    rank's events file that block, or after pending_ttl_s.
     """
 
-    def __init__(self, size: int, block: int = BLOCK) -> None:
+    def __init__(self, size: int, block: int = BLOCK, pending_ttl_s: float = 30.0, clock=time.monotonic) -> None:
         self.size = size
         self.block = block
         self.generation = [0] * size  # entries are removed, never left stale: one generation
         self.entries: dict[int, dict[int, int]] = {}
+        self.notes: dict[int, dict[int, float]] = {}  # key -> {rank: deadline}: sent there, not confirmed yet
+        self.expiring: deque[tuple[float, int, list[int]]] = deque()  # (deadline, rank, keys) in deadline order
+        self.pending_ttl_s = pending_ttl_s
+        self.clock = clock
         self.ranks: list[_RankKV | None] = [None] * size
         self.num_snapshots_asked = 0
+        self.ranks_seen = False  # some rank published events: the router trusts this index from then on
 
     # ------------------------------------------------------------ feeding
 
@@ -64,6 +78,7 @@ class KVIndex:
         rank = batch.rank
         if not 0 <= rank < self.size:
             return False
+        self.ranks_seen = True
         state = self.ranks[rank]
         if state is None or state.incarnation != batch.incarnation:
             self.forget_rank(rank)
@@ -92,33 +107,58 @@ class KVIndex:
         """Replace what we knew of the rank by its snapshot; batches after snap.seq follow it."""
         if not 0 <= snap.rank < self.size:
             return
-        self.forget_rank(snap.rank)
+        self.ranks_seen = True
+        old = self.ranks[snap.rank]
+        if old is not None:
+            self._clear(snap.rank, old)  # (notes of what we sent it stay: the snapshot may predate them)
         state = self.ranks[snap.rank] = _RankKV(snap.incarnation)
         state.seq = snap.seq
         for event in snap.blocks:
             self._stored(snap.rank, state, event)
 
     def forget_rank(self, rank: int) -> None:
-        """The rank died or restarted: its cache is gone."""
+        """The rank died or restarted: its cache is gone, and what we sent it with it."""
         state = self.ranks[rank]
         if state is not None:
             self._clear(rank, state)
             self.ranks[rank] = None
+        for key in [k for k, noted in self.notes.items() if rank in noted]:
+            self._unnote(key, rank)
 
     def _await_snapshot(self, state: _RankKV) -> bool:
         state.synced = False
         self.num_snapshots_asked += 1
         return True
 
+    # A holder entry exists while the rank's events confirm the key OR a live note expects it.
+
+    def _hold(self, key: int, rank: int) -> None:
+        holders = self.entries.get(key)
+        if holders is None:
+            self.entries[key] = {rank: 0}
+        else:
+            holders[rank] = 0
+
+    def _unhold(self, key: int, rank: int) -> None:
+        holders = self.entries.get(key)
+        if holders is not None and holders.pop(rank, None) is not None and not holders:
+            del self.entries[key]
+
+    def _unnote(self, key: int, rank: int) -> None:
+        noted = self.notes[key]
+        del noted[rank]
+        if not noted:
+            del self.notes[key]
+        state = self.ranks[rank]
+        if state is None or key not in state.keys:
+            self._unhold(key, rank)
+
     def _clear(self, rank: int, state: _RankKV) -> None:
-        entries = self.entries
-        for node in state.nodes.values():
-            key = node[2]
-            if key is not None:
-                holders = entries[key]
-                del holders[rank]
-                if not holders:
-                    del entries[key]
+        notes = self.notes
+        for key in state.keys:
+            if rank not in notes.get(key, ()):
+                self._unhold(key, rank)
+        state.keys.clear()
         state.nodes.clear()
         state.children.clear()
 
@@ -143,12 +183,14 @@ class KVIndex:
             key = None
             if len(partial) >= block:
                 key = hash((base, *partial))
-                holders = self.entries.get(key)
-                if holders is None:
-                    self.entries[key] = {rank: 0}
-                else:
-                    holders[rank] = 0
-            if h in nodes:
+                if h in nodes:
+                    self._drop(rank, state, h)
+                self._hold(key, rank)
+                state.keys.add(key)
+                noted = self.notes.get(key)
+                if noted is not None and rank in noted:
+                    self._unnote(key, rank)  # confirmed: the note has done its job
+            elif h in nodes:
                 self._drop(rank, state, h)
             nodes[h] = [base, partial, key]
             if parent is not None:
@@ -159,7 +201,7 @@ class KVIndex:
 
     def _drop(self, rank: int, state: _RankKV, h) -> None:
         """Unfile a block and everything filed under it (prefix-closed)."""
-        nodes, entries, children = state.nodes, self.entries, state.children
+        nodes, children, notes = state.nodes, state.children, self.notes
         stack = [h]
         while stack:
             h = stack.pop()
@@ -169,15 +211,38 @@ class KVIndex:
                 continue
             key = node[2]
             if key is not None:
-                holders = entries.get(key)
-                if holders is not None and holders.pop(rank, None) is not None and not holders:
-                    del entries[key]
+                state.keys.discard(key)
+                if rank not in notes.get(key, ()):
+                    self._unhold(key, rank)
 
-    # ------------------------------------------------------------ lookups
+    # ------------------------------------------------------------ notes and lookups
+
+    def expect(self, keys: list[int], rank: int) -> None:
+        """This API server sent `rank` a prompt with these keys: count them held until the
+        rank's events confirm them, or for pending_ttl_s. Also ends the notes that expired."""
+        now = self.clock()
+        expiring = self.expiring
+        while expiring and expiring[0][0] <= now:
+            _, r, old = expiring.popleft()
+            for key in old:
+                noted = self.notes.get(key)
+                if noted is not None and noted.get(r, now + 1) <= now:
+                    self._unnote(key, r)
+        deadline = now + self.pending_ttl_s
+        notes = self.notes
+        for key in keys:
+            noted = notes.get(key)
+            if noted is None:
+                notes[key] = {rank: deadline}
+            else:
+                noted[rank] = deadline
+            self._hold(key, rank)
+        if keys:
+            expiring.append((deadline, rank, keys))
 
     def levels(self, keys: list[int]) -> list[dict[int, int]]:
         """The holders of the prompt's leading routing blocks, up to the first block nobody holds
-        (one probe per block; what Router._cache_pick walks)."""
+        (one probe per block: what Router._cache_pick walks)."""
         out = []
         entries = self.entries
         for key in keys:

@@ -99,15 +99,18 @@ class Router:
         "_token_scores",
         "prefix",
         "kv",
+        "cache_weight",
+        "_pending_credit",
         "_pending_keys",
         "origin",
         "on_routed",
         "on_room",
+        "count_running",
     )
 
     def __init__(
         self, size: int, policy: str = "tokens", max_waiting_per_rank: int = 4096, eligible: list[int] | None = None,
-        kv_events: bool = False,
+        kv_events: bool = False, cache_weight: float = 1.0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}")
@@ -143,6 +146,10 @@ class Router:
         # exact: what the ranks' KV events say they hold (kv_index.py); the approximate
         # index above decides only until the first rank's events arrive (engines without them)
         self.kv = KVIndex(size) if policy == "cache-aware" and kv_events else None
+        # a cached prompt token saves its prefill now and the capacity a copy elsewhere would
+        # take from later requests: it weighs cache_weight load tokens (the cost model's prefill cost)
+        self.cache_weight = cache_weight
+        self._pending_credit = 0  # prompt tokens the last pick's rank holds (exact): not load there
         self._pending_keys: list[int] | None = None  # the last pick's prompt, recorded on its send
         # Sharing with the other API servers (through the coordinator): what this one
         # routed goes to on_routed(rank, keys); what the others routed comes to learn().
@@ -151,6 +158,9 @@ class Router:
         # Called when a rank becomes a candidate again (it had no room, or was not routable):
         # requests held at the frontend may go (admission.py). It must not route from inside.
         self.on_room = None
+        # Admission held at the frontend: a rank's running sequences count against
+        # max_waiting_per_rank too, which is then its batch's places plus the waiting allowed.
+        self.count_running = False
 
     # ---------------------------------------------------------------- the index
 
@@ -166,7 +176,7 @@ class Router:
             self.num_routable += 1 if routable else -1
             if not routable and self.prefix is not None:
                 self.prefix.forget_rank(rank)  # dead or restarting: its cache is gone
-        if not routable or load.num_waiting + self.sent[rank] >= self.max_waiting_per_rank:
+        if not routable or load.num_waiting + self.sent[rank] + (load.num_running if self.count_running else 0) >= self.max_waiting_per_rank:
             key = None
         elif self._token_scores:  # score(), inlined: this runs for every event
             key = load.num_waiting_prefill_tokens + load.num_remaining_decode_tokens + self.sent_tokens[rank]
@@ -273,11 +283,16 @@ class Router:
     def on_send(self, rank: int, tokens: int) -> None:
         if self._pending_keys is not None:
             keys, self._pending_keys = self._pending_keys, None
-            self.prefix.add(keys, rank)
-            if self.on_routed is not None and keys:
-                self.on_routed(rank, keys)
+            if self.kv is not None and self.kv.ranks_seen:
+                self.kv.expect(keys, rank)  # until its events confirm it (no note to the others)
+            else:
+                self.prefix.add(keys, rank)
+                if self.on_routed is not None and keys:
+                    self.on_routed(rank, keys)
+        credit, self._pending_credit = self._pending_credit, 0
         self.sent[rank] += 1
-        self.sent_tokens[rank] += tokens
+        # until the rank's next report, what it will prefill: the events say it holds the rest
+        self.sent_tokens[rank] += tokens - credit if tokens > credit else 0
         self.inflight[rank] += 1
         self.inflight_tokens[rank] += tokens
         self._refresh(rank)
@@ -348,8 +363,9 @@ class Router:
         index = self.prefix
         if index is not None and prompt is not None:
             kv = self.kv
-            if kv is not None and kv.entries:
-                index, keys = kv, chain_keys(prompt, kv.block)  # exact: nothing to record on the send
+            if kv is not None and kv.ranks_seen:
+                index = kv
+                keys = self._pending_keys = chain_keys(prompt, kv.block)
             else:
                 keys = self._pending_keys = chain_keys(prompt)
         if pinned is not None:
@@ -370,7 +386,10 @@ class Router:
         if keys:
             levels = index.levels(keys)
             if levels:
-                best = self._cache_pick(best, levels, index.generation, index.block if index is self.kv else BLOCK)
+                block = index.block if index is self.kv else BLOCK
+                best, depth = self._cache_pick(best, levels, index.generation, block * self.cache_weight)
+                if index is self.kv:
+                    self._pending_credit = depth * block
         return best
 
     def pick_urgent(self, pinned: int | None = None, prompt: list[int] | None = None) -> int:
@@ -396,17 +415,19 @@ class Router:
                 best, best_key = rank, key
         if best_key is None:
             return self.pick(pinned, prompt)  # raises NoRankAvailable or QueueFull
-        if self.prefix is not None and prompt is not None and not (self.kv is not None and self.kv.entries):
-            self._pending_keys = chain_keys(prompt)
+        if self.prefix is not None and prompt is not None:
+            kv = self.kv
+            self._pending_keys = chain_keys(prompt, kv.block) if kv is not None and kv.ranks_seen else chain_keys(prompt)
         return best
 
-    def _cache_pick(self, best: int, levels: list[dict[int, int]], gen: list[int], block: int) -> int:
+    def _cache_pick(self, best: int, levels: list[dict[int, int]], gen: list[int], block: float) -> tuple[int, int]:
         """The least-loaded candidate `best`, or a candidate holding a deeper prefix
         whose saving outweighs its extra load (ties: the lighter rank).
 
         Only levels deeper than what `best` holds are read: a rank found no
         deeper than that has a score at least best's and a credit at most
         best's, so it cannot win. Cost: the ranks holding more than best does.
+        Returns the rank and how many leading blocks of the prompt it holds.
         """
         key, pos = self._key, self._pos
         depth = 0
@@ -425,5 +446,5 @@ class Router:
                     continue  # forgotten, not eligible here, down, or at its queue limit
                 cost = key[rank] - d * block
                 if cost < best_cost:
-                    best, best_cost = rank, cost
-        return best
+                    best, best_cost, depth = rank, cost, d
+        return best, depth

@@ -1,0 +1,211 @@
+"""A simulated rank's prefix cache and its timing: blocks, LRU eviction, KV events, prefill cost.
+
+A TEST AND BENCHMARK TOOL (no model, no torch): what engine/kv_cache.py's
+BlockManager does with full blocks (reference-counted, registered under a
+hash chain, evictable least recently released first, tail first), with the
+same KVEventLog, so that simulated ranks publish the events real ones do;
+and SimCacheRank, one rank's queue and steps timed from the realistic model's
+measured speeds (SimSpeeds), for benchmarks/prefix_sim.py. It never decides
+where a request goes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from dpserve.engine.kv_events import BlockStored, KVEventLog, chain_snapshot
+
+
+def chain_hashes(prompt: list[int], block_size: int) -> list[int]:
+    """The prompt's full blocks' keys (ints: the simulation's own, like vLLM's int hashes)."""
+    out, parent = [], 0
+    for i in range(len(prompt) // block_size):
+        parent = hash((parent, *prompt[i * block_size : (i + 1) * block_size]))
+        out.append(parent)
+    return out
+
+
+class SimCache:
+    """num_blocks blocks; registered full blocks are shared, kept after release, and evicted LRU.
+
+    Invariant: num_free + len(cached) + blocks in use == num_blocks; a
+    registered hash is either referenced (ref[h] > 0) or in `cached`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, events: KVEventLog | None = None) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_free = num_blocks
+        self.cached: OrderedDict[int, None] = OrderedDict()
+        self.ref: dict[int, int] = {}
+        self.parent: dict[int, int | None] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.events = events
+        self.num_evictions = 0
+
+    def num_hits(self, hashes: list[int]) -> int:
+        """Leading blocks of the chain this cache holds."""
+        n = 0
+        for h in hashes:
+            if h not in self.ref:
+                break
+            n += 1
+        return n
+
+    def admit(self, hashes: list[int], num_blocks: int) -> int | None:
+        """Take the cached leading blocks and num_blocks - hits new ones; None if they do not fit."""
+        hits = self.num_hits(hashes[: num_blocks - 1]) if num_blocks > 1 else 0
+        shared_evictable = sum(1 for h in hashes[:hits] if self.ref[h] == 0)
+        need = num_blocks - hits
+        if need > self.num_free + len(self.cached) - shared_evictable:
+            return None
+        for h in hashes[:hits]:
+            if self.ref[h] == 0:
+                del self.cached[h]
+            self.ref[h] += 1
+        for _ in range(need):
+            if self.num_free:
+                self.num_free -= 1
+            else:
+                self._evict()
+        return hits
+
+    def _evict(self) -> None:
+        h, _ = self.cached.popitem(last=False)
+        del self.ref[h], self.parent[h], self.tokens[h]
+        self.num_evictions += 1
+        if self.events is not None:
+            self.events.removed(h)
+
+    def register(self, hashes: list[int], prompt: list[int], hits: int) -> list[int]:
+        """The prompt's blocks after the hits are computed: register the ones nobody registered
+        (an equal block another request registered meanwhile keeps ours private). Returns the
+        hashes this request now references."""
+        bs = self.block_size
+        held = list(hashes[:hits])
+        for i in range(hits, len(hashes)):
+            h = hashes[i]
+            if h in self.ref:
+                continue  # private duplicate: freed on release
+            self.ref[h] = 1
+            self.parent[h] = hashes[i - 1] if i else None
+            self.tokens[h] = prompt[i * bs : (i + 1) * bs]
+            held.append(h)
+            if self.events is not None:
+                self.events.stored(h, self.parent[h], self.tokens[h])
+        return held
+
+    def release(self, held: list[int], num_blocks: int) -> None:
+        """A request of num_blocks blocks, referencing `held`, finished: the tail goes first."""
+        for h in reversed(held):
+            self.ref[h] -= 1
+            if self.ref[h] == 0:
+                self.cached[h] = None
+        self.num_free += num_blocks - len(held)
+
+    def snapshot(self) -> list[BlockStored]:
+        return chain_snapshot(self.parent, self.tokens, self.block_size)
+
+
+class SimSpeeds:
+    """One rank's step time: decode_base_ms + decode_per_seq_ms x running + prefilled tokens / prefill rate."""
+
+    def __init__(self, prefill_tokens_per_s: float, decode_base_ms: float, decode_per_seq_ms: float, chunk_tokens: int = 512) -> None:
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.decode_base_ms = decode_base_ms
+        self.decode_per_seq_ms = decode_per_seq_ms
+        self.chunk_tokens = chunk_tokens
+
+    def step_s(self, num_running: int, prefill_tokens: int) -> float:
+        decode = (self.decode_base_ms + self.decode_per_seq_ms * num_running) / 1000 if num_running else 0.0
+        return decode + prefill_tokens / self.prefill_tokens_per_s
+
+
+class SimRequest:
+    __slots__ = ("rid", "prompt", "hashes", "max_tokens", "t_arrival", "hits", "held", "prefill_left", "num_generated",
+                 "t_first", "num_blocks", "router")
+
+    def __init__(self, rid: int, prompt: list[int], hashes: list[int], max_tokens: int, t_arrival: float, router: int) -> None:
+        self.rid, self.prompt, self.hashes, self.max_tokens, self.t_arrival = rid, prompt, hashes, max_tokens, t_arrival
+        self.router = router
+        self.hits = 0
+        self.held: list[int] = []
+        self.prefill_left = 0
+        self.num_generated = 0
+        self.t_first = 0.0
+        self.num_blocks = 0
+
+
+class SimCacheRank:
+    """One rank: a FIFO of waiting requests, admitted while blocks allow (at most max_num_seqs running),
+    prefilled in chunks within each step's budget; every running request gains a token a step."""
+
+    def __init__(self, rank: int, cache: SimCache, speeds: SimSpeeds, max_num_seqs: int = 64) -> None:
+        self.rank = rank
+        self.cache = cache
+        self.speeds = speeds
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[SimRequest] = deque()
+        self.prefilling: list[SimRequest] = []
+        self.decoding: list[SimRequest] = []
+        self.busy_until = 0.0
+        self.num_prompt_tokens = self.num_cached_tokens = 0
+
+    @property
+    def is_busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    @property
+    def num_waiting_prefill_tokens(self) -> int:
+        return sum(len(r.prompt) for r in self.waiting) + sum(r.prefill_left for r in self.prefilling)
+
+    @property
+    def num_remaining_decode_tokens(self) -> int:
+        return sum(r.max_tokens - r.num_generated for r in self.decoding)
+
+    def step(self, now: float) -> tuple[float, list[SimRequest], list[SimRequest]]:
+        """One step from `now`: returns (its end, requests whose first token it made, requests it finished)."""
+        bs, cache = self.cache.block_size, self.cache
+        # as the real scheduler: a prompt whose next block another prefill is computing waits for it
+        in_flight = {h for r in self.prefilling for h in r.hashes[r.hits :]}
+        for req in list(self.waiting):
+            if len(self.prefilling) + len(self.decoding) >= self.max_num_seqs:
+                break
+            req.num_blocks = -(-(len(req.prompt) + req.max_tokens) // bs)
+            first_new = cache.num_hits(req.hashes)
+            if first_new < len(req.hashes) - 1 and req.hashes[first_new] in in_flight:
+                continue
+            hits = cache.admit(req.hashes, req.num_blocks)
+            if hits is None:
+                break
+            self.waiting.remove(req)
+            in_flight.update(req.hashes[hits:])
+            req.hits, req.held = hits, req.hashes[:hits]
+            req.prefill_left = len(req.prompt) - hits * bs
+            self.num_prompt_tokens += len(req.prompt)
+            self.num_cached_tokens += hits * bs
+            self.prefilling.append(req)
+        budget, used, first, done = self.speeds.chunk_tokens, 0, [], []
+        for req in list(self.prefilling):
+            take = min(budget - used, req.prefill_left)
+            req.prefill_left -= take
+            used += take
+            if req.prefill_left == 0:
+                self.prefilling.remove(req)
+                req.held = cache.register(req.hashes, req.prompt, req.hits)
+                first.append(req)
+            if used >= budget:
+                break
+        end = now + self.speeds.step_s(len(self.decoding) + len(first), used)
+        still = []
+        for req in self.decoding + first:
+            req.num_generated += 1
+            if req.num_generated == 1:
+                req.t_first = end
+            if req.num_generated >= req.max_tokens:
+                cache.release(req.held, req.num_blocks)
+                done.append(req)
+            else:
+                still.append(req)
+        self.decoding = still
+        return end, first, done
