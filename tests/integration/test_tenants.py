@@ -9,6 +9,8 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -83,6 +85,14 @@ def test_keys_limits_and_reload(node):
     # both API servers refused (the port spreads connections over them): counted per server
     metrics = node.metrics()
     assert 'dpserve_tenant_requests_total{api_server="' in metrics and 'tenant="search"' in metrics
+    # dpserve status: the busiest tenants, as the coordinator's totals reach the API servers (each second)
+    def status_lists_tenants() -> bool:
+        out = subprocess.run([sys.executable, "-m", "dpserve.daemons.cli.main", "status", node.health_url],
+                             capture_output=True, text=True, timeout=30)
+        rows = out.stdout.split("TENANT", 1)[-1].splitlines()
+        return any(r.startswith("search") for r in rows) and any(r.startswith("tight") for r in rows)
+
+    wait_until(status_lists_tenants, 10, what="tenants in dpserve status")
 
     # SIGHUP to the API servers: the file again, in place (their pids do not change)
     node.key_path.write_text(TENANTS + f'\n[tenants.late]\nkey = "{KEY_LATE}"\n')
