@@ -44,6 +44,8 @@ from dpserve.engine.common.protocol import (
 )
 from dpserve.engine.common.sockets import make_socket, peer_name
 
+ACCEPT_BACKLOG = 4096  # pending rank connections (ZeroMQ's default 100 overflowed when 1,024 ranks connect at once)
+
 
 def _retrieve(sent: asyncio.Future) -> None:
     if not sent.cancelled():
@@ -77,7 +79,9 @@ class EngineClient:
         # error (not a silent drop). No handover: a rank connects as "{rank}:{incarnation}"
         # (a restart brings a new identity), and a second peer claiming an identity a
         # live connection holds is ignored by ZeroMQ instead of taking its messages.
-        self.engines = make_socket(ctx, zmq.ROUTER, keys, bind=engine_address, sndhwm=0, rcvhwm=0, router_mandatory=True)
+        self.engines = make_socket(ctx, zmq.ROUTER, keys, server=True, sndhwm=0, rcvhwm=0, router_mandatory=True)
+        self.engines.setsockopt(zmq.BACKLOG, ACCEPT_BACKLOG)  # every rank connects at once at start (issue 30)
+        self.engines.bind(engine_address)
         # The same socket without asyncio's futures, to drain what already arrived
         # (~1 us a message instead of ~30 for an await each). Only for receiving:
         # a send through it would skip pyzmq's re-check of the edge-triggered FD,

@@ -83,6 +83,7 @@ class RankTable:
         self.members: set[int] = set()  # of those, ranks whose membership changed (a LoadTable, not a LoadDelta)
         self.rows: dict[int, tuple] = {}  # rank -> its last load as a LoadDelta row
         self.unsynced: set[int] = set()  # ranks whose row is newer than their entry's fields
+        self.accepting: dict[int, str] = {}  # rank -> the incarnation whose reports count (registering or alive)
         self.node_addresses: dict[int, str] = {}  # node_rank -> address, from NodeHello (for /status)
 
     def register(self, msg: EngineRegister, now: float) -> str:
@@ -102,6 +103,7 @@ class RankTable:
         ):
             return f"rank {msg.rank} is already served by a live engine (incarnation {held.incarnation})"
         self.rows[msg.rank] = ZERO_ROW
+        self.accepting[msg.rank] = msg.incarnation
         self.unsynced.discard(msg.rank)
         self.ranks[msg.rank] = RankLoad(
             msg.rank, msg.incarnation, is_alive=False, down_reason="registering",
@@ -122,6 +124,7 @@ class RankTable:
             return False
         entry.is_alive = True
         entry.down_reason = ""
+        self.accepting[msg.rank] = msg.incarnation
         entry.since = time.time()
         self.last_seen[msg.rank] = now
         self._touch(msg.rank)
@@ -133,23 +136,29 @@ class RankTable:
 
     def load_row(self, row: tuple, now: float) -> bool:
         """A report as a NodeLoad row, (rank, incarnation, *LoadDelta row). False when
-        it comes from an engine this table does not hold. A changed load is kept as
-        the row (one tuple comparison, no field copied: ~1 us, issue 30) and written
-        into the rank's entry only when a LoadTable needs it (_sync)."""
-        rank = row[0]
-        entry = self.ranks.get(rank)
-        if entry is None or entry.incarnation != row[1]:
-            return False
-        if not entry.is_alive and entry.down_reason != "registering":
-            return False  # declared lost: it must register again
-        self.last_seen[rank] = now
-        load = row[2:]
-        if self.rows.get(rank) != load:
-            self.rows[rank] = load
-            self.unsynced.add(rank)
-            self.changed.add(rank)  # its load only: a LoadDelta row
-            self.dirty = True
-        return True  # (unchanged: a heartbeat, nothing to publish)
+        it comes from an engine this table does not hold."""
+        return not self._rows((row,), now)
+
+    def _rows(self, rows: list[tuple] | tuple, now: float) -> list[tuple]:
+        """Apply report rows; returns those of engines this table does not hold. A
+        changed load is kept as the row (a tuple comparison, no field copied: ~1 us,
+        issue 30) and written into the rank's entry only when a LoadTable needs it
+        (_sync): the hot loop of a busy cluster's intake."""
+        accepting, last_seen, held, unsynced, changed = self.accepting, self.last_seen, self.rows, self.unsynced, self.changed
+        unknown = []
+        for row in rows:
+            rank = row[0]
+            if accepting.get(rank) != row[1]:
+                unknown.append(row)  # not registered, another incarnation, or declared lost
+                continue
+            last_seen[rank] = now
+            load = row[2:]
+            if held[rank] != load:  # (unchanged: a heartbeat, nothing to publish)
+                held[rank] = load
+                unsynced.add(rank)
+                changed.add(rank)  # its load only: a LoadDelta row
+                self.dirty = True
+        return unknown
 
     def _sync(self, rank: int) -> RankLoad:
         """The rank's entry, with its last load row written in."""
@@ -171,8 +180,7 @@ class RankTable:
             entry = ranks.get(rank)
             if entry is not None and entry.node_rank == node:
                 last_seen[rank] = now
-        load_row = self.load_row
-        return [row for row in msg.loads if not load_row(row, now)]
+        return self._rows(msg.loads, now) if msg.loads else []
 
     def node_address(self, node_rank: int, address: str) -> None:
         """A node's supervisor said where it is: its ranks' entries name it."""
@@ -215,6 +223,7 @@ class RankTable:
         entry = self._sync(rank)
         entry.num_running = entry.num_waiting = 0
         self.rows[rank] = (0, 0, *self.rows[rank][2:])
+        self.accepting.pop(rank, None)
         self._touch(rank)
 
     def expire(self, now: float) -> list[int]:

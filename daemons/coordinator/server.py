@@ -79,6 +79,7 @@ RETIRED_PREFIX = "retired"  # a supervisor's RankDown whose reason says so retir
 # reporting every 100 ms (10,240 reports/s) a pass per report would be 20% of
 # a core. Waking at most this often lets reports gather into one pass.
 LOOP_MIN_INTERVAL_S = 0.002
+ACCEPT_BACKLOG = 4096  # pending connections on the engines socket (Linux caps it at somaxconn)
 
 
 class Coordinator:
@@ -92,7 +93,12 @@ class Coordinator:
         self.table_codec = Codec(LoadTable | LoadDelta)
         self.keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
         self.auth = start_authenticator(self.ctx, self.keys, log)
-        self.engines = make_socket(self.ctx, zmq.ROUTER, self.keys, bind=cfg.engines_address)
+        self.engines = make_socket(self.ctx, zmq.ROUTER, self.keys, server=True)
+        # Every rank and node relay connects at once at start: with ZeroMQ's default
+        # backlog (100) a burst of ipc connects overflowed and some never came through
+        # (4,096 ranks: ~200 ranks of nodes never heard, issue 30).
+        self.engines.setsockopt(zmq.BACKLOG, ACCEPT_BACKLOG)
+        self.engines.bind(cfg.engines_address)
         self.poller = zmq.Poller()
         self.poller.register(self.engines, zmq.POLLIN)
         # Multi-node: peers that fail the CURVE handshake are seen by the socket's monitor only.

@@ -403,7 +403,7 @@ class LoadDelta(msgspec.Struct, tag="delta", array_like=True):
     """Coordinator -> API servers: the load of ranks that changed while their membership
     (incarnation, liveness, node, address) did not: a LoadTable's entry in ~1/3 of
     the bytes (issue 30). `runs` names the ranks as (first rank, count) runs of
-consecutive ranks, in order; `loads[i]` is the i-th named rank's (num_running,
+    consecutive ranks, in order; `loads[i]` is the i-th named rank's (num_running,
     num_waiting, num_waiting_prefill_tokens, num_remaining_decode_tokens,
     slot_usage permille, num_requests_finished, num_requests_aborted, kv_usage
     permille, num_preemptions, num_prefix_queries, num_prefix_hits). It shares
