@@ -24,8 +24,8 @@ measured speeds on this CPU (benchmarks/prefix_sim.py: prefill 245 tokens/s, a
 decode step of 215 ms + 5.3 ms a sequence, taken at --max-num-seqs). native / vllm:
 the realistic model (`dpserve demo-model --size small`) on one node, DP 1,
 --scheduling-policy priority (vllm: vLLM's engine in the rank, which sees
-`priority`). --hold 0 turns the frontend's hold off (every request straight to
-a rank's FIFO), for the comparison.
+`priority`). --hold N: --hold-waiting-per-rank; --hold -1 turns the frontend's
+hold off (--no-admission-hold: every request straight to a rank's FIFO), for the comparison.
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ async def open_loop(http, url, model, tenant: str, rate: float, max_tokens: int,
         await asyncio.sleep(rng.expovariate(rate))
         if time.monotonic() >= until:
             return
-        tasks.append(asyncio.create_task(request(http, url, model, tenant, max_tokens, out)))
+        size = rng.randint(max(1, max_tokens // 2), max_tokens * 3 // 2)  # varied: batch places free at varied steps
+        tasks.append(asyncio.create_task(request(http, url, model, tenant, size, out)))
 
 
 async def closed_loop(http, url, model, tenant: str, clients: int, max_tokens: int, until: float, out: list) -> None:
@@ -235,7 +236,8 @@ def start_cluster(args, tenants_file: str):
         step_ms = DECODE_BASE_MS + DECODE_PER_SEQ_MS * args.max_num_seqs
         c = SimCluster(args.ranks, num_api_servers=args.api_servers, ranks_per_process=args.ranks, report_interval_s=0.2,
                        decode_step_ms=step_ms, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, max_num_seqs=args.max_num_seqs,
-                       api_options={"tenants_file": tenants_file, "hold_waiting_per_rank": args.hold})
+                       api_options={"tenants_file": tenants_file, "admission_hold": args.hold >= 0,
+                                    "hold_waiting_per_rank": max(0, args.hold)})
         c.start()
         c.wait_routable(args.ranks, timeout=60)
         return c.url.removesuffix("/v1"), "sim", c.stop, step_ms / 1000
@@ -243,7 +245,8 @@ def start_cluster(args, tenants_file: str):
     from benchmarks.nodes import SERVED_MODEL, DpNode
 
     python = vllm_python(None) if args.engine == "vllm" else None
-    extra = ["--api-key-file", tenants_file, "--hold-waiting-per-rank", str(args.hold), "--scheduling-policy", "priority",
+    hold = ["--no-admission-hold"] if args.hold < 0 else ["--hold-waiting-per-rank", str(args.hold)]
+    extra = ["--api-key-file", tenants_file, *hold, "--scheduling-policy", "priority",
              "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048"] + (["--engine", "vllm"] if args.engine == "vllm" else [])
     node = DpNode(small_model_dir(None), dp=args.ranks, api=args.api_servers, extra=extra, python=python,
                   env={"DPSERVE_ENFORCE_EAGER": "1"} if args.engine == "native" else None)
@@ -260,7 +263,7 @@ def main(argv=None) -> None:
     p.add_argument("--api-servers", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=12, help="answer tokens of the noisy and priority scenarios")
-    p.add_argument("--hold", type=int, default=1, help="--hold-waiting-per-rank (0: off)")
+    p.add_argument("--hold", type=int, default=1, help="--hold-waiting-per-rank (-1: --no-admission-hold)")
     p.add_argument("--phase-s", type=float, default=15.0)
     p.add_argument("--jain-s", type=float, default=30.0)
     args, run = begin(p, argv)

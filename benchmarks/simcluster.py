@@ -246,6 +246,7 @@ class SimCluster:
                 log_level="warning",
                 wait_for_engine_s=1.0,
                 request_first_token_timeout_s=30.0,
+                max_num_seqs=self.max_num_seqs,
             )
             api = msgspec.structs.replace(api, **self.api_options)
             if self.prefork:

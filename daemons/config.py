@@ -98,10 +98,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     engine_args: dict[str, str] = {}  # --engine-arg KEY=VALUE (vLLM EngineArgs fields)
     lb_policy: str = "tokens"
     max_waiting_per_rank: int = 4096
-    # admission held at the frontend (daemons/api/admission.py): a rank with this many requests
-    # waiting is full; while every rank is, requests wait at the API server in per-tenant queues,
-    # released in weighted fair order (0: off, every request goes straight to a rank's queue)
-    hold_waiting_per_rank: int = 4
+    # admission held at the frontend (daemons/api/admission.py): a rank running --max-num-seqs
+    # sequences with hold_waiting_per_rank more waiting is full; while every rank is, requests wait
+    # at the API server in per-tenant queues, released in weighted fair order (off: every request
+    # goes straight to a rank's queue, up to max_waiting_per_rank)
+    admission_hold: bool = True
+    hold_waiting_per_rank: int = 1
     max_held_per_tenant: int = 1024  # per API server; beyond it 429
     max_request_body_bytes: int = 4 * 1024 * 1024
     # structured output's cost model (daemons/api/guided.py): past these, 400 before any compile
@@ -398,7 +400,9 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     lb_policy: str
     scheduling_policy: str = _SERVE["scheduling_policy"]
     max_waiting_per_rank: int
+    admission_hold: bool = _SERVE["admission_hold"]
     hold_waiting_per_rank: int = _SERVE["hold_waiting_per_rank"]
+    max_num_seqs: int = _SERVE["max_num_seqs"]  # a rank's batch places (the hold counts them)
     max_held_per_tenant: int = _SERVE["max_held_per_tenant"]
     max_request_body_bytes: int
     shutdown_timeout_s: float

@@ -141,9 +141,10 @@ class ServingBase:
         # Admission held here while every rank is full (admission.py): the router's waiting
         # limit becomes the hold threshold, and its room reports release held requests.
         self.admission: Admission | None = None
-        if cfg.hold_waiting_per_rank > 0:
+        if cfg.admission_hold:  # full: every batch place taken and hold_waiting_per_rank more waiting
             self.admission = Admission(cfg.max_held_per_tenant)
-            self.router.max_waiting_per_rank = min(cfg.max_waiting_per_rank, cfg.hold_waiting_per_rank)
+            self.router.count_running = True
+            self.router.max_waiting_per_rank = cfg.max_num_seqs + min(cfg.max_waiting_per_rank, cfg.hold_waiting_per_rank)
             self.router.on_room = self.admission.on_room
             metrics.registry.register(AdmissionCollector(self.admission, cfg.index))
 

@@ -229,3 +229,22 @@ def test_metrics_show_each_tenants_depth_and_wait():
         assert waits["dpserve_api_admission_held_seconds_bucket0.25"] == 1
         assert waits["dpserve_api_admission_held_seconds_sum"] == pytest.approx(0.2)
     run(main())
+
+
+def test_the_router_counts_a_full_batch_and_reports_room_when_a_place_frees():
+    from dpserve.daemons.api.router import Router
+    from dpserve.engine.common.protocol import LoadTable, RankLoad
+
+    router = Router(2, "tokens", max_waiting_per_rank=8 + 1)  # 8 places + 1 waiting (serving.py sets it so)
+    router.count_running = True
+    rooms = []
+    router.on_room = lambda: rooms.append(1)
+    router.update_table(LoadTable(1, 2, [RankLoad(0, "a", True, 8, 1), RankLoad(1, "b", True, 7, 1)]))
+    for rank, incarnation in ((0, "a"), (1, "b")):
+        router.engine_hello(rank, incarnation)
+    assert router.pick() == 1 and rooms == [1]  # rank 1 has a free place; rank 0 is full
+    router.on_send(1, 10)
+    with pytest.raises(QueueFull):
+        router.pick()  # both full now: held at the frontend
+    router.update_table(LoadTable(2, 2, [RankLoad(0, "a", True, 7, 1)]))  # a sequence of rank 0 finished
+    assert rooms == [1, 1] and router.pick() == 0
