@@ -387,9 +387,11 @@ class ServingBase:
             if self.draining:
                 break
             try:
-                return self._send_once(state, add, pinned)
+                return await self._admit(state, add, pinned)  # (held if the ranks that came back are full)
             except NoRankAvailable:
                 pass
+            except HoldRefused as exc:
+                raise hold_refused_error(exc) from None
             except RoutingError as exc:
                 raise routing_error(exc) from None
         if self.draining:
