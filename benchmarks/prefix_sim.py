@@ -148,7 +148,7 @@ class Sim:
             coming = self.inflight[rank]
             for h in req.hashes:
                 coming[h] = coming.get(h, 0) + 1
-        self.ranks[rank].waiting.append(req)
+        self.ranks[rank].enqueue(req)
         if not self.stepping[rank]:
             self.start_step(rank)
 

@@ -26,6 +26,7 @@ from dpserve.engine.common.protocol import (
 from dpserve.engine.compiled import use_compiled_decode
 from dpserve.engine.grammar import GrammarCompiler
 from dpserve.engine.kv_cache import BlockManager, KVCache, plan_num_blocks
+from dpserve.engine.kv_events import KVEventLog
 from dpserve.engine.loader import LoadedModel, kv_shape, load_model
 from dpserve.engine.logits_processors import token_logprobs
 from dpserve.engine.model_runner import ModelRunner
@@ -89,8 +90,9 @@ class EngineCore:
             max_useful_tokens=config.max_num_seqs * (self.max_model_len + block_size),
         )
         self.kv = KVCache(shape, num_blocks, block_size, loaded.device)
-        # Prefix caching is on unless the config turns it off, as in vLLM.
-        self.blocks = BlockManager(num_blocks, block_size, enable_caching=config.enable_prefix_caching is not False)
+        caching = config.enable_prefix_caching is not False  # prefix caching: on unless turned off, as in vLLM
+        self.kv_events = KVEventLog(block_size) if caching else None  # for the routers (engine/kv_events.py)
+        self.blocks = BlockManager(num_blocks, block_size, enable_caching=caching, events=self.kv_events)
         self.kv_capacity_tokens = num_blocks * block_size
         budget, threshold = resolve_token_budget(config, loaded.device)
         self.scheduler = Scheduler(

@@ -127,3 +127,38 @@ def chain_snapshot(parents: dict[BlockHash, BlockHash | None], tokens: dict[Bloc
         out.append(BlockStored([h], p, list(tokens[h]), block_size))
         stack.extend((c, h) for c in reversed(children.get(h, [])))
     return out
+
+
+class KVPublisher:
+    """A rank's side of the events: the API servers that subscribed (by asking for a
+    snapshot) and, after every step, the step's batch to each of them.
+
+    Direct subscription: every batch goes to each subscribed API server over the
+    rank's own authenticated channel to it (RankIO's), in order with that rank's
+    outputs; nothing goes through the coordinator. A rank whose engine keeps no
+    event log (prefix caching off, simulated ranks) ignores requests, and its API
+    servers keep routing cache-aware on what they sent (the approximate index).
+    """
+
+    def __init__(self) -> None:
+        self.subscribers: set[int] = set()  # API-server indices (RankIO's) that asked
+
+    def after_step(self, io, engine) -> None:
+        log = getattr(engine, "kv_events", None)
+        if log is None or not log.pending:
+            return
+        batch = log.take_batch(io.rank, io.incarnation)
+        for index in self.subscribers:
+            io.send_to(index, batch)
+
+    def on_request(self, io, index: int, engine) -> None:
+        """An API server asked for a snapshot: the pending batch goes out first (to the others),
+        then the snapshot numbered after it, and the asker is subscribed from then on."""
+        log = getattr(engine, "kv_events", None)
+        if log is None:
+            return
+        self.after_step(io, engine)
+        # the native engine's block manager, or an engine's own kv_snapshot() (vLLM's mirror)
+        blocks = engine.kv_snapshot() if hasattr(engine, "kv_snapshot") else engine.blocks.kv_snapshot()
+        io.send_to(index, KVSnapshot(io.rank, io.incarnation, log.seq, blocks))
+        self.subscribers.add(index)

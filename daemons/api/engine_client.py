@@ -43,6 +43,7 @@ from dpserve.engine.common.protocol import (
     TenantUsage,
 )
 from dpserve.engine.common.sockets import make_socket, peer_name
+from dpserve.engine.kv_events import KVEventBatch, KVSnapshot, KVSnapshotRequest
 
 ACCEPT_BACKLOG = 4096  # pending rank connections (ZeroMQ's default 100 overflowed when 1,024 ranks connect at once)
 
@@ -228,6 +229,14 @@ class EngineClient:
             self.lose_rank(rank, f"engine rank {rank} restarted")
         self.log.info("engine connected", rank=rank, incarnation=incarnation)
         self.notify_routes()
+        if self.router.kv is not None:
+            self._ask_kv_snapshot(rank)  # and its KV events from then on (kv_index.py)
+
+    def _ask_kv_snapshot(self, rank: int) -> None:
+        try:
+            self._send_now(rank, self._out_codec.encode(KVSnapshotRequest(rank)))
+        except zmq.ZMQError:
+            pass  # gone: its hello will ask again
 
     # ---------------------------------------------------------------- waiting for a rank
 
@@ -345,6 +354,9 @@ class EngineClient:
                     self._send_now(msg.rank, self._out_codec.encode(Ping(0)))
                 except zmq.ZMQError:
                     pass
+        elif type(msg) is KVEventBatch or type(msg) is KVSnapshot:  # issue 29: the rank's cache, on its own channel
+            if self.peers.outputs_from(peer, msg.rank) and self.router.kv is not None and self.router.kv.receive(msg):
+                self._ask_kv_snapshot(msg.rank)
         elif type(msg) is EngineDead:
             if self.peers.death_notice(peer, msg.rank, msg.incarnation) and self.router.engine_dead(msg.rank, msg.incarnation):
                 moved, failed = self.lose_rank(msg.rank, msg.reason)

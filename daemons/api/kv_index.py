@@ -103,6 +103,13 @@ class KVIndex:
                 self._clear(rank, state)
         return False
 
+    def receive(self, msg: KVEventBatch | KVSnapshot) -> bool:
+        """A rank's message; True when a snapshot must be asked for."""
+        if type(msg) is KVSnapshot:
+            self.apply_snapshot(msg)
+            return False
+        return self.apply(msg)
+
     def apply_snapshot(self, snap: KVSnapshot) -> None:
         """Replace what we knew of the rank by its snapshot; batches after snap.seq follow it."""
         if not 0 <= snap.rank < self.size:

@@ -108,10 +108,8 @@ class Router:
         "count_running",
     )
 
-    def __init__(
-        self, size: int, policy: str = "tokens", max_waiting_per_rank: int = 4096, eligible: list[int] | None = None,
-        kv_events: bool = False, cache_weight: float = 1.0,
-    ) -> None:
+    def __init__(self, size: int, policy: str = "tokens", max_waiting_per_rank: int = 4096, eligible: list[int] | None = None,
+                 kv_events: bool | None = None, cache_weight: float = 1.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}")
         self.size = size
@@ -143,12 +141,11 @@ class Router:
         self.num_routable = 0  # eligible ranks that are routable, candidates or full
         self._token_scores = policy in ("tokens", "cache-aware")
         self.prefix = PrefixIndex(size) if policy == "cache-aware" else None
-        # exact: what the ranks' KV events say they hold (kv_index.py); the approximate
-        # index above decides only until the first rank's events arrive (engines without them)
-        self.kv = KVIndex(size) if policy == "cache-aware" and kv_events else None
-        # a cached prompt token saves its prefill now and the capacity a copy elsewhere would
-        # take from later requests: it weighs cache_weight load tokens (the cost model's prefill cost)
-        self.cache_weight = cache_weight
+        # exact: what the ranks' KV events say they hold (kv_index.py), asked of every rank
+        # under cache-aware unless kv_events is False; the approximate index above decides
+        # only until the first rank's events arrive (engines without them: never)
+        self.kv = KVIndex(size) if policy == "cache-aware" and kv_events is not False else None
+        self.cache_weight = cache_weight  # load tokens a cached prompt token is worth (the prefill cost)
         self._pending_credit = 0  # prompt tokens the last pick's rank holds (exact): not load there
         self._pending_keys: list[int] | None = None  # the last pick's prompt, recorded on its send
         # Sharing with the other API servers (through the coordinator): what this one
@@ -281,15 +278,16 @@ class Router:
         return False
 
     def on_send(self, rank: int, tokens: int) -> None:
+        credit, self._pending_credit = self._pending_credit, 0
         if self._pending_keys is not None:
             keys, self._pending_keys = self._pending_keys, None
             if self.kv is not None and self.kv.ranks_seen:
-                self.kv.expect(keys, rank)  # until its events confirm it (no note to the others)
+                # what it does not hold yet, until its events confirm it (no note to the others)
+                self.kv.expect(keys[credit // self.kv.block :] if credit else keys, rank)
             else:
                 self.prefix.add(keys, rank)
                 if self.on_routed is not None and keys:
                     self.on_routed(rank, keys)
-        credit, self._pending_credit = self._pending_credit, 0
         self.sent[rank] += 1
         # until the rank's next report, what it will prefill: the events say it holds the rest
         self.sent_tokens[rank] += tokens - credit if tokens > credit else 0
@@ -364,8 +362,8 @@ class Router:
         if index is not None and prompt is not None:
             kv = self.kv
             if kv is not None and kv.ranks_seen:
-                index = kv
-                keys = self._pending_keys = chain_keys(prompt, kv.block)
+                index, keys = kv, chain_keys(prompt, kv.block)
+                self._pending_keys = keys
             else:
                 keys = self._pending_keys = chain_keys(prompt)
         if pinned is not None:
@@ -438,6 +436,8 @@ class Router:
         best_cost = key[best] - depth * block
         seen = set()
         for d in range(len(levels), depth, -1):
+            if d < len(levels) and len(levels[d - 1]) == len(levels[d]):
+                continue  # holders are prefix-closed, so an equal count is the same ranks: none new here
             for rank, g in levels[d - 1].items():
                 if rank in seen:
                     continue

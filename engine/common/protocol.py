@@ -22,6 +22,7 @@ import time
 
 import msgspec
 from dpserve.engine.common.logs import get_logger
+from dpserve.engine.kv_events import KVEventBatch, KVSnapshot, KVSnapshotRequest
 
 PROTOCOL_VERSION = 1
 # At most one 'undecodable message dropped' warning per channel per this many seconds.
@@ -152,7 +153,7 @@ class Ping(msgspec.Struct, tag="ping", array_like=True):
     nonce: int
 
 
-EngineInput = AddRequest | AbortRequests | PauseRequests | ResumeRequests | Ping
+EngineInput = AddRequest | AbortRequests | PauseRequests | ResumeRequests | Ping | KVSnapshotRequest  # (issue 29)
 
 
 # ---------------------------------------------------------------- engine -> API server
@@ -223,7 +224,7 @@ class EngineDead(msgspec.Struct, tag="dead", array_like=True):
     clean: bool = False
 
 
-EngineToApi = EngineOutputs | EngineHello | Pong | EngineDead
+EngineToApi = EngineOutputs | EngineHello | Pong | EngineDead | KVEventBatch | KVSnapshot  # (KV events: engine/kv_events.py)
 
 
 # ---------------------------------------------------------------- engine <-> coordinator

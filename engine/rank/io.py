@@ -45,6 +45,7 @@ from dpserve.engine.common.protocol import (
 )
 from dpserve.engine.common.sockets import make_socket
 from dpserve.engine.interface import RankEngine
+from dpserve.engine.kv_events import KVPublisher, KVSnapshotRequest
 from zmq.utils.monitor import recv_monitor_message
 
 COORDINATOR = -1  # read()'s index for a message from the coordinator
@@ -91,6 +92,7 @@ class RankIO:
         self.watch, self.watch_monitors = watch, watch_monitors
         self.in_codec = Codec(EngineInput, "requests")
         self.out_codec = Codec(EngineToApi)
+        self.kv = KVPublisher()  # KV events to the API servers that asked (issue 29)
         self.coord_codec = Codec(CoordinatorInput | CoordinatorToEngine, "coordinator")
         self.coordinator = make_socket(
             ctx, zmq.DEALER, keys, identity=f"engine-{rank}-{incarnation}".encode(), reconnect_ms=(100, 2000),
@@ -292,6 +294,8 @@ class RankIO:
             engine.resume_requests(msg.request_ids)
         elif isinstance(msg, Ping):
             self.send_to(index, Pong(self.rank, msg.nonce))
+        elif isinstance(msg, KVSnapshotRequest):
+            self.kv.on_request(self, index, engine)
 
     # ---------------------------------------------------------------- out
 

@@ -143,6 +143,7 @@ class EngineProcess:
                 # 3. Send every API server its share of this step in one message.
                 if outputs:
                     io.send_outputs(outputs, core)
+                io.kv.after_step(io, core)  # the step's KV events, to the API servers that asked
             # 4. Report load when it changed, and heartbeat from this loop only.
             self._report_load()
         return EXIT_OK

@@ -148,8 +148,12 @@ class SimCacheRank:
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []
         self.decoding: list[SimRequest] = []
-        self.busy_until = 0.0
         self.num_prompt_tokens = self.num_cached_tokens = 0
+        self.num_waiting_tokens = 0  # prompt tokens in `waiting` (a running sum: queues grow long)
+
+    def enqueue(self, req: SimRequest) -> None:
+        self.waiting.append(req)
+        self.num_waiting_tokens += len(req.prompt)
 
     @property
     def is_busy(self) -> bool:
@@ -157,7 +161,7 @@ class SimCacheRank:
 
     @property
     def num_waiting_prefill_tokens(self) -> int:
-        return sum(len(r.prompt) for r in self.waiting) + sum(r.prefill_left for r in self.prefilling)
+        return self.num_waiting_tokens + sum(r.prefill_left for r in self.prefilling)
 
     @property
     def num_remaining_decode_tokens(self) -> int:
@@ -179,6 +183,7 @@ class SimCacheRank:
             if hits is None:
                 break
             self.waiting.remove(req)
+            self.num_waiting_tokens -= len(req.prompt)
             in_flight.update(req.hashes[hits:])
             req.hits, req.held = hits, req.hashes[:hits]
             req.prefill_left = len(req.prompt) - hits * bs

@@ -41,8 +41,10 @@ from dpserve.engine.backends.vllm.args import (
     visible_gpus,
     vllm_version,
 )
+from dpserve.engine.backends.vllm.kv_events import VllmKVEvents, events_config
 from dpserve.engine.common.config import EngineConfig, resolve_max_model_len
 from dpserve.engine.common.protocol import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, AddRequest, RequestOutput
+from dpserve.engine.kv_events import KVEventLog
 from dpserve.engine.memory import available_memory_bytes
 
 # A step longer than STEP_POLL_S reports progress (load, heartbeat) every STEP_POLL_S
@@ -152,6 +154,12 @@ class VllmCore:
         self._preemptions = 0
         self._prefix_queries = 0  # prompt tokens looked up in vLLM's prefix cache, cumulative
         self._prefix_hits = 0
+        events = None
+        if config.enable_prefix_caching is not False and "kv_events_config" not in kw:  # vLLM's own KV events (issue 29)
+            from vllm.config import KVEventsConfig
+
+            events = events_config(config.rank)
+            kw["kv_events_config"] = KVEventsConfig(**events)
         try:
             args = EngineArgs(**kw)
         except (TypeError, ValueError) as exc:
@@ -161,6 +169,8 @@ class VllmCore:
         self.dtype = str(vcfg.model_config.dtype)
         cache = vcfg.cache_config
         self.block_size = cache.block_size
+        self.kv_events = KVEventLog(self.block_size) if events else None  # what the rank's KVPublisher sends
+        self._kv_sub = VllmKVEvents(events["endpoint"], self.kv_events) if events else None
         self.kv_capacity_tokens = (cache.num_gpu_blocks or 0) * self.block_size
         self.kv_bytes = int(cache.kv_cache_memory_bytes or kw.get("kv_cache_memory_bytes") or 0)
         self.vllm_version = vllm_version()
@@ -275,7 +285,13 @@ class VllmCore:
                 outputs.append(RequestOutput(out.request_id, [], finish_reason=FINISH_ERROR, error=f"engine output could not be read: {e!r}"))
                 self._forget(out.request_id)
         self._last_step_ms = (time.perf_counter() - start) * 1000.0
+        if self._kv_sub is not None:
+            self._kv_sub.drain()  # what vLLM's publisher thread sent so far (this step's, or the last's)
         return outputs
+
+    def kv_snapshot(self) -> list:
+        self._kv_sub.drain()
+        return self._kv_sub.snapshot()
 
     def _run_step(self, start: float) -> list:
         """engine.step() on the worker thread; liveness from here while it runs."""
