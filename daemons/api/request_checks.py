@@ -8,6 +8,7 @@ live in openai_types.py. Nothing here touches sockets or engines.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable
 from typing import Any
@@ -241,11 +242,13 @@ _EXTRA_FIELDS = (
 )
 
 
+_EXTRA_VALUES = operator.attrgetter(*_EXTRA_FIELDS)  # one C call reads them all
+
+
 def uses_extras(req: SamplingFields) -> bool:
     """True when the request needs the n / logprobs / echo / processors path."""
-    for name in _EXTRA_FIELDS:
-        if getattr(req, name) is not None:
-            return True
+    if _EXTRA_VALUES(req).count(None) != len(_EXTRA_FIELDS):
+        return True
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:
         return True
     if isinstance(req, CompletionRequest):
