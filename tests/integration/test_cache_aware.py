@@ -1,7 +1,8 @@
 """Cache-aware routing on a real node (issue 16): DP 2, 2 API servers on one port,
 `--lb-policy cache-aware`. Each turn goes over a fresh connection, so the kernel
 may hand it to either API server: turn 2 still lands on turn 1's rank, because
-the API servers share what they routed through the coordinator."""
+every API server hears every rank's KV events (issue 29). Each rank's KV cache
+holds at most 4,096 tokens, so a rank can be made to evict a prefix."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def ids(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def node(demo_model_dir):
-    with DpServer(demo_model_dir, "--data-parallel-size", "2", "--api-server-count", "2", "--lb-policy", "cache-aware") as srv:
+    with DpServer(demo_model_dir, "--data-parallel-size", "2", "--api-server-count", "2", "--lb-policy", "cache-aware",
+                  "--kv-cache-memory-bytes", str(2 << 20)) as srv:  # the demo model: 2,048 tokens in fp32, 4,096 in bf16
         yield srv
 
 
@@ -54,3 +56,17 @@ def test_turn_two_lands_on_turn_ones_rank_whichever_api_server_takes_it(node):
 def test_without_a_shared_prefix_load_still_spreads(node):
     ranks = [complete(node, ids(1000 + i, 2 * BLOCK))[0] for i in range(16)]
     assert set(ranks) == {0, 1}
+
+
+def test_routing_follows_an_evicted_prefix_away(node):
+    """Both ranks compute four prefixes; rank 0 then evicts them (other prompts fill its
+    cache). A later turn goes to rank 1, the only holder left, every time: an index of
+    what was sent would credit both ranks and split the turns between them."""
+    prefixes = [ids(3000 + k, 8 * BLOCK) for k in range(4)]
+    for prefix in prefixes:
+        for rank in (0, 1):
+            complete(node, prefix + ids(3100, BLOCK), pinned=rank)
+    for i in range(5):  # 5 x 1,000 distinct tokens through a cache of <= 4,096: rank 0 keeps none of the above
+        complete(node, ids(4000 + i, 1000), pinned=0)
+    ranks = [complete(node, prefix + ids(3100, BLOCK) + ids(3200 + k, BLOCK))[0] for k, prefix in enumerate(prefixes)]
+    assert ranks == [1, 1, 1, 1]
