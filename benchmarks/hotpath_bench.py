@@ -42,6 +42,22 @@ def _apply_code_tree(argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
+class _Config(SimpleNamespace):
+    """A duck-typed ApiServerConfig: attributes not given fall back to the real
+    config's defaults where this tree has them (new options do not break the benchmark)."""
+
+    def __getattr__(self, name: str):
+        import msgspec
+        from dpserve.daemons.config import ApiServerConfig
+
+        for field in msgspec.structs.fields(ApiServerConfig):
+            if field.name == name and (field.default is not msgspec.NODEFAULT or field.default_factory is not msgspec.NODEFAULT):
+                value = field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
+                setattr(self, name, value)  # looked up once: the handlers read it per request
+                return value
+        raise AttributeError(name)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default=None)
@@ -55,7 +71,10 @@ def main(argv=None) -> int:
     from aiohttp import streams
     from aiohttp.test_utils import make_mocked_request
     from dpserve.daemons.api.metrics import ApiMetrics
-    from dpserve.daemons.api.request_state import RequestState
+    try:
+        from dpserve.daemons.api.migration import Migrator
+    except ImportError:  # --code at a tree before migration
+        Migrator = None
     from dpserve.daemons.api.router import Router
     try:
         import dpserve.daemons.api.endpoints as serving_mod
@@ -71,7 +90,7 @@ def main(argv=None) -> int:
     model = ensure_demo_model(args.model_dir)
     # Only the attributes the handlers and metrics read (a duck-typed ApiServerConfig, so
     # new required fields of the real config do not break this benchmark).
-    cfg = SimpleNamespace(name="api-0", index=0, model_dir=model, served_model_name="demo", api_key=None,
+    cfg = _Config(name="api-0", index=0, model_dir=model, served_model_name="demo", api_key=None,
                           data_parallel_size=1, max_model_len=2048, lb_policy="queue",
                           max_waiting_per_rank=4096, max_request_body_bytes=1 << 22,
                           # ApiServerConfig's defaults (a namespace, so --code can point at older trees)
@@ -89,8 +108,10 @@ def main(argv=None) -> int:
         def __init__(self) -> None:
             self.router = router
             self.tokens = 1
+            if Migrator is not None:
+                self.migrator = Migrator(self, 0, False, 0.0, None)  # never moves: no rank is ever lost here
 
-        def send(self, state: RequestState, add, rank: int) -> None:
+        def send(self, state, add, rank: int) -> None:
             state.rank = rank
             router.on_send(rank, state.remaining)
             ids = add.prompt_token_ids
@@ -110,6 +131,7 @@ def main(argv=None) -> int:
             return lambda *a, **k: None
 
     serving = OpenAIServing(cfg, tokenizer, client, metrics, _Log())
+    router.max_waiting_per_rank = 1 << 62  # admission's threshold too: no rank reports here, so none may fill
     enc = msgspec.json.Encoder()
     prompts = make_prompts([(args.prompt_words, 1.0)], 256, 0)
 
