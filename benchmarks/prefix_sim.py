@@ -82,8 +82,8 @@ class Sim:
         self.ranks = [SimCacheRank(r, SimCache(args.cache_tokens // BLOCK_SIZE, BLOCK_SIZE, self.logs[r]), speeds, args.max_num_seqs)
                       for r in range(args.ranks)]
         router_policy = {"approximate": "cache-aware", "exact": "cache-aware", "oracle": "tokens"}.get(policy, policy)
-        weight = args.cache_weight if policy in ("exact", "oracle") else 1.0
-        self.routers = [Router(args.ranks, router_policy, kv_events=policy == "exact", cache_weight=weight) for _ in range(args.api_servers)]
+        self.routers = [Router(args.ranks, router_policy, kv_events=policy == "exact", cache_weight=args.cache_weight)
+                        for _ in range(args.api_servers)]
         self.queue: list = []
         self.n = 0
         self.table_seq = 0
@@ -165,7 +165,7 @@ class Sim:
             while hits < len(req.hashes) and req.hashes[hits] in coming:
                 hits += 1
             cached = hits * BLOCK_SIZE // 64 * 64  # in routing blocks, as the router credits
-            cost = (key - cached * router.cache_weight, key)
+            cost = (key - cached * self.args.cache_weight, key)
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_cached = r, cost, cached
         router._pending_credit = best_cached  # as the exact policy's pick does
@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--table-interval-s", type=float, default=0.05)
     ap.add_argument("--event-delay-s", type=float, default=0.002)
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--cache-weight", type=float, default=1.0, help="exact and oracle: load tokens a cached prompt token is worth")
+    ap.add_argument("--cache-weight", type=float, default=4.0,
+                    help="approximate, exact and oracle: load tokens a cached prompt token is worth (the router's cost model)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", action="store_true")
     return ap

@@ -28,6 +28,7 @@ from dpserve.daemons.api.prefix_index import BLOCK, PrefixIndex, chain_keys
 from dpserve.engine.common.protocol import LoadTable, PrefixRouted, RankLoad
 
 QUEUE_WAITING_WEIGHT = 4  # vLLM's `4 x waiting + running`
+EXACT_CACHE_WEIGHT = 4.0  # on KV events: a cached prompt token is worth 4 load tokens (RESULTS: prefix_sim's sweep)
 # cache-aware: the tokens policy's score, less the prompt tokens a rank probably holds (prefix_index.py)
 POLICIES = ("tokens", "queue", "round-robin", "cache-aware")
 
@@ -109,7 +110,7 @@ class Router:
     )
 
     def __init__(self, size: int, policy: str = "tokens", max_waiting_per_rank: int = 4096, eligible: list[int] | None = None,
-                 kv_events: bool | None = None, cache_weight: float = 1.0) -> None:
+                 kv_events: bool | None = None, cache_weight: float | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}")
         self.size = size
@@ -145,7 +146,7 @@ class Router:
         # under cache-aware unless kv_events is False; the approximate index above decides
         # only until the first rank's events arrive (engines without them: never)
         self.kv = KVIndex(size) if policy == "cache-aware" and kv_events is not False else None
-        self.cache_weight = cache_weight  # load tokens a cached prompt token is worth (the prefill cost)
+        self.cache_weight = cache_weight  # load tokens a cached prompt token is worth; None: 1, or 4 on events
         self._pending_credit = 0  # prompt tokens the last pick's rank holds (exact): not load there
         self._pending_keys: list[int] | None = None  # the last pick's prompt, recorded on its send
         # Sharing with the other API servers (through the coordinator): what this one
@@ -384,8 +385,8 @@ class Router:
         if keys:
             levels = index.levels(keys)
             if levels:
-                block = index.block if index is self.kv else BLOCK
-                best, depth = self._cache_pick(best, levels, index.generation, block * self.cache_weight)
+                block, weight = (index.block, EXACT_CACHE_WEIGHT) if index is self.kv else (BLOCK, 1.0)
+                best, depth = self._cache_pick(best, levels, index.generation, block * (self.cache_weight or weight))
                 if index is self.kv:
                     self._pending_credit = depth * block
         return best
@@ -414,8 +415,7 @@ class Router:
         if best_key is None:
             return self.pick(pinned, prompt)  # raises NoRankAvailable or QueueFull
         if self.prefix is not None and prompt is not None:
-            kv = self.kv
-            self._pending_keys = chain_keys(prompt, kv.block) if kv is not None and kv.ranks_seen else chain_keys(prompt)
+            self._pending_keys = chain_keys(prompt, self.kv.block if self.kv is not None and self.kv.ranks_seen else BLOCK)
         return best
 
     def _cache_pick(self, best: int, levels: list[dict[int, int]], gen: list[int], block: float) -> tuple[int, int]:

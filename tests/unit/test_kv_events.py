@@ -147,3 +147,45 @@ def test_events_batch_per_step_and_evictions_are_removals():
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert sorted(removed) == sorted(stored.block_hashes)
     assert rank.log.take_batch(0, "x") is None  # nothing happened: no batch, no number used
+
+
+def test_a_sent_prompt_counts_until_its_events_confirm_it_or_its_note_expires():
+    now = [0.0]
+    index = KVIndex(2, pending_ttl_s=10.0, clock=lambda: now[0])
+    a, b = prompt_of([0, 1]), prompt_of([2, 3])
+    index.expect(chain_keys(a, ROUTING), 1)  # sent, not computed yet
+    assert index.match(chain_keys(a, ROUTING)) == {1: 1}
+    rank = Rank(1, 64, "x")
+    rank.serve(a)
+    index.apply(rank.log.take_batch(1, "x"))
+    assert not index.notes  # confirmed: the events speak for it now
+    rank.serve(list(range(500, 500 + 64 * 16)))  # evicts a: the note is gone, so the index forgets it
+    index.apply(rank.log.take_batch(1, "x"))
+    assert index.match(chain_keys(a, ROUTING)) == {}
+    index.expect(chain_keys(b, ROUTING), 0)  # never computed (the request failed): ends with its note
+    assert index.match(chain_keys(b, ROUTING)) == {0: 2}
+    now[0] = 11.0
+    index.expect([], 0)  # (any later send sweeps expired notes)
+    assert index.match(chain_keys(b, ROUTING)) == {} and not index.notes
+
+
+def test_router_on_events_goes_where_the_prefix_is_and_leaves_when_it_is_evicted():
+    from dpserve.daemons.api.router import Router
+    from dpserve.engine.common.protocol import LoadTable, RankLoad
+
+    router = Router(3, "cache-aware")
+    router.update_table(LoadTable(1, 3, [RankLoad(r, f"i{r}", True, num_waiting_prefill_tokens=100 * r) for r in range(3)]))
+    for r in range(3):
+        router.engine_hello(r, f"i{r}")
+    rank = Rank(2, 64, "i2")  # the busiest rank holds the prompt's first 320 tokens (5 routing blocks)
+    prompt = prompt_of([0, 1, 2, 3, 4, 5, 0, 1])
+    rank.serve(prompt[:320])
+    router.kv.apply(rank.log.take_batch(2, "i2"))
+    assert router.pick(None, prompt + [1, 2]) == 2
+    router.on_send(2, len(prompt))
+    assert router.sent_tokens[2] == len(prompt) - 320  # only what it must prefill counts as its load
+    router.on_finish(2, len(prompt))
+    rank.serve(list(range(500, 500 + 64 * 16)))  # evicted
+    router.kv.apply(rank.log.take_batch(2, "i2"))
+    router.kv.forget_rank(2)  # (and the note of our send: a restart forgets it too)
+    assert router.pick(None, prompt + [1, 2]) == 0
