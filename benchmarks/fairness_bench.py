@@ -127,9 +127,11 @@ async def open_loop(http, url, model, tenant: str, rate: float, max_tokens: int,
 
 
 async def closed_loop(http, url, model, tenant: str, clients: int, max_tokens: int, until: float, out: list) -> None:
+    rng = random.Random(hash(tenant) + 1)
+
     async def client():
         while time.monotonic() < until:
-            await request(http, url, model, tenant, max_tokens, out)
+            await request(http, url, model, tenant, rng.randint(max(1, max_tokens // 2), max_tokens * 3 // 2), out)
     await asyncio.gather(*(client() for _ in range(clients)))
 
 
@@ -259,7 +261,7 @@ def main(argv=None) -> None:
     p = parser(__doc__, json=True)
     p.add_argument("--engine", choices=("sim", "native", "vllm"), default="sim")
     p.add_argument("--only", nargs="+", choices=("noisy", "jain", "priority"), default=["noisy", "jain", "priority"])
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--api-servers", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=12, help="answer tokens of the noisy and priority scenarios")
