@@ -163,7 +163,7 @@ def test_a_sent_prompt_counts_until_its_events_confirm_it_or_its_note_expires():
     index.apply(rank.log.take_batch(1, "x"))
     assert index.match(chain_keys(a, ROUTING)) == {}
     index.expect(chain_keys(b, ROUTING), 0)  # never computed (the request failed): ends with its note
-    assert index.match(chain_keys(b, ROUTING)) == {0: 2}
+    assert index.match(chain_keys(b, ROUTING)) == {0: 1}
     now[0] = 11.0
     index.expect([], 0)  # (any later send sweeps expired notes)
     assert index.match(chain_keys(b, ROUTING)) == {} and not index.notes
