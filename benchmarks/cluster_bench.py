@@ -46,6 +46,7 @@ if __package__ in (None, ""):
 
 from dpserve.engine.common.protocol import Codec, LoadTable, PrefixRouted, TableChannel  # noqa: E402
 
+from benchmarks.cluster_membership import part_membership  # noqa: E402
 from benchmarks.load import LoadConfig, run_load  # noqa: E402
 from benchmarks.simcluster import SimCluster, probe_json  # noqa: E402
 
@@ -275,82 +276,19 @@ def part_coordinator(args, vary: bool, relay: bool = False) -> dict:
                 head.close()
 
 
-class GrowingCluster(SimCluster):
-    """A cluster of `num_ranks` slots (the head's --data-parallel-size-max) that starts
-    with the first `start_with` ranks; the others join later through start_sim()."""
-
-    def __init__(self, *args, start_with: int, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.start_with = start_with
-        self.holding = True
-
-    def start_sim(self, first: int, last: int) -> str:
-        if self.holding and first >= self.start_with:
-            return ""
-        return super().start_sim(first, last)
-
-
-def part_membership(args) -> dict:
-    """4 simulated ranks join a running 4-rank cluster under load, then retire under load
-    (SIGTERM: they announce their death, their requests move; then their supervisor's
-    RankDown 'retired' takes them out of the membership)."""
-    from dpserve.engine.common.protocol import CoordinatorInput, RankDown
-
-    n, half = 8, 4
-    cluster = GrowingCluster(n, 4, half, start_with=half, report_interval_s=args.report_interval_s, stale_after_s=args.stale_after_s)
-    out: dict = {"ranks_before": half, "ranks_joining": n - half, "api_servers": 4}
-    with cluster:
-        cluster.wait_routable(half, timeout=120)
-        cluster.holding = False
-        cfg = LoadConfig(url=f"http://127.0.0.1:{cluster.port}", model="sim", concurrency=32, duration=14.0, max_tokens=64, stream=True)
-        result: dict = {}
-        load = threading.Thread(target=lambda: result.setdefault("r", asyncio.run(run_load(cfg))), daemon=True)
-        load.start()
-        time.sleep(2.0)
-        joined = threading.Event()
-        alive_at: list[float] = []
-        sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(cluster.table_address)
-        codec, alive = Codec(LoadTable), set()
-
-        def watch() -> None:  # when the joining ranks are ready (alive in the coordinator's table)
-            while not joined.is_set():
-                if sub.poll(50):
-                    table = codec.decode_or_none(sub.recv())
-                    if type(table) is LoadTable:
-                        alive.update(e.rank for e in table.ranks if e.is_alive and e.rank >= half)
-                        if len(alive) == n - half and not alive_at:
-                            alive_at.append(time.monotonic())
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        t0 = time.monotonic()
-        name = cluster.start_sim(half, n - 1)
-        cluster.wait_routable(n, timeout=60, interval=0.02)
-        routable_at = time.monotonic()
-        joined.set()
-        watcher.join(5)
-        sub.close(0)
-        out["join_routable_after_ready_s"] = routable_at - alive_at[0] if alive_at else float("nan")
-        out["join_routable_after_start_s"] = routable_at - t0
-        time.sleep(4.0)
-        t1 = time.monotonic()
-        cluster.kill(name, signal.SIGTERM)
-        link = zmq.Context.instance().socket(zmq.DEALER)
-        link.setsockopt(zmq.IDENTITY, b"supervisor-4")
-        link.setsockopt(zmq.LINGER, 1000)
-        link.connect(cluster.coordinator_address)
-        wire = Codec(CoordinatorInput)
-        for rank in range(half, n):
-            link.send(wire.encode(RankDown(rank, "retired (dpserve retire)")))
-        link.close()
-        cluster.wait_routable(half, timeout=30, interval=0.02)
-        out["retire_out_of_routing_s"] = time.monotonic() - t1
-        load.join(60)
-    res = result["r"]
-    out.update(ok=res.ok, errors=sum(res.errors.values()), error_kinds=dict(res.errors), ranks_used=len(res.per_rank))
+def part_memory(args) -> dict:
+    """One API server's RSS with few ranks and with many (each connected and routable):
+    the growth is what the per-rank state costs it (the issue's target: < 50 MiB from 8 to 4,096)."""
+    out: dict = {}
+    for n in (8, args.memory_ranks):
+        cluster = SimCluster(n, 1, 256, report_interval_s=0.5, stale_after_s=3.0, ranks_per_node=args.ranks_per_node)
+        with cluster:
+            cluster.wait_routable(n, timeout=300, interval=0.5)
+            time.sleep(2.0)
+            out[str(n)] = {**memory(cluster, n), "loadavg": Path("/proc/loadavg").read_text().split()[0]}
+    small, big = out["8"], out[str(args.memory_ranks)]
+    out["api_server_growth_mib"] = big["api_server_max_mib"] - small["api_server_max_mib"]
+    out["api_server_per_rank_kib"] = 1024 * out["api_server_growth_mib"] / (args.memory_ranks - 8)
     return out
 
 
@@ -372,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a node's heartbeat when no load changed (default: stale limit / 4; the report interval: one message a node an interval)")
     ap.add_argument("--table-relay", action="store_true", help="also measure the coordinator with a node relay of the table")
     ap.add_argument("--coordinator-report-interval-s", type=float, default=0.1)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: cluster, coordinator, membership")
+    ap.add_argument("--memory-ranks", type=int, default=4096, help="the memory part: one API server with 8 ranks, then with this many")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: cluster, coordinator, membership, memory")
     ap.add_argument("--quick", action="store_true", help="64 ranks x 4 API servers, 256-rank coordinator, 3 s windows")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -390,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     if "membership" not in skip:
         results["membership"] = part_membership(args)
         print(json.dumps(results["membership"], indent=1), file=sys.stderr, flush=True)
+    if "memory" not in skip:
+        results["memory"] = part_memory(args)
+        print(json.dumps(results["memory"], indent=1), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
@@ -423,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{m['join_routable_after_ready_s']:.2f} s / {m['join_routable_after_start_s']:.2f} s |")
         print(f"| retired (SIGTERM + RankDown 'retired'): out of every API server's routing | {m['retire_out_of_routing_s']:.2f} s |")
         print(f"| streamed requests across both (32 clients, 64 tokens) | {m['ok']} ok, {m['errors']} errors {m['error_kinds'] or ''} |")
+    if "memory" in results:
+        m = results["memory"]
+        print(f"\n## memory: one API server with 8 ranks, then {args.memory_ranks}\n")
+        print(f"API server RSS grew {m['api_server_growth_mib']:.1f} MiB ({m['api_server_per_rank_kib']:.1f} KiB a rank)")
     for row in results.get("coordinator", []):
         kind = "every report a change" if row["every_report_a_change"] else "reports repeat the load"
         via = " through one node table relay" if row["table_relay"] else ""
