@@ -9,20 +9,9 @@ travels in LoadTables, so a reader never guesses it.
 from __future__ import annotations
 
 import msgspec
-from dpserve.engine.common.protocol import LoadDelta, LoadReport, RankLoad
+from dpserve.engine.common.protocol import LoadDelta, RankLoad
 
 MAX_RANKS_PER_DELTA = 1024  # ~20 KiB of msgpack
-
-
-def row_of_report(r: LoadReport) -> tuple:
-    """A rank's report as one NodeLoad row: (rank, incarnation, *LoadDelta row), usages
-    in permille. Built where the report is made or aggregated (the node), so that the
-    coordinator stores and forwards it without touching a field."""
-    return (
-        r.rank, r.incarnation, r.num_running, r.num_waiting, r.num_waiting_prefill_tokens,
-        r.num_remaining_decode_tokens, round(r.slot_usage * 1000), r.num_requests_finished, r.num_requests_aborted,
-        round(r.kv_usage * 1000), r.num_preemptions, r.num_prefix_queries, r.num_prefix_hits,
-    )
 
 
 def runs_of(ranks: list[int]) -> list[tuple[int, int]]:

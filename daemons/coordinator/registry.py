@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from dpserve.daemons.coordinator.delta import MAX_RANKS_PER_DELTA, row_of_report, runs_of
+from dpserve.daemons.coordinator.delta import MAX_RANKS_PER_DELTA, runs_of
 from dpserve.engine.common.protocol import (
     PROTOCOL_VERSION,
     EngineReady,
@@ -20,6 +20,7 @@ from dpserve.engine.common.protocol import (
     NodeLoad,
     RankLoad,
 )
+from dpserve.engine.rank.node_relay import row_of_report
 
 PUBLISH_MIN_INTERVAL_S = 0.002
 # Under load every busy rank's entry changes every step, and each API server

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 
-from dpserve.daemons.coordinator.delta import row_of_report
 from dpserve.engine.common.protocol import LoadReport, NodeLoad
 
 # While loads change a node sends at most this often: 512 nodes under full load
@@ -25,6 +24,17 @@ from dpserve.engine.common.protocol import LoadReport, NodeLoad
 # 20-100 ms at 1,024-4,096 ranks, so a faster flush would not route sooner).
 NODE_FLUSH_S = 0.02
 RESYNC_EVERY = 10  # every rank's report, not only the changed ones, every this many intervals
+
+
+def row_of_report(r: LoadReport) -> tuple:
+    """A rank's report as one NodeLoad row: (rank, incarnation, *LoadDelta row), usages
+    in permille. Built where the report is made or aggregated (the node), so that the
+    coordinator stores and forwards it without touching a field."""
+    return (
+        r.rank, r.incarnation, r.num_running, r.num_waiting, r.num_waiting_prefill_tokens,
+        r.num_remaining_decode_tokens, round(r.slot_usage * 1000), r.num_requests_finished, r.num_requests_aborted,
+        round(r.kv_usage * 1000), r.num_preemptions, r.num_prefix_queries, r.num_prefix_hits,
+    )
 
 
 class NodeAggregator:
