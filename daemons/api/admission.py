@@ -14,7 +14,9 @@ the class's virtual time becomes S. The backlogged tenant with the lowest tag go
 next (ties: the request held first). A tenant that becomes backlogged starts at the
 class's virtual time, so idleness banks no credit. When a released request finishes,
 the tokens it did not use (max_tokens is an upper bound) are credited back to its
-tenant's tag. Lower `priority` classes go strictly first.
+tenant's tag. Lower `priority` classes go strictly first. Under the engines' priority
+scheduling a request more urgent than a held one is not held at all (serving.py): it goes
+to the rank where it starts soonest (soonest_rank), whose engine preempts for it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from dpserve.daemons.api.router import QueueFull
+from dpserve.daemons.api.router import NoRankAvailable, QueueFull, Router
 from dpserve.daemons.api.tenants import Tenant
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -114,6 +116,10 @@ class Admission:
     def num_accounts(self) -> int:
         """(class, tenant) accounts alive: each holds or runs something."""
         return sum(len(c.accounts) for c in self._classes.values())
+
+    def least_urgent_held(self) -> float:
+        """The highest (least urgent) priority among held requests; -inf when none is held."""
+        return max((p for p, c in self._classes.items() if c.backlogged), default=-math.inf)
 
     # ---------------------------------------------------------------- holding
 
@@ -276,6 +282,23 @@ class Admission:
         if rate <= 0:
             return 60
         return max(1, min(60, math.ceil(num_ahead / rate)))
+
+
+def soonest_rank(router: Router) -> int:
+    """The routable eligible rank with the fewest sequences running and waiting (the
+    table's, plus this API server's sends since), full or not: where a request that
+    preempts starts soonest. A scan: only such requests pay for it. Raises NoRankAvailable."""
+    best, best_key = -1, None
+    for rank in router.eligible:
+        if not 0 <= rank < router.size or not router.routable(rank):
+            continue
+        load = router.loads[rank]
+        key = load.num_running + load.num_waiting + router.sent[rank]
+        if best_key is None or key < best_key:
+            best, best_key = rank, key
+    if best_key is None:
+        raise NoRankAvailable()
+    return best
 
 
 class AdmissionCollector:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 from aiohttp import web
 from dpserve.daemons.aiohttp_compat import EventStream
-from dpserve.daemons.api.admission import Admission, AdmissionCollector, HoldRefused
+from dpserve.daemons.api.admission import Admission, AdmissionCollector, HoldRefused, soonest_rank
 from dpserve.daemons.api.backpressure import StreamBudget, StreamCollector, StreamStalled
 from dpserve.daemons.api.engine_client import EngineClient
 from dpserve.daemons.api.generation import EngineFailure, Generation
@@ -402,7 +402,9 @@ class ServingBase:
     async def _admit(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
         """Send now, or, while every rank is full (QueueFull at the hold threshold) or others
         are held, wait in the tenant's held queue for a release in fair order (admission.py).
-        A pinned request never waits there: its rank was chosen by the client."""
+        A pinned request never waits there: its rank was chosen by the client. Under
+        --scheduling-policy priority, neither does one more urgent than a held request:
+        it goes where it starts soonest, and the engine preempts less urgent work for it."""
         admission = self.admission
         if admission is None or pinned is not None:
             return self._send_once(state, add, pinned)
@@ -411,6 +413,8 @@ class ServingBase:
                 return self._send_once(state, add, pinned)
             except QueueFull:
                 pass
+        if self.cfg.scheduling_policy == "priority" and add.params.priority < admission.least_urgent_held():
+            return self._send_once(state, add, soonest_rank(self.router))
         held = admission.enqueue(state.tenant, add.params.priority, state.remaining, lambda: self._send_once(state, add, None))
         state.held = held
         try:

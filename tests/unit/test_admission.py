@@ -248,3 +248,39 @@ def test_the_router_counts_a_full_batch_and_reports_room_when_a_place_frees():
         router.pick()  # both full now: held at the frontend
     router.update_table(LoadTable(2, 2, [RankLoad(0, "a", True, 7, 1)]))  # a sequence of rank 0 finished
     assert rooms == [1, 1] and router.pick() == 0
+
+
+def test_the_least_urgent_held_class_and_the_rank_where_a_preempting_request_starts_soonest():
+    import math
+
+    from dpserve.daemons.api.admission import soonest_rank
+    from dpserve.daemons.api.router import Router
+    from dpserve.engine.common.protocol import LoadTable, RankLoad
+
+    async def main():
+        adm, cluster = Admission(100), Cluster()
+        assert adm.least_urgent_held() == -math.inf  # nothing held: nothing to pass
+        hold(adm, cluster, A, 2, priority=1)
+        hold(adm, cluster, B, 1, priority=0)
+        assert adm.least_urgent_held() == 1  # a priority-0 request may pass the held bulk (serving.py)
+        released(adm, cluster, 2)  # b's, then one of a's
+        assert adm.least_urgent_held() == 1
+        released(adm, cluster, 1)
+        assert adm.least_urgent_held() == -math.inf
+    run(main())
+
+    router = Router(3, "tokens", max_waiting_per_rank=9)
+    router.count_running = True
+    router.update_table(LoadTable(1, 3, [RankLoad(0, "a", True, 8, 3), RankLoad(1, "b", True, 8, 1), RankLoad(2, "c", False)]))
+    for rank, incarnation in ((0, "a"), (1, "b"), (2, "c")):
+        router.engine_hello(rank, incarnation)
+    with pytest.raises(QueueFull):
+        router.pick()  # every routable rank is full
+    assert soonest_rank(router) == 1  # full, but the shortest queue; rank 2 is down
+    router.on_send(1, 10)
+    router.on_send(1, 10)
+    router.on_send(1, 10)
+    assert soonest_rank(router) == 0  # (ties to the first)
+    router.update_table(LoadTable(2, 3, [RankLoad(0, "a", False), RankLoad(1, "b", False)]))
+    with pytest.raises(NoRankAvailable):
+        soonest_rank(router)
