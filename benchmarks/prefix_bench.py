@@ -20,6 +20,12 @@ Workloads (token-id prompts through /v1/completions, streamed, ignore_eos):
     server;
 (b) no shared prefixes: the same number of requests and prompt lengths, every
     prompt random.
+(c) with --tenants T (issue 29): T tenants, each with a --tenant-prefix-tokens
+    prefix, a sliding window of T/6 of them asking 64-token questions at
+    --rate req/s (Poisson), the window passing over every tenant twice; size
+    T so that T x prefix is 2-4x the ranks' KV caches (--kv-cache-memory-bytes
+    in the servers' extra args). The simulated 64-rank version, with an
+    oracle, is benchmarks/prefix_sim.py.
 Per run: TTFT p50/p90, output tok/s (usage), prompt tokens served from cache
 (usage.prompt_tokens_details.cached_tokens), wall time. Printed, never asserted.
 """
@@ -108,11 +114,39 @@ async def run_chat(url: str, model: str, conversations: int, turns: int, system_
     }
 
 
+async def run_tenants(url: str, model: str, args, seed: int) -> dict:
+    """Workload (c): every request on its own, at its Poisson arrival time."""
+    rng = random.Random(seed)
+    prefixes = [ids(rng, args.tenant_prefix_tokens) for _ in range(args.tenants)]
+    active, n = max(1, args.tenants // 6), args.tenant_requests
+    results: list[dict] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600), trust_env=False) as session:
+        t0, at, tasks = time.perf_counter(), 0.0, []
+        for i in range(n):
+            at += rng.expovariate(args.rate)
+            tenant = (int(i / n * 2 * args.tenants) + rng.randrange(active)) % args.tenants
+            prompt = prefixes[tenant] + ids(rng, USER_TOKENS + 16)
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            tasks.append(asyncio.ensure_future(one_turn(session, url, model, prompt)))
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    ttfts = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
+    prompt_tokens = sum(r["prompt"] for r in ok)
+    return {"requests": len(results), "errors": len(results) - len(ok), "wall_s": round(wall, 1),
+            "ttft_p50_ms": round(statistics.median(ttfts) * 1000) if ttfts else None,
+            "ttft_p90_ms": round(ttfts[int(0.9 * (len(ttfts) - 1))] * 1000) if ttfts else None,
+            "output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1),
+            "cached_share": round(sum(r["cached"] for r in ok) / prompt_tokens, 3) if prompt_tokens else 0.0}
+
+
 def servers(args, model_dir: str) -> list[tuple[str, object]]:
     context = 2048 if args.quick else 4096
     common = ["--max-model-len", str(context)]
+    common += list(args.server_arg)
     out = [(f"dpserve {policy}", lambda policy=policy: DpNode(model_dir, dp=2, api=2, extra=[*common, "--lb-policy", policy]))
-           for policy in ("cache-aware", "tokens")]
+           for policy in args.policies.split(",")]
     venv = args.vllm_venv
     if venv and vllm_python(venv):
         vllm = ["--engine", "vllm", "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(1 << 30), *common]
@@ -133,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--vllm-venv", default=None, help=f"also vLLM's rows (e.g. {DEFAULT_VLLM_VENV})")
     ap.add_argument("--quick", action="store_true", help="8 conversations x 3 turns, 300-token system prompt, the demo model")
+    ap.add_argument("--tenants", type=int, default=0, help="run workload (c) with this many tenants instead of (a) and (b)")
+    ap.add_argument("--tenant-prefix-tokens", type=int, default=1024)
+    ap.add_argument("--tenant-requests", type=int, default=240)
+    ap.add_argument("--rate", type=float, default=1.0, help="workload (c): requests per second")
+    ap.add_argument("--server-arg", action="append", default=[], help="an extra dpserve argument (repeat), e.g. --kv-cache-memory-bytes=...")
+    ap.add_argument("--policies", default="cache-aware,round-robin,tokens", help="dpserve's --lb-policy values to run")
     ap.add_argument("--json", action="store_true")
     args, _ = begin(ap, argv)
     if args.quick:
@@ -150,7 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         server = make()
         try:
             server.start(timeout=900)
-            for workload, shared in (("chat, shared system prompt", True), ("no shared prefixes", False)):
+            if args.tenants:
+                r = asyncio.run(run_tenants(server.url, SERVED_MODEL, args, seed=7))
+                rows.append({"server": label, "workload": f"{args.tenants} tenants", **r})
+                print(f"{label:42s} {json.dumps(r)}", file=sys.stderr, flush=True)
+            for workload, shared in () if args.tenants else (("chat, shared system prompt", True), ("no shared prefixes", False)):
                 r = asyncio.run(run_chat(server.url, SERVED_MODEL, args.conversations, args.turns, args.system_tokens, shared, seed=7))
                 rows.append({"server": label, "workload": workload, **r})
                 print(f"{label:42s} {workload:28s} {json.dumps(r)}", file=sys.stderr, flush=True)

@@ -255,12 +255,13 @@ class Router:
         return lost
 
     def learn(self, msg: PrefixRouted) -> None:
-        """Another API server routed these prompts (cache-aware): their ranks now hold them too."""
+        """Another API server routed these prompts: their ranks hold them (on events: noted until confirmed)."""
         if self.prefix is None or msg.origin == self.origin:
             return
+        index = self.kv if self.kv is not None and self.kv.ranks_seen else None
         for rank, keys in msg.routed:
             if 0 <= rank < self.size:
-                self.prefix.add(keys, rank)
+                index.expect(keys, rank) if index is not None else self.prefix.add(keys, rank)
 
     def engine_hello(self, rank: int, incarnation: str) -> bool:
         """Returns True when this hello replaces another incarnation (its requests are lost)."""
@@ -282,13 +283,12 @@ class Router:
         credit, self._pending_credit = self._pending_credit, 0
         if self._pending_keys is not None:
             keys, self._pending_keys = self._pending_keys, None
-            if self.kv is not None and self.kv.ranks_seen:
-                # what it does not hold yet, until its events confirm it (no note to the others)
-                self.kv.expect(keys[credit // self.kv.block :] if credit else keys, rank)
+            if self.kv is not None and self.kv.ranks_seen:  # only what it does not hold yet, until its events confirm it
+                self.kv.expect(keys := keys[credit // self.kv.block :], rank)
             else:
                 self.prefix.add(keys, rank)
-                if self.on_routed is not None and keys:
-                    self.on_routed(rank, keys)
+            if self.on_routed is not None and keys:
+                self.on_routed(rank, keys)
         self.sent[rank] += 1
         # until the rank's next report, what it will prefill: the events say it holds the rest
         self.sent_tokens[rank] += tokens - credit if tokens > credit else 0
