@@ -101,8 +101,11 @@ class Admission:
     an entry leaves its queue exactly once: released, abandoned, or failed.
     """
 
-    def __init__(self, max_held_per_tenant: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_held_per_tenant: int, clock: Callable[[], float] = time.monotonic, by_class: bool = False) -> None:
         self.max_held_per_tenant = max_held_per_tenant
+        # Under the engines' priority scheduling: requests sent and not ended, by priority (a
+        # more urgent one than any of these, or than a held one, is not held: the engine preempts)
+        self.in_flight: dict[int, int] | None = {} if by_class else None
         self.clock = clock
         self.num_held = 0
         self._classes: dict[int, _Class] = {}
@@ -120,6 +123,34 @@ class Admission:
     def least_urgent_held(self) -> float:
         """The highest (least urgent) priority among held requests; -inf when none is held."""
         return max((p for p, c in self._classes.items() if c.backlogged), default=-math.inf)
+
+    def least_urgent(self) -> float:
+        """Under the priority policy, the least urgent priority held or in flight from here
+        (-inf otherwise): a request more urgent than it need not wait for a free place."""
+        if self.in_flight is None:
+            return -math.inf
+        return max(self.least_urgent_held(), max(self.in_flight, default=-math.inf))
+
+    def started(self, state, priority: int, rank: int) -> int:
+        """`state` was sent to `rank` (returned); counted by class under the priority policy."""
+        if self.in_flight is not None:
+            self.in_flight[priority] = self.in_flight.get(priority, 0) + 1
+            state.urgency = priority
+        return rank
+
+    def ended(self, state) -> None:
+        """A request sent through admission ended: its class count drops, and if it was held,
+        its tenant gets back the tokens it did not use (finished)."""
+        if state.urgency is not None:
+            n = self.in_flight[state.urgency] - 1
+            if n:
+                self.in_flight[state.urgency] = n
+            else:
+                del self.in_flight[state.urgency]
+            state.urgency = None
+        if state.held is not None:
+            self.finished(state.held, state.prompt_tokens + state.num_output_tokens)
+            state.held = None
 
     # ---------------------------------------------------------------- holding
 

@@ -43,6 +43,7 @@ class RequestState:
         "queue_s",
         "tenant",
         "held",
+        "urgency",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
@@ -79,6 +80,7 @@ class RequestState:
         # it was held at the frontend (its cost is corrected by what it used when it ends)
         self.tenant = DEFAULT_TENANT
         self.held = None
+        self.urgency = None  # its priority, while admission counts it in flight (priority policy)
 
     @property
     def is_finished(self) -> bool:

@@ -142,7 +142,7 @@ class ServingBase:
         # limit becomes the hold threshold, and its room reports release held requests.
         self.admission: Admission | None = None
         if cfg.admission_hold:  # full: every batch place taken and hold_waiting_per_rank more waiting
-            self.admission = Admission(cfg.max_held_per_tenant)
+            self.admission = Admission(cfg.max_held_per_tenant, by_class=cfg.scheduling_policy == "priority")
             self.router.count_running = True
             self.router.max_waiting_per_rank = cfg.max_num_seqs + min(cfg.max_waiting_per_rank, cfg.hold_waiting_per_rank)
             self.router.on_room = self.admission.on_room
@@ -351,9 +351,8 @@ class ServingBase:
             for state in sent:
                 if not state.is_finished:
                     self.client.abort(state)  # client went away, or a stop string ended it early
-                if state.held is not None:  # its tenant is charged what it used, not its max_tokens
-                    self.admission.finished(state.held, state.prompt_tokens + state.num_output_tokens)
-                    state.held = None
+                if state.held is not None or state.urgency is not None:  # charged what it used
+                    self.admission.ended(state)
 
     def request_began(self) -> None:
         self.num_active += 1
@@ -408,17 +407,18 @@ class ServingBase:
         admission = self.admission
         if admission is None or pinned is not None:
             return self._send_once(state, add, pinned)
+        priority = add.params.priority
         if not admission.num_held:
             try:
-                return self._send_once(state, add, pinned)
+                return admission.started(state, priority, self._send_once(state, add, pinned))
             except QueueFull:
                 pass
-        if self.cfg.scheduling_policy == "priority" and add.params.priority < admission.least_urgent_held():
-            return self._send_once(state, add, soonest_rank(self.router))
-        held = admission.enqueue(state.tenant, add.params.priority, state.remaining, lambda: self._send_once(state, add, None))
+        if priority < admission.least_urgent():  # (priority policy) less urgent work is held or runs
+            return admission.started(state, priority, self._send_once(state, add, soonest_rank(self.router)))
+        held = admission.enqueue(state.tenant, priority, state.remaining, lambda: self._send_once(state, add, None))
         state.held = held
         try:
-            return await admission.wait(held)
+            return admission.started(state, priority, await admission.wait(held))
         except BaseException:
             state.held = None  # never sent: nothing to correct
             raise

@@ -284,3 +284,31 @@ def test_the_least_urgent_held_class_and_the_rank_where_a_preempting_request_sta
     router.update_table(LoadTable(2, 3, [RankLoad(0, "a", False), RankLoad(1, "b", False)]))
     with pytest.raises(NoRankAvailable):
         soonest_rank(router)
+
+
+def test_under_the_priority_policy_less_urgent_work_in_flight_lets_a_more_urgent_request_pass():
+    import math
+
+    from dpserve.daemons.api.request_state import RequestState
+
+    assert Admission(10).least_urgent() == -math.inf  # fcfs: every request waits its turn
+
+    async def main():
+        adm, cluster = Admission(10, by_class=True), Cluster()
+        bulk = [RequestState(f"b{i}", 8, 12) for i in range(2)]
+        for state in bulk:
+            assert adm.started(state, 1, 0) == 0  # sent at once (nothing held)
+        assert adm.least_urgent() == 1  # the ranks run priority-1 work: a priority-0 request passes
+        (held,) = hold(adm, cluster, A, 1, priority=3)
+        assert adm.least_urgent() == 3
+        released(adm, cluster, 1)
+        state = RequestState("h", 8, 100)
+        state.held = held
+        adm.started(state, 3, 0)
+        state.num_output_tokens = 10
+        adm.ended(state)  # its class count drops, and its unused tokens go back
+        assert state.held is None and state.urgency is None and adm.num_accounts == 0
+        for state in bulk:
+            adm.ended(state)
+        assert adm.least_urgent() == -math.inf and adm.in_flight == {}
+    run(main())
