@@ -20,10 +20,8 @@ stop_token_ids ("stop"). Ranks in one process share one poll loop and one
 step clock (all busy ranks step together), and send their periodic reports
 together, so that a process of 32 idle ranks x 32 API servers wakes ~10 times
 a second; a rank's sockets are its own, as in a real rank process. Each
-rank's model is a SimCore, a RankEngine like the real engines. A process
-simulates one node (--node-rank) or many (--ranks-per-node): each node's
-ranks' load reports and heartbeats reach the coordinator in one NodeLoad a
-report interval from the node's own relay socket (engine/rank/node_relay.py).
+rank's model is a SimCore, a RankEngine like the real engines. A process is one
+node (--node-rank) or many (--ranks-per-node), each with its relay (node_relay.py).
 """
 
 from __future__ import annotations
@@ -403,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", required=True, help="ranks this process simulates, e.g. 0-63 or 0,2,5-7")
     ap.add_argument("--node-rank", type=int, default=0)
     ap.add_argument("--ranks-per-node", type=int, default=0, help="simulate nodes of this many ranks (0: one node, --node-rank)")
-    ap.add_argument("--node-heartbeat-s", type=float, default=0.0,
-                    help="a node's heartbeat to the coordinator when no load changed (0: every report interval)")
+    ap.add_argument("--node-heartbeat-s", type=float, default=0.0, help="a node's heartbeat when no load changed (0: each interval)")
     ap.add_argument("--key-file", default="")
     ap.add_argument("--report-interval-s", type=float, default=1.0)
     ap.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)

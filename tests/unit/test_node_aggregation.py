@@ -16,7 +16,6 @@ from dpserve.engine.common.protocol import (
     LoadDelta,
     LoadReport,
     LoadTable,
-    NodeLoad,
     TableChannel,
 )
 from dpserve.engine.rank.node_relay import NodeAggregator
