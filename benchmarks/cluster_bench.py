@@ -334,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results["memory"], indent=1), file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
-        return 0
+    else:
+        print_report(results, args)
+    return 0
+
+
+def print_report(results: dict, args) -> None:
+    """The results as Markdown tables."""
     if "cluster" in results:
         c = results["cluster"]
         r, ld = c["rest"], c["load"]
@@ -382,7 +388,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| coordinator RSS | {row['coordinator_mib']:.0f} MiB |")
         print(f"| largest table message | {row['largest_message_bytes']:,} B |")
         print(f"| start -> all ranks alive in the table | {row['all_alive_s']:.1f} s |")
-    return 0
 
 
 if __name__ == "__main__":
