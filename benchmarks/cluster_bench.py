@@ -44,7 +44,8 @@ import zmq
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpserve.engine.common.protocol import Codec, LoadTable, PrefixRouted, TableChannel  # noqa: E402
+from dpserve.engine.common.codec import Codec
+from dpserve.engine.common.protocol import LoadTable, PrefixRouted, TableChannel  # noqa: E402
 
 from benchmarks.cluster_membership import part_membership  # noqa: E402
 from benchmarks.load import LoadConfig, run_load  # noqa: E402

@@ -10,7 +10,8 @@ import threading
 import time
 
 import zmq
-from dpserve.engine.common.protocol import Codec, LoadTable, TableChannel
+from dpserve.engine.common.codec import Codec
+from dpserve.engine.common.protocol import LoadTable, TableChannel
 
 from benchmarks.load import LoadConfig, run_load
 from benchmarks.simcluster import SimCluster

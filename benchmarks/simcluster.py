@@ -35,8 +35,9 @@ if __package__ in (None, ""):
 
 from dpserve.daemons.config import ApiServerConfig, CoordinatorConfig  # noqa: E402
 from dpserve.daemons.supervisor.launcher import LauncherConfig, LaunchReply, LaunchRequest  # noqa: E402
+from dpserve.engine.common.codec import Codec, config_fingerprint
 from dpserve.engine.common.procutil import CHILD_CONFIG_ENV, become_subreaper  # noqa: E402
-from dpserve.engine.common.protocol import ChildReady, Codec, ToSupervisor, config_fingerprint  # noqa: E402
+from dpserve.engine.common.protocol import ChildReady, ToSupervisor  # noqa: E402
 from dpserve.engine.testing.demo_model import write_tokenizer  # noqa: E402
 
 from benchmarks.common import begin, parser  # noqa: E402

@@ -39,7 +39,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpserve.daemons.api.tenants.sync import FLUSH_S  # noqa: E402
-from dpserve.engine.common.protocol import Codec, CoordinatorInput, TenantUsage  # noqa: E402
+from dpserve.engine.common.codec import Codec
+from dpserve.engine.common.protocol import CoordinatorInput, TenantUsage  # noqa: E402
 
 from benchmarks.cluster_bench import Subscribers  # noqa: E402
 from benchmarks.common import begin, parser  # noqa: E402

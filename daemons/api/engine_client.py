@@ -23,10 +23,10 @@ from dpserve.daemons.api.request_state import RequestState
 from dpserve.daemons.api.router import Router
 from dpserve.daemons.coordinator.delta import expand
 from dpserve.engine.common.auth import CurveKeys
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.protocol import (
     AbortRequests,
     AddRequest,
-    Codec,
     EngineDead,
     EngineHello,
     EngineInput,

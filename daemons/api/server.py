@@ -34,6 +34,7 @@ from dpserve.daemons.api.tenants.service import TenantService
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.daemons.config import ApiServerConfig
 from dpserve.engine.common.auth import CurveKeys, start_authenticator
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.logs import setup_logging
 from dpserve.engine.common.procutil import (
     EXIT_OK,
@@ -43,7 +44,7 @@ from dpserve.engine.common.procutil import (
     die_with_parent,
     set_process_name,
 )
-from dpserve.engine.common.protocol import ApiServerRegister, Codec, GreetAgain, PrefixRouted
+from dpserve.engine.common.protocol import ApiServerRegister, GreetAgain, PrefixRouted
 from dpserve.engine.common.sockets import make_socket
 
 

@@ -40,6 +40,7 @@ from dpserve.daemons.coordinator.registry import (
 from dpserve.daemons.coordinator.routing import routes_to
 from dpserve.daemons.coordinator.tenants import TenantAccounts
 from dpserve.engine.common.auth import CurveKeys, start_authenticator
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.logs import setup_logging
 from dpserve.engine.common.procutil import (
     EXIT_CONFIG,
@@ -52,7 +53,6 @@ from dpserve.engine.common.procutil import (
 from dpserve.engine.common.protocol import (
     ApiServerList,
     ApiServerRegister,
-    Codec,
     CoordinatorInput,
     CoordinatorToEngine,
     EngineReady,

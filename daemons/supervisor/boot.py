@@ -24,9 +24,10 @@ from dpserve.daemons.supervisor.plan import (
     plan_children,
 )
 from dpserve.engine.common.auth import CurveKeys
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.config import resolve_max_model_len
 from dpserve.engine.common.procutil import become_subreaper
-from dpserve.engine.common.protocol import Codec, CoordinatorInput
+from dpserve.engine.common.protocol import CoordinatorInput
 from dpserve.engine.common.sockets import make_socket
 
 if TYPE_CHECKING:

@@ -35,8 +35,9 @@ from dpserve.daemons.supervisor.producers import read_control, read_table, watch
 from dpserve.daemons.supervisor.rolling import RollingRestart
 from dpserve.daemons.supervisor.shutdown import shutdown
 from dpserve.daemons.supervisor.views import NodeView
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_STARTUP, OomRecord, describe_exit
-from dpserve.engine.common.protocol import Codec, CoordinatorInput, NodeHello, RankDown
+from dpserve.engine.common.protocol import CoordinatorInput, NodeHello, RankDown
 
 TICK_S = 0.1  # the loop runs its timers at least this often
 STRAY_SWEEP_S = 5.0

@@ -16,9 +16,9 @@ from dpserve.daemons.config import Addresses, ApiServerConfig, CoordinatorConfig
 from dpserve.daemons.supervisor.children import Child
 from dpserve.engine.backends.ray.placement import RayError, RayPlacement, preflight
 from dpserve.engine.backends.ray.rank import RayRank
+from dpserve.engine.common.codec import config_fingerprint
 from dpserve.engine.common.config import EngineConfig, EngineProcessConfig
 from dpserve.engine.common.procutil import EXIT_CONFIG
-from dpserve.engine.common.protocol import config_fingerprint
 
 _enc = msgspec.json.Encoder().encode
 # A rank proxy relays its actor's log lines (which carry dpserve's own priority

@@ -15,8 +15,9 @@ import zmq
 from dpserve.daemons.coordinator.delta import expand
 from dpserve.daemons.supervisor.events import Event, Exited, Fatal, Heartbeat, Ready, TableSeen
 from dpserve.engine.common.auth import HANDSHAKE_EVENTS, describe_handshake_failure
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.procutil import EXIT_CONFIG
-from dpserve.engine.common.protocol import ChildReady, Codec, LoadDelta, LoadTable, TableChannel, ToSupervisor
+from dpserve.engine.common.protocol import ChildReady, LoadDelta, LoadTable, TableChannel, ToSupervisor
 from dpserve.engine.common.protocol import Heartbeat as HeartbeatMsg
 from zmq.utils.monitor import parse_monitor_message
 

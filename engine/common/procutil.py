@@ -11,7 +11,8 @@ import signal
 import sys
 
 import zmq
-from dpserve.engine.common.protocol import ChildReady, Codec, Heartbeat, ToSupervisor
+from dpserve.engine.common.codec import Codec
+from dpserve.engine.common.protocol import ChildReady, Heartbeat, ToSupervisor
 from dpserve.engine.common.sockets import make_socket
 
 # Exit codes are a contract between children and the supervisor (and systemd):

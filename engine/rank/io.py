@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import zmq
 from dpserve.engine.common.auth import CurveKeys
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.protocol import (
     AbortRequests,
     AddRequest,
     ApiServerList,
-    Codec,
     CoordinatorInput,
     CoordinatorToEngine,
     EngineDead,

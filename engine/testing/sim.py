@@ -37,6 +37,7 @@ from collections.abc import Iterable
 import msgspec
 import zmq
 from dpserve.engine.common.auth import CurveKeys
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.logs import setup_logging
 from dpserve.engine.common.procutil import die_with_parent, raise_fd_limit
 from dpserve.engine.common.protocol import (
@@ -44,7 +45,6 @@ from dpserve.engine.common.protocol import (
     FINISH_STOP,
     AbortRequests,
     AddRequest,
-    Codec,
     CoordinatorInput,
     LoadReport,
     RequestOutput,

@@ -27,9 +27,9 @@ import zmq.asyncio
 from dpserve.daemons.api.engine_client import EngineClient
 from dpserve.daemons.api.request_state import RequestState
 from dpserve.daemons.api.router import Router
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.protocol import (
     AddRequest,
-    Codec,
     EngineDead,
     EngineHello,
     EngineInput,

@@ -117,14 +117,8 @@ def rogue(head: str, rpc_port: int, api_address: str, key_file: str) -> dict:
     """Each attempt an outsider could make; the answer says what it got back."""
     import zmq
     from dpserve.engine.common.auth import CurveKeys, make_client
-    from dpserve.engine.common.protocol import (
-        Codec,
-        CoordinatorInput,
-        CoordinatorToEngine,
-        EngineHello,
-        EngineRegister,
-        EngineToApi,
-    )
+    from dpserve.engine.common.codec import Codec
+    from dpserve.engine.common.protocol import CoordinatorInput, CoordinatorToEngine, EngineHello, EngineRegister, EngineToApi
 
     codec = Codec(CoordinatorInput | CoordinatorToEngine)
     ctx = zmq.Context()

@@ -267,7 +267,7 @@ def test_the_readme_options_table_matches_serve_help():
 def test_the_native_engine_has_one_name_and_the_old_one_still_works(clean_env):
     """--engine native; --engine dpserve (its old name) is taken as native and reported, and
     both hash to the same fingerprint, so a node on the old name still joins its head."""
-    from dpserve.engine.common.protocol import config_fingerprint
+    from dpserve.engine.common.codec import config_fingerprint
 
     opts, names, used = parse("serve", ["--engine", "dpserve"])
     assert opts["engine"] == "native" and "engine" in names

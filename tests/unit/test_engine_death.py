@@ -14,8 +14,9 @@ import time
 
 import structlog
 import zmq
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.config import EngineConfig, EngineProcessConfig
-from dpserve.engine.common.protocol import Codec, EngineDead, EngineToApi
+from dpserve.engine.common.protocol import EngineDead, EngineToApi
 from dpserve.engine.rank.process import DEATH_LINGER_S, EngineProcess
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dpserve.daemons.api.router import Router
 from dpserve.daemons.coordinator.delta import expand, runs_of
 from dpserve.daemons.coordinator.registry import RankTable
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.protocol import (
     PROTOCOL_VERSION,
-    Codec,
     CoordinatorInput,
     EngineReady,
     EngineRegister,

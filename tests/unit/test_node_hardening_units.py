@@ -16,8 +16,9 @@ import msgspec
 import pytest
 import structlog
 from dpserve.daemons.cli.main import _api_keys
+from dpserve.engine.common.codec import UNDECODABLE_LOG_INTERVAL_S, Codec
 from dpserve.engine.common.logs import _FloodFilter
-from dpserve.engine.common.protocol import UNDECODABLE_LOG_INTERVAL_S, Codec, LoadTable, PrefixRouted, RankLoad, TableChannel
+from dpserve.engine.common.protocol import LoadTable, PrefixRouted, RankLoad, TableChannel
 
 
 def _api_key(opts: dict) -> str | None:
@@ -84,7 +85,7 @@ def test_malformed_requests_become_one_info_line_per_window(monkeypatch):
 
 def test_undecodable_messages_are_counted_and_logged_rate_limited_never_raised(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("dpserve.engine.common.protocol.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("dpserve.engine.common.codec.time.monotonic", lambda: clock[0])
     codec = Codec(LoadTable, "load table")
     good = codec.encode(LoadTable(7, 2, [RankLoad(1, "inc", True)]))
     wrong_type = Codec(PrefixRouted).encode(PrefixRouted("api", []))  # valid msgpack, another message

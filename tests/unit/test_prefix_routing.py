@@ -9,7 +9,8 @@ import sys
 
 from dpserve.daemons.api.prefix_index import BLOCK, PrefixIndex, chain_keys
 from dpserve.daemons.api.router import Router
-from dpserve.engine.common.protocol import Codec, LoadTable, PrefixRouted, RankLoad, TableChannel
+from dpserve.engine.common.codec import Codec
+from dpserve.engine.common.protocol import LoadTable, PrefixRouted, RankLoad, TableChannel
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -7,15 +7,8 @@ from dpserve.daemons.api.openai_types import ApiError
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, Router
 from dpserve.daemons.api.serving import parse_rank_header, routing_error
 from dpserve.daemons.coordinator.registry import RankTable
-from dpserve.engine.common.protocol import (
-    PROTOCOL_VERSION,
-    Codec,
-    EngineReady,
-    EngineRegister,
-    LoadReport,
-    LoadTable,
-    RankLoad,
-)
+from dpserve.engine.common.codec import Codec
+from dpserve.engine.common.protocol import PROTOCOL_VERSION, EngineReady, EngineRegister, LoadReport, LoadTable, RankLoad
 
 TABLE_CODEC = Codec(LoadTable)
 

@@ -16,6 +16,7 @@ from dpserve.daemons.supervisor import events as ev
 from dpserve.daemons.supervisor.children import Child, ChildState
 from dpserve.daemons.supervisor.core import Supervisor
 from dpserve.daemons.supervisor.policy import CANNOT_BOOT, CRASH_LOOP, Action, RestartPolicy, decide, node_exit_code
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.procutil import (
     EXIT_CONFIG,
     EXIT_NODE_UNHEALTHY,
@@ -24,7 +25,7 @@ from dpserve.engine.common.procutil import (
     EXIT_STARTUP,
     describe_exit,
 )
-from dpserve.engine.common.protocol import Codec, CoordinatorInput, RankDown
+from dpserve.engine.common.protocol import CoordinatorInput, RankDown
 
 POLICY = RestartPolicy("always", max_restarts=3, window_s=60, backoff_initial_s=0.5, backoff_max_s=4)
 

@@ -8,7 +8,8 @@ from dpserve.daemons.api.tenants import Tenant
 from dpserve.daemons.api.tenants.limits import TOKEN_BURST_S, Limited, Limits
 from dpserve.daemons.api.tenants.sync import FLUSH_S, TenantSync
 from dpserve.daemons.coordinator.tenants import WINDOW_S, TenantAccounts
-from dpserve.engine.common.protocol import Codec, CoordinatorInput, TableChannel, TenantTotals, TenantUsage
+from dpserve.engine.common.codec import Codec
+from dpserve.engine.common.protocol import CoordinatorInput, TableChannel, TenantTotals, TenantUsage
 
 
 class Clock:

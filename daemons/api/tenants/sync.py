@@ -14,7 +14,8 @@ import asyncio
 
 import zmq
 from dpserve.daemons.api.tenants.limits import Limits
-from dpserve.engine.common.protocol import Codec, TenantTotals, TenantUsage
+from dpserve.engine.common.codec import Codec
+from dpserve.engine.common.protocol import TenantTotals, TenantUsage
 
 FLUSH_S = 0.25  # each API server reports at most this often: the coordinator's cost is per report
 KEEPALIVE_S = 1.0  # below limits.REMOTE_IN_FLIGHT_TTL_S: a live server's in-flight counts never expire
