@@ -1,11 +1,11 @@
-"""Pydantic's lax mode for the one coercion vLLM's requests (and its own tests) rely on:
-a bool sent as a string ("logprobs": "true").
+"""Pydantic's lax mode for the one coercion vLLM's own tests rely on: chat's `logprobs`
+sent as a string ("logprobs": "true", vLLM's test_chat_echo).
 
 vLLM validates requests with pydantic, which reads "true", "yes", "1" (and 0 / 1) as
 bools; dpserve decodes strictly with msgspec and retries through here only when the
-strict decode failed on a top-level bool field, so a well-typed request pays nothing.
-Nothing else is loosened: ints, floats, strings, nested fields and every range check
-stay strict.
+strict decode failed on one of LAX_BOOL_FIELDS, so a well-typed request pays nothing.
+Nothing else is loosened: other fields, ints, floats, strings, nested fields and every
+range check stay strict, and the OpenAPI document states the forms accepted.
 """
 
 from __future__ import annotations
@@ -15,11 +15,19 @@ from typing import Any
 
 import msgspec
 
-# Pydantic's lax bools, for top-level fields only: these strings (any case, as pydantic)
-# or the numbers 0 and 1. Each field is coerced at most once.
+# Pydantic's lax bools, for these top-level fields only: these strings (any case, as
+# pydantic) or the numbers 0 and 1. Each field is coerced at most once.
+LAX_BOOL_FIELDS = frozenset({"logprobs"})
 _LAX_TYPE = re.compile(r"^Expected `bool( \| null)?`, got `(str|int|float)` - at `\$\.([A-Za-z_]\w*)`$")
 _LAX_BOOL = {"1": True, "on": True, "t": True, "true": True, "y": True, "yes": True,
              "0": False, "off": False, "f": False, "false": False, "n": False, "no": False}
+
+
+def lax_bool_schemas() -> list[dict]:
+    """The lax forms as JSON Schema alternatives of a LAX_BOOL_FIELDS bool, for the OpenAPI
+    document (a pattern per letter's two cases: JSON Schema has no case-insensitive flag)."""
+    words = "|".join("".join(f"[{c}{c.upper()}]" if c.isalpha() else c for c in w) for w in sorted(_LAX_BOOL))
+    return [{"type": "string", "pattern": f"^({words})$"}, {"type": "integer", "enum": [0, 1]}]
 
 
 def lax_bool(value: Any) -> bool | None:
@@ -44,7 +52,7 @@ def lax_decode(body: bytes, kind: type, exc: msgspec.ValidationError) -> Any:
     done: set[str] = set()
     while match is not None and isinstance(data, dict):
         field = match.group(3)
-        value = lax_bool(data.get(field))
+        value = lax_bool(data.get(field)) if field in LAX_BOOL_FIELDS else None
         if field in done or value is None:
             return None
         data[field] = value

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import msgspec.structs
+from dpserve.daemons.api.lax_decode import LAX_BOOL_FIELDS, lax_bool_schemas
 from dpserve.daemons.api.openai_types import (
     MAX_CHOICES,
     BatchChatCompletionRequest,
@@ -154,6 +155,11 @@ def _restrict_requests(schemas: dict, model_name: str, vocab_size: int, max_mode
         ],
     }
     schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] = 1
+    for name in ("ChatCompletionRequest", "BatchChatCompletionRequest"):
+        for field in LAX_BOOL_FIELDS:  # pydantic's lax forms of these bools (lax_decode.py)
+            prop = schemas[name]["properties"][field]
+            if prop.get("anyOf", [None])[0] == {"type": "boolean"}:
+                prop["anyOf"] += lax_bool_schemas()
     _restrict_utility(schemas, model_name, token_id)
     schemas["ChatMessage"]["properties"]["role"] = {"type": "string", "minLength": 1, "maxLength": 64, "examples": ROLES}
     schemas["ContentPart"] = {

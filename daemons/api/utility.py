@@ -34,6 +34,7 @@ from dpserve.daemons.api.request_checks import (
     chat_messages,
     chat_template_args,
     decode_request,
+    logprob_token_ids,
     out_of_vocab,
     truncate_prompt,
 )
@@ -147,6 +148,9 @@ class UtilityServing(ChatServing):
             if bad:
                 raise ApiError(400, f"Batch chat completions do not support {why}.", param=name)
         num_top, num_prompt_top = chat_logprob_counts(req, self.vocab_size, self.cfg.max_logprobs)
+        explicit = logprob_token_ids(req, self.vocab_size, self.cfg.max_logprobs)
+        if explicit:  # as a chat completion: the chosen token, then every listed id
+            num_top = len(explicit) + 1
         args = chat_template_args(req)
         ids_list = []
         for conversation in req.messages:
@@ -161,8 +165,8 @@ class UtilityServing(ChatServing):
         if grammar is not None and thinking:
             grammar = answer_grammar(grammar, self._think_tokens)
         asked = req.max_completion_tokens or req.max_tokens
-        choices = [self.new_choice(req, i, ids, asked or max(self.max_model_len - len(ids), 1), 0, num_top, num_prompt_top, None, grammar)
-                   for i, ids in enumerate(ids_list)]
+        choices = [self.new_choice(req, i, ids, asked or max(self.max_model_len - len(ids), 1), 0, num_top, num_prompt_top, None, grammar,
+                                   explicit) for i, ids in enumerate(ids_list)]
         return await self.generate_many(request, req, choices, opts, sum(map(len, ids_list)), t0)
 
     def _json(self, body: Any) -> web.Response:
