@@ -26,6 +26,7 @@ the realistic model (`dpserve demo-model --size small`) on one node, DP 1,
 --scheduling-policy priority (vllm: vLLM's engine in the rank, which sees
 `priority`). --hold N: --hold-waiting-per-rank; --hold -1 turns the frontend's
 hold off (--no-admission-hold: every request straight to a rank's FIFO), for the comparison.
+--reserve S: --reserve-window-s (0: no places reserved by recent demand).
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ def ttfts(results: list[Result], tenant: str) -> list[float]:
     return [r.ttft for r in results if r.tenant == tenant and r.status == 200 and r.t_first]
 
 
+def delivered(results: list[Result], seconds: float) -> float:
+    """Tokens (prompt + completion) delivered per second of a phase's load."""
+    return sum(r.tokens for r in results if r.status == 200) / seconds
+
+
 def jain(xs: list[float]) -> float | None:
     return (sum(xs) ** 2) / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else None
 
@@ -202,6 +208,7 @@ async def noisy(url, model, args, capacity: float) -> dict:
     rows = {t: p99(ttfts(loaded, t)) for t in ("t1", "t2", "t3")}
     return {"share_req_s": share, "quiet_rate": rate, "alone_p99_s": base, "loaded_p99_s": rows,
             "worst_ratio": max(v / base for v in rows.values()) if base and all(rows.values()) else None,
+            "loaded_tok_s": delivered(loaded, args.phase_s),
             "noisy_sent": sum(r.tenant == "t0" for r in loaded), "noisy_429": sum(r.tenant == "t0" and r.status == 429 for r in loaded),
             "quiet_not_200": sum(r.tenant != "t0" and r.status != 200 for r in loaded)}
 
@@ -224,7 +231,7 @@ async def priority(url, model, args, slots: int, capacity: float) -> dict:
                          closed_loops=[("bulk", 3 * slots, args.max_tokens)])
     base, under = p99(ttfts(alone, "interactive")), p99(ttfts(loaded, "interactive"))
     return {"rate": rate, "unloaded_p99_s": base, "flooded_p99_s": under, "ratio": under / base if base and under else None,
-            "bulk_served": sum(r.tenant == "bulk" and r.status == 200 for r in loaded)}
+            "bulk_served": sum(r.tenant == "bulk" and r.status == 200 for r in loaded), "loaded_tok_s": delivered(loaded, args.phase_s)}
 
 
 # ----------------------------------------------------------------- clusters
@@ -239,7 +246,7 @@ def start_cluster(args, tenants_file: str):
         c = SimCluster(args.ranks, num_api_servers=args.api_servers, ranks_per_process=args.ranks, report_interval_s=0.2,
                        decode_step_ms=step_ms, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, max_num_seqs=args.max_num_seqs,
                        api_options={"tenants_file": tenants_file, "admission_hold": args.hold >= 0,
-                                    "hold_waiting_per_rank": max(0, args.hold)})
+                                    "hold_waiting_per_rank": max(0, args.hold), "reserve_window_s": args.reserve})
         c.start()
         c.wait_routable(args.ranks, timeout=60)
         return c.url.removesuffix("/v1"), "sim", c.stop, step_ms / 1000
@@ -247,7 +254,7 @@ def start_cluster(args, tenants_file: str):
     from benchmarks.nodes import SERVED_MODEL, DpNode
 
     python = vllm_python(None) if args.engine == "vllm" else None
-    hold = ["--no-admission-hold"] if args.hold < 0 else ["--hold-waiting-per-rank", str(args.hold)]
+    hold = ["--no-admission-hold"] if args.hold < 0 else ["--hold-waiting-per-rank", str(args.hold), "--reserve-window-s", str(args.reserve)]
     extra = ["--api-key-file", tenants_file, *hold, "--scheduling-policy", "priority",
              "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048"] + (["--engine", "vllm"] if args.engine == "vllm" else [])
     node = DpNode(small_model_dir(None), dp=args.ranks, api=args.api_servers, extra=extra, python=python,
@@ -266,6 +273,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=12, help="answer tokens of the noisy and priority scenarios")
     p.add_argument("--hold", type=int, default=1, help="--hold-waiting-per-rank (-1: --no-admission-hold)")
+    p.add_argument("--reserve", type=float, default=5.0, help="--reserve-window-s (0: no reserved places)")
     p.add_argument("--phase-s", type=float, default=15.0)
     p.add_argument("--jain-s", type=float, default=30.0)
     args, run = begin(p, argv)
@@ -274,7 +282,7 @@ def main(argv=None) -> None:
         try:
             slots = args.ranks * args.max_num_seqs
             capacity = slots / ((args.max_tokens + 1) * step_s)  # requests/s the batch places finish
-            out = {"engine": args.engine, "hold": args.hold, "ranks": args.ranks, "slots": slots, "capacity_req_s": capacity}
+            out = {"engine": args.engine, "hold": args.hold, "reserve": args.reserve, "ranks": args.ranks, "slots": slots, "capacity_req_s": capacity}
             for name in args.only:
                 run.log(f"{name} ...")
                 fn = {"noisy": lambda: noisy(url, model, args, capacity), "jain": lambda: fair_tokens(url, model, args, slots),
@@ -295,7 +303,7 @@ def report(out: dict, run, args) -> None:
         n = out["noisy"]
         rows.append(["noisy: quiet TTFT p99 / alone", fmt(n["worst_ratio"], 2), "<= 1.2",
                      f"alone {fmt(n['alone_p99_s'], 3)} s, loaded {', '.join(fmt(v, 3) for v in n['loaded_p99_s'].values())}; "
-                     f"noisy 429 {n['noisy_429']}/{n['noisy_sent']}, quiet errors {n['quiet_not_200']}"])
+                     f"noisy 429 {n['noisy_429']}/{n['noisy_sent']}, quiet errors {n['quiet_not_200']}; {n['loaded_tok_s']:.0f} tok/s"])
     if "jain" in out:
         j = out["jain"]
         rows.append(["jain: min over 10 s windows", fmt(j["min"], 3), ">= 0.95",
@@ -303,8 +311,8 @@ def report(out: dict, run, args) -> None:
     if "priority" in out:
         q = out["priority"]
         rows.append(["priority: interactive TTFT p99 / unloaded", fmt(q["ratio"], 2), "<= 1.1",
-                     f"unloaded {fmt(q['unloaded_p99_s'], 3)} s, flooded {fmt(q['flooded_p99_s'], 3)} s; bulk served {q['bulk_served']}"])
-    print(f"engine {out['engine']}, hold {out['hold']}, {out['ranks']} ranks, {out['slots']} places, "
+                     f"unloaded {fmt(q['unloaded_p99_s'], 3)} s, flooded {fmt(q['flooded_p99_s'], 3)} s; bulk served {q['bulk_served']}; {q['loaded_tok_s']:.0f} tok/s"])
+    print(f"engine {out['engine']}, hold {out['hold']}, reserve {out['reserve']:g} s, {out['ranks']} ranks, {out['slots']} places, "
           f"capacity ~{out['capacity_req_s']:.1f} req/s; load {load_average()}")
     print(render(["target", "figure", "asked", "detail"], rows))
 

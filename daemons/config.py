@@ -105,6 +105,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     admission_hold: bool = True
     hold_waiting_per_rank: int = 1
     max_held_per_tenant: int = 1024  # per API server; beyond it 429
+    reserve_window_s: float = 5.0  # places reserved by recent demand per (class, tenant) (api/reserve.py); 0: none
     max_request_body_bytes: int = 4 * 1024 * 1024
     # structured output's cost model (daemons/api/guided.py): past these, 400 before any compile
     max_guided_grammar_bytes: int = 65536
@@ -404,6 +405,8 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     hold_waiting_per_rank: int = _SERVE["hold_waiting_per_rank"]
     max_num_seqs: int = _SERVE["max_num_seqs"]  # a rank's batch places (the hold counts them)
     max_held_per_tenant: int = _SERVE["max_held_per_tenant"]
+    reserve_window_s: float = _SERVE["reserve_window_s"]
+    api_server_count: int = 1  # on this node (reservations split the places between them)
     max_request_body_bytes: int
     shutdown_timeout_s: float
     listen_fd: int

@@ -14,7 +14,9 @@ the class's virtual time becomes S. The backlogged tenant with the lowest tag go
 next (ties: the request held first). A tenant that becomes backlogged starts at the
 class's virtual time, so idleness banks no credit. When a released request finishes,
 the tokens it did not use (max_tokens is an upper bound) are credited back to its
-tenant's tag. Lower `priority` classes go strictly first. Under the engines' priority
+tenant's tag. Lower `priority` classes go strictly first. With reservations (reserve.py),
+an account (class, tenant) at its cap of places is passed over even while a rank has
+room, and one under its own reservation is not held at all. Under the engines' priority
 scheduling a request more urgent than a held one is not held at all (serving.py): it goes
 to the rank where it starts soonest (soonest_rank), whose engine preempts for it.
 """
@@ -27,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from dpserve.daemons.api.reserve import HOLD, NOW, Reservations
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, Router
 from dpserve.daemons.api.tenants import Tenant
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -97,12 +100,16 @@ class Admission:
     """The held requests of one API server, in per-tenant queues per priority class.
 
     Invariant: `num_held` is the number of Held entries in the accounts' queues, and
-    while it is nonzero every new request is held too (it may not pass those waiting);
-    an entry leaves its queue exactly once: released, abandoned, or failed.
+    while it is nonzero every new request is held too (it may not pass those waiting),
+    except, with `reserve`, one under its account's reservation; an entry leaves its
+    queue exactly once: released, abandoned, or failed.
     """
 
-    def __init__(self, max_held_per_tenant: int, clock: Callable[[], float] = time.monotonic, by_class: bool = False) -> None:
+    def __init__(self, max_held_per_tenant: int, clock: Callable[[], float] = time.monotonic, by_class: bool = False,
+                 reserve: Reservations | None = None) -> None:
         self.max_held_per_tenant = max_held_per_tenant
+        self.reserve = reserve  # places reserved by recent demand (reserve.py), or None
+        self._wake: asyncio.TimerHandle | None = None  # a release when a reservation lapses
         # Under the engines' priority scheduling: requests sent and not ended, by priority (a
         # more urgent one than any of these, or than a held one, is not held: the engine preempts)
         self.in_flight: dict[int, int] | None = {} if by_class else None
@@ -132,9 +139,13 @@ class Admission:
         return max(self.least_urgent_held(), max(self.in_flight, default=-math.inf))
 
     def started(self, state, priority: int, rank: int) -> int:
-        """`state` was sent to `rank` (returned); counted by class under the priority policy."""
+        """`state` was sent to `rank` (returned); counted by class under the priority policy,
+        and by account with reservations."""
         if self.in_flight is not None:
             self.in_flight[priority] = self.in_flight.get(priority, 0) + 1
+            state.urgency = priority
+        if self.reserve is not None:
+            self.reserve.started(priority, state.tenant.name, state.tenant.weight)
             state.urgency = priority
         return rank
 
@@ -142,15 +153,25 @@ class Admission:
         """A request sent through admission ended: its class count drops, and if it was held,
         its tenant gets back the tokens it did not use (finished)."""
         if state.urgency is not None:
-            n = self.in_flight[state.urgency] - 1
-            if n:
-                self.in_flight[state.urgency] = n
-            else:
-                del self.in_flight[state.urgency]
+            if self.in_flight is not None:
+                n = self.in_flight[state.urgency] - 1
+                if n:
+                    self.in_flight[state.urgency] = n
+                else:
+                    del self.in_flight[state.urgency]
+            if self.reserve is not None:
+                self.reserve.ended(state.urgency, state.tenant.name)
+                self.on_room()  # a place of its account freed: a held request at its cap may go
             state.urgency = None
         if state.held is not None:
             self.finished(state.held, state.prompt_tokens + state.num_output_tokens)
             state.held = None
+
+    def may_pass(self, tenant: Tenant, priority: int) -> bool:
+        """With reservations: whether a new request may try a rank now (under its account's
+        reservation, or below its cap with nothing held) rather than wait in its queue."""
+        go = self.reserve.check(priority, tenant.name, tenant.weight)
+        return go == NOW if self.num_held else go != HOLD
 
     # ---------------------------------------------------------------- holding
 
@@ -217,7 +238,11 @@ class Admission:
         """Send held requests in fair order until the router has no room; returns how many left."""
         released = 0
         while self.num_held:
-            cls, name, acct = self._next()
+            pick = self._next()
+            if pick is None:  # every held request's account is at its cap
+                self._wake_at_expiry()
+                break
+            cls, name, acct = pick
             held = acct.queue[0]
             if held.future.done():  # cancelled: its client left, and its handler has not run yet
                 acct.queue.popleft()
@@ -256,17 +281,36 @@ class Admission:
             acct.finish -= (held.cost - used) / max(held.tenant.weight, 1e-9)
         self._forget_idle(cls, held.priority, held.tenant.name, acct)
 
-    def _next(self) -> tuple[_Class, str, _Account]:
-        """The most urgent class with a held request; in it, the lowest finish tag."""
-        priority = min(p for p, c in self._classes.items() if c.backlogged)
-        cls = self._classes[priority]
-        best = None
-        for name in cls.backlogged:
-            acct = cls.accounts[name]
-            key = (acct.finish, acct.queue[0].seq)
-            if best is None or key < best[0]:
+    def _next(self) -> tuple[_Class, str, _Account] | None:
+        """The most urgent class with a held request; in it, the lowest finish tag.
+        With reservations, accounts at their cap are passed over (None: all are)."""
+        reserve = self.reserve
+        for priority in sorted(p for p, c in self._classes.items() if c.backlogged):
+            cls = self._classes[priority]
+            best = None
+            for name in cls.backlogged:
+                acct = cls.accounts[name]
+                key = (acct.finish, acct.queue[0].seq)
+                if best is not None and key >= best[0]:
+                    continue
+                if reserve is not None and reserve.check(priority, name, acct.queue[0].tenant.weight) == HOLD:
+                    continue
                 best = (key, name, acct)
-        return cls, best[1], best[2]
+            if best is not None:
+                return cls, best[1], best[2]
+        return None
+
+    def _wake_at_expiry(self) -> None:
+        """Held requests wait on caps alone: release again when the next idle account's
+        reservation lapses (work conservation: nothing else would wake them then)."""
+        when = self.reserve.next_expiry() if self.reserve is not None else None
+        if when is None or self._wake is not None:
+            return
+        self._wake = asyncio.get_running_loop().call_later(max(0.0, when - self.clock()) + 0.01, self._woken)
+
+    def _woken(self) -> None:
+        self._wake = None
+        self.release()
 
     def _dequeued(self, cls: _Class, held: Held, acct: _Account) -> None:
         held.send = None  # (it holds the request's state: no cycle outlives the hold)

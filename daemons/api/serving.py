@@ -33,6 +33,7 @@ from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse,
 from dpserve.daemons.api.refusals import hold_refused_error, parse_rank_header, routing_error
 from dpserve.daemons.api.request_checks import check_unsupported, decode_request
 from dpserve.daemons.api.request_state import RequestState
+from dpserve.daemons.api.reserve import Reservations
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
 from dpserve.daemons.api.tenants import DEFAULT_TENANT, Tenant
 from dpserve.daemons.api.tenants.gate import CALL as TENANT_CALL
@@ -142,9 +143,13 @@ class ServingBase:
         # limit becomes the hold threshold, and its room reports release held requests.
         self.admission: Admission | None = None
         if cfg.admission_hold:  # full: every batch place taken and hold_waiting_per_rank more waiting
-            self.admission = Admission(cfg.max_held_per_tenant, by_class=cfg.scheduling_policy == "priority")
+            by_class = cfg.scheduling_policy == "priority"
             self.router.count_running = True
             self.router.max_waiting_per_rank = cfg.max_num_seqs + min(cfg.max_waiting_per_rank, cfg.hold_waiting_per_rank)
+            reserve = None  # places reserved by demand (reserve.py), with a tenants file or the priority policy
+            if cfg.reserve_window_s > 0 and (cfg.tenants_file or by_class):  # (external LB: each API server, one rank)
+                reserve = Reservations.of_router(self.router, cfg.reserve_window_s, 1 if len(cfg.eligible_ranks) == 1 else cfg.api_server_count)
+            self.admission = Admission(cfg.max_held_per_tenant, by_class=by_class, reserve=reserve)
             self.router.on_room = self.admission.on_room
             metrics.registry.register(AdmissionCollector(self.admission, cfg.index))
 
@@ -408,7 +413,7 @@ class ServingBase:
         if admission is None or pinned is not None:
             return self._send_once(state, add, pinned)
         priority = add.params.priority
-        if not admission.num_held:
+        if not admission.num_held if admission.reserve is None else admission.may_pass(state.tenant, priority):
             try:
                 return admission.started(state, priority, self._send_once(state, add, pinned))
             except QueueFull:

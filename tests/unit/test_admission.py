@@ -312,3 +312,109 @@ def test_under_the_priority_policy_less_urgent_work_in_flight_lets_a_more_urgent
             adm.ended(state)
         assert adm.least_urgent() == -math.inf and adm.in_flight == {}
     run(main())
+
+
+# ---------------------------------------------------------------- reservations (reserve.py)
+
+def reserved(places: float = 16, window_s: float = 5.0):
+    """Admission with reservations over `places` places, on a virtual clock."""
+    from dpserve.daemons.api.reserve import Reservations
+
+    clock = Clock()
+    return Admission(1000, clock=clock, reserve=Reservations(window_s, lambda: places, clock)), clock
+
+
+def start(adm: Admission, tenant: Tenant, n: int, priority: int = 0) -> list:
+    from dpserve.daemons.api.request_state import RequestState
+
+    states = []
+    for i in range(n):
+        state = RequestState(f"{tenant.name}{i}", 8, 12)
+        state.tenant = tenant
+        adm.started(state, priority, 0)
+        states.append(state)
+    return states
+
+
+def test_a_quiet_tenant_reserves_its_recent_peak_and_the_flood_is_capped_below_the_rest():
+    from dpserve.daemons.api.reserve import HOLD, NOW, TURN
+
+    async def main():
+        adm, clock = reserved(places=16)
+        res = adm.reserve
+        assert res.check(0, "a", 1) == NOW  # alone: no cap at all
+        start(adm, A, 3)  # a quiet tenant: 3 in flight, reserving 3 + 2 = 5
+        assert res.check(0, "b", 1) == NOW  # a newcomer is under its own reservation
+        start(adm, B, 11)
+        assert res.check(0, "b", 1) == HOLD  # 16 - 5 (a's): at its cap with room left
+        assert res.check(0, "a", 1) == NOW  # a's next request goes at once
+        start(adm, C, 1)  # a third (peak 1: reserves 3) lowers b's cap to 16 - 5 - 3 = 8
+        assert res.check(0, "b", 1) == HOLD
+        # between its reservation and its cap, a tenant takes a free place in fair order
+        adm2, _ = reserved(places=16)
+        start(adm2, A, 3)
+        start(adm2, B, 9)
+        assert adm2.reserve.check(0, "b", 1) == TURN and adm2.may_pass(B, 0)
+    run(main())
+
+
+def test_a_capped_tenant_is_held_with_room_free_and_released_as_its_own_requests_end():
+    async def main():
+        adm, clock = reserved(places=8)
+        cluster = Cluster()
+        cluster.room = 8
+        start(adm, A, 1)  # quiet: reserves 1 + 2 = 3, so b may hold 5
+        running = start(adm, B, 5)
+        assert not adm.may_pass(B, 0)
+        (held,) = hold(adm, cluster, B, 1)
+        adm.release()
+        assert cluster.sent == [] and not held.future.done()  # room, but b is at its cap
+        assert adm.may_pass(A, 0)  # the quiet tenant's place is there
+        adm.ended(running[0])  # one of b's ends: the release runs on the loop
+        await asyncio.sleep(0)
+        assert cluster.sent == [("b", 0)] and held.future.done()
+    run(main())
+
+
+def test_work_conserving_once_the_others_are_idle_past_the_window_and_peaks_decay():
+    async def main():
+        adm, clock = reserved(places=16, window_s=5.0)
+        res = adm.reserve
+        quiet = start(adm, A, 6)  # peak 6: reserves min(8, 8) = 8
+        start(adm, B, 8)
+        assert not adm.may_pass(B, 0)
+        for state in quiet:
+            adm.ended(state)
+        clock.now += 2.0  # a idle 2 s: its peak decays (6 e^-0.4 = 4.0, +2)
+        start(adm, B, 1)
+        assert adm.may_pass(B, 0)  # 16 - 6.0 = 10 > 9
+        start(adm, B, 1)
+        assert not adm.may_pass(B, 0)
+        assert res.next_expiry() == 105.0  # a's last end + the window
+        clock.now += 3.0  # a idle past the window: its reservation is gone
+        assert adm.may_pass(B, 0) and list(res.accounts) == [(0, "b")]
+    run(main())
+
+
+def test_more_urgent_classes_reservations_come_first():
+    from dpserve.daemons.api.reserve import HOLD, NOW
+
+    async def main():
+        adm, clock = reserved(places=16)
+        res = adm.reserve
+        start(adm, A, 2, priority=0)  # interactive: reserves 4
+        start(adm, B, 12, priority=1)  # bulk: at 16 - 4
+        assert res.check(1, "b", 1) == HOLD
+        # the interactive class does not leave room for bulk's reservation (8): it may take up to 16
+        start(adm, A, 8, priority=0)
+        assert res.check(0, "a", 1) != HOLD
+        # with room for two, the less urgent class at its cap stays held: the room is the other's
+        adm2, _ = reserved(places=8)
+        cluster = Cluster()
+        start(adm2, A, 6, priority=0)  # reserves min(8 / 2, 6 + 2) = 4
+        start(adm2, B, 4, priority=1)  # at its cap, 8 - 4
+        hold(adm2, cluster, B, 1, priority=1)
+        hold(adm2, cluster, A, 1, priority=0)  # its cap: 8, nothing more urgent
+        assert released(adm2, cluster, 2) == ["a"] and adm2.num_held == 1
+        assert res.check(0, "c", 1) == NOW
+    run(main())

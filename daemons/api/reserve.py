@@ -1,0 +1,131 @@
+"""Batch places reserved by recent demand (issue 28): a quiet tenant, or a more urgent
+priority class, finds a place free when its request comes, even while a flood of
+another holds every place it is allowed.
+
+The unit is an account: one (priority class, tenant) at this API server. Each account
+counts its requests sent and not ended (`num_in_flight`) and a decaying peak of that
+count (the peak's excess over the present count falls by e every `window_s`). An
+account is active while it has a request in flight or had one within `window_s`.
+
+With P places (this API server's part of the routable ranks' batch places plus the
+waiting they may hold), an active account j reserves
+
+    r_j = min(P * weight_j / (weights of the active accounts), peak_j + HEADROOM)
+
+and an account i may hold at most its cap in flight:
+
+    cap_i = P - sum of r_j over the other active accounts of class <= i's class
+
+(more urgent classes' reservations come first; a more urgent class does not leave
+room for less urgent ones). cap_i >= its own weighted share, so nobody starves, and
+an account alone (the others idle past the window) has no cap at all: work-conserving.
+A request of an account under its own reservation goes at once, past held ones.
+The cost is O(active accounts) per request, paid only with a tenants file or the
+priority policy (serving.py): the one-tenant plain path never gets here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+HEADROOM = 2.0  # places reserved beyond an account's recent peak
+
+HOLD, TURN, NOW = 0, 1, 2  # at its cap / may go in fair order / under its reservation: at once
+
+
+class Demand:
+    """One (class, tenant) account's recent demand at this API server."""
+
+    __slots__ = ("priority", "weight", "num_in_flight", "peak", "peak_t", "last_t")
+
+    def __init__(self, priority: int, weight: float, now: float) -> None:
+        self.priority, self.weight = priority, max(weight, 1e-9)
+        self.num_in_flight = 0
+        self.peak = 0.0  # the count's peak as of peak_t; it decays toward the count since
+        self.peak_t = now
+        self.last_t = now  # the last start or end
+
+    def peak_at(self, now: float, tau: float) -> float:
+        excess = self.peak - self.num_in_flight
+        if excess <= 0:
+            return float(self.num_in_flight)
+        return self.num_in_flight + excess * math.exp((self.peak_t - now) / tau)
+
+
+class Reservations:
+    """Every active account's demand; `check` says whether a request may take a place.
+
+    Invariant: an account is in `accounts` while it has a request in flight or its last
+    one ended less than window_s ago (pruned lazily by `_active`)."""
+
+    def __init__(self, window_s: float, places: Callable[[], float], clock: Callable[[], float]) -> None:
+        self.window_s = window_s
+        self.places = places  # this API server's batch places (+ the waiting each rank may hold)
+        self.clock = clock
+        self.accounts: dict[tuple[int, str], Demand] = {}
+
+    @classmethod
+    def of_router(cls, router, window_s: float, num_api_servers: int) -> Reservations:
+        """Places: this API server's part of the routable ranks' (the router's count, kept
+        as the table changes) batch places + the waiting each may hold."""
+        return cls(window_s, lambda: router.num_routable * router.max_waiting_per_rank / num_api_servers, time.monotonic)
+
+    def started(self, priority: int, name: str, weight: float) -> None:
+        now = self.clock()
+        key = (priority, name)
+        d = self.accounts.get(key)
+        if d is None:
+            d = self.accounts[key] = Demand(priority, weight, now)
+        peak = d.peak_at(now, self.window_s)
+        d.num_in_flight += 1
+        d.peak = peak if peak > d.num_in_flight else float(d.num_in_flight)
+        d.peak_t = d.last_t = now
+
+    def ended(self, priority: int, name: str) -> None:
+        d = self.accounts.get((priority, name))
+        if d is None:
+            return
+        now = self.clock()
+        d.peak = d.peak_at(now, self.window_s)
+        d.num_in_flight -= 1
+        d.peak_t = d.last_t = now
+
+    def _active(self, now: float) -> dict[tuple[int, str], Demand]:
+        accounts = self.accounts
+        gone = [k for k, d in accounts.items() if not d.num_in_flight and now - d.last_t >= self.window_s]
+        for key in gone:
+            del accounts[key]
+        return accounts
+
+    def check(self, priority: int, name: str, weight: float) -> int:
+        """HOLD: the account is at its cap; NOW: under its own reservation (it goes at once);
+        TURN: between the two (it may take a free place in fair order)."""
+        now = self.clock()
+        active = self._active(now)
+        me = active.get((priority, name))
+        if me is None:
+            if not active:
+                return NOW
+            total_weight, mine, num = max(weight, 1e-9), 0, 0.0
+        else:
+            if len(active) == 1:
+                return NOW
+            total_weight, mine, num = 0.0, me.num_in_flight, me.peak_at(now, self.window_s)
+        for d in active.values():
+            total_weight += d.weight
+        places = self.places()
+        tau = self.window_s
+        others = 0.0
+        for d in active.values():
+            if d is not me and d.priority <= priority:
+                others += min(places * d.weight / total_weight, d.peak_at(now, tau) + HEADROOM)
+        if mine >= places - others:
+            return HOLD
+        own = min(places * max(weight, 1e-9) / total_weight, num + HEADROOM)
+        return NOW if mine < own else TURN
+
+    def next_expiry(self) -> float | None:
+        """When the next idle account stops being active (its reservation lapses), or None."""
+        return min((d.last_t + self.window_s for d in self.accounts.values() if not d.num_in_flight), default=None)
