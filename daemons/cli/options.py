@@ -173,7 +173,7 @@ _SERVE = [
     flag("--max-model-len", type=click.IntRange(0), shows="0 = the model's own", help="Context length."),
     flag("--max-num-seqs", type=click.IntRange(1), help="Running sequences per rank."),
     flag("--max-num-batched-tokens", type=click.IntRange(0), shows=f"0 = {GPU_MAX_NUM_BATCHED_TOKENS} on GPU, {CPU_MAX_NUM_BATCHED_TOKENS} on CPU", help="Tokens per engine step per rank."),
-    flag("--enforce-eager/--no-enforce-eager", shows="compiled decode on CPU for models of 100M+ parameters", help="vLLM's: run the model eagerly, without the torch.compile'd decode forward (--no-enforce-eager compiles whatever the size)."),
+    flag("--enforce-eager/--no-enforce-eager", shows="CUDA graphs on GPU; compiled decode on CPU for models of 100M+ parameters", help="vLLM's: run the model eagerly, without CUDA graphs (GPU) or the torch.compile'd decode forward (CPU; --no-enforce-eager compiles whatever the size)."),
     flag("--enable-chunked-prefill/--no-enable-chunked-prefill", shows="on", help="Split long prompts across steps, so decoding streams keep getting tokens."),
     flag("--scheduling-policy", type=click.Choice(SCHEDULING_POLICIES), help="vLLM's: fcfs serves requests in arrival order (a request's nonzero priority gets 400); priority serves lower `priority` first (then arrival), and a waiting request preempts running ones of a lower priority when it finds no room."),
     flag("--long-prefill-token-threshold", type=click.IntRange(0), shows=f"0 = the budget on GPU, {CPU_LONG_PREFILL_TOKEN_THRESHOLD} on CPU", help="While others decode, a prefill chunk is at most this many tokens."),
