@@ -145,7 +145,8 @@ class Admission:
             self.in_flight[priority] = self.in_flight.get(priority, 0) + 1
             state.urgency = priority
         if self.reserve is not None:
-            self.reserve.started(priority, state.tenant.name, state.tenant.weight)
+            if state.held is None:  # (a held one was counted as release sent it: release() sends many)
+                self.reserve.started(priority, state.tenant.name, state.tenant.weight)
             state.urgency = priority
         return rank
 
@@ -167,11 +168,12 @@ class Admission:
             self.finished(state.held, state.prompt_tokens + state.num_output_tokens)
             state.held = None
 
-    def may_pass(self, tenant: Tenant, priority: int) -> bool:
+    def may_pass(self, tenant: Tenant, priority: int) -> int:
         """With reservations: whether a new request may try a rank now (under its account's
-        reservation, or below its cap with nothing held) rather than wait in its queue."""
+        reservation, or below its cap with nothing held) rather than wait in its queue:
+        reserve.check's answer, HOLD (0) for wait."""
         go = self.reserve.check(priority, tenant.name, tenant.weight)
-        return go == NOW if self.num_held else go != HOLD
+        return go if go >= NOW or not self.num_held else HOLD
 
     # ---------------------------------------------------------------- holding
 
@@ -209,6 +211,8 @@ class Admission:
         except asyncio.CancelledError:
             if self.leave(held):
                 self.stats[held.tenant.name].num_abandoned += 1
+            elif self.reserve is not None and held.future.done() and not held.future.cancelled() and held.future.exception() is None:
+                self.reserve.ended(held.priority, held.tenant.name)  # released, but its caller is gone: uncounted
             raise
 
     def leave(self, held: Held) -> bool:
@@ -263,6 +267,8 @@ class Admission:
             cls.vtime = start
             acct.finish = start + held.cost / max(held.tenant.weight, 1e-9)
             acct.num_released += 1
+            if self.reserve is not None:  # counted now: the next pick's cap sees it
+                self.reserve.started(held.priority, name, held.tenant.weight)
             self._dequeued(cls, held, acct)
             self._observe(held)
             held.future.set_result(rank)

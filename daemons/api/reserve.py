@@ -7,8 +7,8 @@ counts its requests sent and not ended (`num_in_flight`) and a decaying peak of 
 count (the peak's excess over the present count falls by e every `window_s`). An
 account is active while it has a request in flight or had one within `window_s`.
 
-With P places (this API server's part of the routable ranks' batch places plus the
-waiting they may hold), an active account j reserves
+With P places (this API server's part of the routable ranks' batch places), an active
+account j reserves
 
     r_j = min(P * weight_j / (weights of the active accounts), peak_j + HEADROOM)
 
@@ -32,7 +32,9 @@ from collections.abc import Callable
 
 HEADROOM = 2.0  # places reserved beyond an account's recent peak
 
-HOLD, TURN, NOW = 0, 1, 2  # at its cap / may go in fair order / under its reservation: at once
+# at its cap / may take a free place in fair order / under its reservation: at once, to where it
+# starts soonest (a rank with a free batch place, not a full one's waiting place) / alone: no cap
+HOLD, TURN, NOW, ALONE = 0, 1, 2, 3
 
 
 class Demand:
@@ -67,10 +69,11 @@ class Reservations:
         self.accounts: dict[tuple[int, str], Demand] = {}
 
     @classmethod
-    def of_router(cls, router, window_s: float, num_api_servers: int) -> Reservations:
-        """Places: this API server's part of the routable ranks' (the router's count, kept
-        as the table changes) batch places + the waiting each may hold."""
-        return cls(window_s, lambda: router.num_routable * router.max_waiting_per_rank / num_api_servers, time.monotonic)
+    def of_router(cls, router, window_s: float, max_num_seqs: int, num_api_servers: int) -> Reservations:
+        """Places: this API server's part of the routable ranks' batch places (the router
+        counts the routable ones as the table changes). Not the waiting places a rank may
+        also hold: a place reserved there would still wait for a running answer to end."""
+        return cls(window_s, lambda: router.num_routable * max_num_seqs / num_api_servers, time.monotonic)
 
     def started(self, priority: int, name: str, weight: float) -> None:
         now = self.clock()
@@ -101,17 +104,18 @@ class Reservations:
 
     def check(self, priority: int, name: str, weight: float) -> int:
         """HOLD: the account is at its cap; NOW: under its own reservation (it goes at once);
-        TURN: between the two (it may take a free place in fair order)."""
+        TURN: between the two (it may take a free place in fair order); ALONE: no other
+        account is active (no cap)."""
         now = self.clock()
         active = self._active(now)
         me = active.get((priority, name))
         if me is None:
             if not active:
-                return NOW
+                return ALONE
             total_weight, mine, num = max(weight, 1e-9), 0, 0.0
         else:
             if len(active) == 1:
-                return NOW
+                return ALONE
             total_weight, mine, num = 0.0, me.num_in_flight, me.peak_at(now, self.window_s)
         for d in active.values():
             total_weight += d.weight

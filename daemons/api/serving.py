@@ -33,7 +33,7 @@ from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse,
 from dpserve.daemons.api.refusals import hold_refused_error, parse_rank_header, routing_error
 from dpserve.daemons.api.request_checks import check_unsupported, decode_request
 from dpserve.daemons.api.request_state import RequestState
-from dpserve.daemons.api.reserve import Reservations
+from dpserve.daemons.api.reserve import ALONE, HOLD, NOW, Reservations
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
 from dpserve.daemons.api.tenants import DEFAULT_TENANT, Tenant
 from dpserve.daemons.api.tenants.gate import CALL as TENANT_CALL
@@ -148,7 +148,7 @@ class ServingBase:
             self.router.max_waiting_per_rank = cfg.max_num_seqs + min(cfg.max_waiting_per_rank, cfg.hold_waiting_per_rank)
             reserve = None  # places reserved by demand (reserve.py), with a tenants file or the priority policy
             if cfg.reserve_window_s > 0 and (cfg.tenants_file or by_class):  # (external LB: each API server, one rank)
-                reserve = Reservations.of_router(self.router, cfg.reserve_window_s, 1 if len(cfg.eligible_ranks) == 1 else cfg.api_server_count)
+                reserve = Reservations.of_router(self.router, cfg.reserve_window_s, cfg.max_num_seqs, 1 if len(cfg.eligible_ranks) == 1 else cfg.api_server_count)
             self.admission = Admission(cfg.max_held_per_tenant, by_class=by_class, reserve=reserve)
             self.router.on_room = self.admission.on_room
             metrics.registry.register(AdmissionCollector(self.admission, cfg.index))
@@ -413,9 +413,10 @@ class ServingBase:
         if admission is None or pinned is not None:
             return self._send_once(state, add, pinned)
         priority = add.params.priority
-        if not admission.num_held if admission.reserve is None else admission.may_pass(state.tenant, priority):
+        go = (HOLD if admission.num_held else ALONE) if admission.reserve is None else admission.may_pass(state.tenant, priority)
+        if go:  # (under its reservation, NOW: where it starts soonest, not a full rank's waiting place)
             try:
-                return admission.started(state, priority, self._send_once(state, add, pinned))
+                return admission.started(state, priority, self._send_once(state, add, pinned, go == NOW))
             except QueueFull:
                 pass
         if priority < admission.least_urgent():  # (priority policy) less urgent work is held or runs
@@ -428,12 +429,12 @@ class ServingBase:
             state.held = None  # never sent: nothing to correct
             raise
 
-    def _send_once(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
+    def _send_once(self, state: RequestState, add: AddRequest, pinned: int | None, soonest: bool = False) -> int:
         """Send to the best rank; a rank whose socket is gone is skipped, not fatal.
         Raises RoutingError when no rank takes it."""
         for _ in range(self.router.size):
-            # A request more urgent than the default goes where it starts soonest (priority policy).
-            pick = self.router.pick_urgent if add.params.priority < 0 else self.router.pick
+            # Where it starts soonest: more urgent than the default (priority policy), or reserved.
+            pick = self.router.pick_urgent if soonest or add.params.priority < 0 else self.router.pick
             rank = pick(pinned, add.prompt_token_ids)
             try:
                 self.client.send(state, add, rank)
