@@ -337,12 +337,12 @@ def start(adm: Admission, tenant: Tenant, n: int, priority: int = 0) -> list:
 
 
 def test_a_quiet_tenant_reserves_its_recent_peak_and_the_flood_is_capped_below_the_rest():
-    from dpserve.daemons.api.reserve import HOLD, NOW, TURN
+    from dpserve.daemons.api.reserve import ALONE, HOLD, NOW, TURN
 
     async def main():
         adm, clock = reserved(places=16)
         res = adm.reserve
-        assert res.check(0, "a", 1) == NOW  # alone: no cap at all
+        assert res.check(0, "a", 1) == ALONE  # alone: no cap at all
         start(adm, A, 3)  # a quiet tenant: 3 in flight, reserving 3 + 2 = 5
         assert res.check(0, "b", 1) == NOW  # a newcomer is under its own reservation
         start(adm, B, 11)
@@ -354,7 +354,9 @@ def test_a_quiet_tenant_reserves_its_recent_peak_and_the_flood_is_capped_below_t
         adm2, _ = reserved(places=16)
         start(adm2, A, 3)
         start(adm2, B, 9)
-        assert adm2.reserve.check(0, "b", 1) == TURN and adm2.may_pass(B, 0)
+        assert adm2.reserve.check(0, "b", 1) == TURN and adm2.may_pass(B, 0) == TURN
+        hold(adm2, Cluster(), C, 1)
+        assert adm2.may_pass(B, 0) == HOLD and adm2.may_pass(A, 0) == NOW  # others held: only the reserved pass
     run(main())
 
 
@@ -417,4 +419,20 @@ def test_more_urgent_classes_reservations_come_first():
         hold(adm2, cluster, A, 1, priority=0)  # its cap: 8, nothing more urgent
         assert released(adm2, cluster, 2) == ["a"] and adm2.num_held == 1
         assert res.check(0, "c", 1) == NOW
+    run(main())
+
+
+def test_one_release_burst_stops_at_the_cap_and_a_lapsed_reservation_wakes_the_held():
+    async def main():
+        adm, clock = reserved(places=8, window_s=0.05)
+        cluster = Cluster()
+        (quiet,) = start(adm, A, 1)  # reserves 1 + 2: b may hold 5
+        hold(adm, cluster, B, 8)
+        assert released(adm, cluster, 8) == ["b"] * 5  # each release counts before the next pick
+        adm.ended(quiet)  # a goes idle; its reservation lapses 0.05 s later (the clock is virtual)
+        await asyncio.sleep(0)
+        assert len(cluster.sent) == 5
+        clock.now += 0.06
+        await asyncio.sleep(0.1)  # the wake-up at the lapse (work conservation): nothing else would come
+        assert len(cluster.sent) == 8 and adm.num_held == 0
     run(main())
