@@ -193,6 +193,8 @@ class Admission:
         if not acct.queue:
             acct.finish = max(acct.finish, cls.vtime)  # no credit banked while idle
             cls.backlogged.add(tenant.name)
+            if self.reserve is not None:
+                self.reserve.set_held(priority, tenant.name, tenant.weight, True)
         self._seq += 1
         held = Held(tenant, priority, cost, self._seq, send, self.clock())
         acct.queue.append(held)
@@ -325,6 +327,8 @@ class Admission:
         self.stats[name].num_held -= 1
         if not acct.queue:
             cls.backlogged.discard(name)
+            if self.reserve is not None:
+                self.reserve.set_held(held.priority, name, held.tenant.weight, False)
             self._forget_idle(cls, held.priority, name, acct)
 
     def _forget_idle(self, cls: _Class, priority: int, name: str, acct: _Account) -> None:

@@ -14,7 +14,8 @@ account j reserves
 
 and an account i may hold at most its cap in flight:
 
-    cap_i = P - sum of r_j over the other active accounts of class <= i's class
+    cap_i = P - sum of r_j over the other active accounts of class <= i's class, less
+                those with requests held (backlogged: the fair order by tokens serves them)
 
 (more urgent classes' reservations come first; a more urgent class does not leave
 room for less urgent ones). cap_i >= its own weighted share, so nobody starves, and
@@ -40,7 +41,7 @@ HOLD, TURN, NOW, ALONE = 0, 1, 2, 3
 class Demand:
     """One (class, tenant) account's recent demand at this API server."""
 
-    __slots__ = ("priority", "weight", "num_in_flight", "peak", "peak_t", "last_t")
+    __slots__ = ("priority", "weight", "num_in_flight", "peak", "peak_t", "last_t", "is_held")
 
     def __init__(self, priority: int, weight: float, now: float) -> None:
         self.priority, self.weight = priority, max(weight, 1e-9)
@@ -48,6 +49,7 @@ class Demand:
         self.peak = 0.0  # the count's peak as of peak_t; it decays toward the count since
         self.peak_t = now
         self.last_t = now  # the last start or end
+        self.is_held = False  # it has requests held at the frontend: the fair order serves it, no reservation
 
     def peak_at(self, now: float, tau: float) -> float:
         excess = self.peak - self.num_in_flight
@@ -86,6 +88,15 @@ class Reservations:
         d.peak = peak if peak > d.num_in_flight else float(d.num_in_flight)
         d.peak_t = d.last_t = now
 
+    def set_held(self, priority: int, name: str, weight: float, is_held: bool) -> None:
+        """The account's held queue became nonempty (True) or empty (False)."""
+        now = self.clock()
+        d = self.accounts.get((priority, name))
+        if d is None:
+            d = self.accounts[(priority, name)] = Demand(priority, weight, now)
+        d.is_held = is_held
+        d.last_t = now
+
     def ended(self, priority: int, name: str) -> None:
         d = self.accounts.get((priority, name))
         if d is None:
@@ -97,7 +108,7 @@ class Reservations:
 
     def _active(self, now: float) -> dict[tuple[int, str], Demand]:
         accounts = self.accounts
-        gone = [k for k, d in accounts.items() if not d.num_in_flight and now - d.last_t >= self.window_s]
+        gone = [k for k, d in accounts.items() if not d.num_in_flight and not d.is_held and now - d.last_t >= self.window_s]
         for key in gone:
             del accounts[key]
         return accounts
@@ -123,13 +134,15 @@ class Reservations:
         tau = self.window_s
         others = 0.0
         for d in active.values():
-            if d is not me and d.priority <= priority:
+            if d is not me and d.priority <= priority and not d.is_held:
                 others += min(places * d.weight / total_weight, d.peak_at(now, tau) + HEADROOM)
         if mine >= places - others:
             return HOLD
+        if me is not None and me.is_held:
+            return TURN  # behind its own held requests
         own = min(places * max(weight, 1e-9) / total_weight, num + HEADROOM)
         return NOW if mine < own else TURN
 
     def next_expiry(self) -> float | None:
         """When the next idle account stops being active (its reservation lapses), or None."""
-        return min((d.last_t + self.window_s for d in self.accounts.values() if not d.num_in_flight), default=None)
+        return min((d.last_t + self.window_s for d in self.accounts.values() if not d.num_in_flight and not d.is_held), default=None)

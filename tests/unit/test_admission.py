@@ -436,3 +436,19 @@ def test_one_release_burst_stops_at_the_cap_and_a_lapsed_reservation_wakes_the_h
         await asyncio.sleep(0.1)  # the wake-up at the lapse (work conservation): nothing else would come
         assert len(cluster.sent) == 8 and adm.num_held == 0
     run(main())
+
+
+def test_backlogged_tenants_reserve_nothing_the_fair_order_by_tokens_shares_between_them():
+    from dpserve.daemons.api.reserve import HOLD, NOW
+
+    async def main():
+        adm, clock = reserved(places=8)
+        cluster = Cluster()
+        start(adm, A, 4)
+        start(adm, B, 3)
+        assert adm.reserve.check(0, "b", 1) == NOW and adm.reserve.check(0, "a", 1) == HOLD  # a: 8 - min(4, 5)
+        hold(adm, cluster, A, 2, cost=10)
+        hold(adm, cluster, B, 2, cost=40)  # both backlogged: neither reserves; tokens decide
+        assert released(adm, cluster, 1) == ["a"]  # (a's tag is lowest: it asked for fewer tokens)
+        assert adm.reserve.check(0, "b", 1) != HOLD and adm.may_pass(B, 0) == HOLD  # behind its own held ones
+    run(main())
