@@ -3,8 +3,8 @@ priority class, finds a place free when its request comes, even while a flood of
 another holds every place it is allowed.
 
 The unit is an account: one (priority class, tenant) at this API server. Each account
-counts its requests sent and not ended (`num_in_flight`) and a decaying peak of that
-count (the peak's excess over the present count falls by e every `window_s`). An
+counts its requests sent and not ended (`num_in_flight`) and its peak over the last
+`window_s` (an older peak decays by e every window_s). An
 account is active while it has a request in flight or had one within `window_s`.
 
 With P places (this API server's part of the routable ranks' batch places), an active
@@ -52,10 +52,10 @@ class Demand:
         self.is_held = False  # it has requests held at the frontend: the fair order serves it, no reservation
 
     def peak_at(self, now: float, tau: float) -> float:
-        excess = self.peak - self.num_in_flight
-        if excess <= 0:
-            return float(self.num_in_flight)
-        return self.num_in_flight + excess * math.exp((self.peak_t - now) / tau)
+        """The highest count of the last `tau` seconds; older peaks decay by e every tau."""
+        age = now - self.peak_t
+        peak = self.peak if age <= tau else self.peak * math.exp((tau - age) / tau)
+        return peak if peak > self.num_in_flight else float(self.num_in_flight)
 
 
 class Reservations:
@@ -83,10 +83,10 @@ class Reservations:
         d = self.accounts.get(key)
         if d is None:
             d = self.accounts[key] = Demand(priority, weight, now)
-        peak = d.peak_at(now, self.window_s)
         d.num_in_flight += 1
-        d.peak = peak if peak > d.num_in_flight else float(d.num_in_flight)
-        d.peak_t = d.last_t = now
+        if d.num_in_flight >= d.peak_at(now, self.window_s):
+            d.peak, d.peak_t = float(d.num_in_flight), now
+        d.last_t = now
 
     def set_held(self, priority: int, name: str, weight: float, is_held: bool) -> None:
         """The account's held queue became nonempty (True) or empty (False)."""
@@ -101,10 +101,8 @@ class Reservations:
         d = self.accounts.get((priority, name))
         if d is None:
             return
-        now = self.clock()
-        d.peak = d.peak_at(now, self.window_s)
         d.num_in_flight -= 1
-        d.peak_t = d.last_t = now
+        d.last_t = self.clock()
 
     def _active(self, now: float) -> dict[tuple[int, str], Demand]:
         accounts = self.accounts

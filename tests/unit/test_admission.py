@@ -382,18 +382,22 @@ def test_work_conserving_once_the_others_are_idle_past_the_window_and_peaks_deca
     async def main():
         adm, clock = reserved(places=16, window_s=5.0)
         res = adm.reserve
-        quiet = start(adm, A, 6)  # peak 6: reserves min(8, 8) = 8
+        quiet = start(adm, A, 6)  # peak 6: reserves min(8, 6 + 2) = 8
         start(adm, B, 8)
         assert not adm.may_pass(B, 0)
-        for state in quiet:
+        for state in quiet[:4]:
             adm.ended(state)
-        clock.now += 2.0  # a idle 2 s: its peak decays (6 e^-0.4 = 4.0, +2)
+        clock.now += 2.0  # a's peak holds for the window
+        assert not adm.may_pass(B, 0)
+        clock.now += 5.0  # then decays: 6 e^-0.4 = 4.0, + 2: b may hold 16 - 6.0
         start(adm, B, 1)
-        assert adm.may_pass(B, 0)  # 16 - 6.0 = 10 > 9
+        assert adm.may_pass(B, 0)
         start(adm, B, 1)
         assert not adm.may_pass(B, 0)
-        assert res.next_expiry() == 105.0  # a's last end + the window
-        clock.now += 3.0  # a idle past the window: its reservation is gone
+        for state in quiet[4:]:
+            adm.ended(state)
+        assert res.next_expiry() == 112.0  # a's last end + the window
+        clock.now += 5.0  # a idle past the window: its reservation is gone
         assert adm.may_pass(B, 0) and list(res.accounts) == [(0, "b")]
     run(main())
 
