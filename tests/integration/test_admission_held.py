@@ -95,3 +95,47 @@ async def scenario(cluster: SimCluster) -> None:
         await loop.run_in_executor(None, wait_for, lambda: metric(cluster, RANK_FINISHED) >= finished_before + 3, "finished")
         await asyncio.sleep(0.3)
         assert metric(cluster, RANK_FINISHED) == finished_before + 3
+
+
+def test_a_quiet_tenants_reserved_place_stays_free_of_a_flood_until_it_goes_idle(tmp_path):
+    """One rank of 4 places, nothing waiting there. The quiet tenant runs one answer (it
+    reserves min(its half, 1 + 2) = 2 places); the flood may run 4 - 2 while the
+    quiet one is active: its further requests are held with a place free, and the quiet
+    tenant's next request starts at once. Idle past the window, the quiet reservation
+    lapses and the flood takes every place (work-conserving)."""
+    keys = {"quiet": "sk-quiet-test-key", "flood": "sk-flood-test-key"}
+    path = tmp_path / "tenants.toml"
+    path.write_text("".join(f'[tenants.{name}]\nkey = "{key}"\n' for name, key in keys.items()))
+    options = {"hold_waiting_per_rank": 0, "tenants_file": str(path), "reserve_window_s": 0.5}
+    with SimCluster(1, num_api_servers=1, ranks_per_process=1, report_interval_s=0.2, max_num_seqs=4,
+                    api_options=options) as cluster:
+        cluster.wait_routable(1, timeout=60)
+        asyncio.run(reserved_scenario(cluster, keys))
+
+
+async def reserved_scenario(cluster: SimCluster, keys: dict[str, str]) -> None:
+    url = cluster.url + "/completions"
+    loop = asyncio.get_running_loop()
+    held = 'dpserve_api_admission_held_requests{api_server="0",tenant="flood"}'
+    async with aiohttp.ClientSession() as http:
+        def auth(name: str) -> dict:
+            return {"Authorization": f"Bearer {keys[name]}"}
+
+        async def stream(name: str) -> aiohttp.ClientResponse:
+            resp = await http.post(url, json={"model": "sim", "prompt": "x", "max_tokens": 2000, "stream": True}, headers=auth(name))
+            assert resp.status == 200
+            await resp.content.readline()
+            return resp
+
+        quiet = await stream("quiet")  # 1 in flight: it reserves min(4 / 2, 1 + 2) = 2
+        flood = [asyncio.create_task(stream("flood")) for _ in range(3)]
+        await loop.run_in_executor(None, wait_for, lambda: metric(cluster, held) == 1, "the flood held at its cap (4 - 2)")
+        t0 = time.monotonic()
+        async with http.post(url, json={"model": "sim", "prompt": "x", "max_tokens": 3}, headers=auth("quiet")) as resp:
+            assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 3
+        assert time.monotonic() - t0 < 2.0  # a place was free for it: no flood answer had to end
+        assert metric(cluster, held) == 1
+        quiet.close()  # idle: its reservation lapses after the window, and the held one goes
+        await loop.run_in_executor(None, wait_for, lambda: metric(cluster, held) == 0, "work-conserving", 5.0)
+        for resp in await asyncio.wait_for(asyncio.gather(*flood), 10):
+            resp.close()
