@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import zmq
-from dpserve.engine.common.codec import Codec
-from dpserve.engine.common.protocol import LoadTable, TableChannel
 
-from benchmarks.load import LoadConfig, run_load
-from benchmarks.simcluster import SimCluster
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dpserve.engine.common.codec import Codec  # noqa: E402
+from dpserve.engine.common.protocol import LoadTable, TableChannel  # noqa: E402
+
+from benchmarks.load import LoadConfig, run_load  # noqa: E402
+from benchmarks.simcluster import SimCluster  # noqa: E402
 
 
 class GrowingCluster(SimCluster):
@@ -94,3 +100,10 @@ def part_membership(args) -> dict:
     res = result["r"]
     out.update(ok=res.ok, errors=sum(res.errors.values()), error_kinds=dict(res.errors), ranks_used=len(res.per_rank))
     return out
+
+
+if __name__ == "__main__":
+    # Run as a script: cluster_bench.py's membership part alone (same options).
+    from benchmarks.cluster_bench import main
+
+    sys.exit(main(["--skip", "cluster,coordinator,memory", *sys.argv[1:]]))
