@@ -21,7 +21,7 @@ import math
 import time
 from collections import deque
 
-from dpserve.daemons.api.prefix_index import BLOCK
+from dpserve.daemons.api.prefix_index import BLOCK, leading_holders
 from dpserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 
 
@@ -250,14 +250,7 @@ class KVIndex:
     def levels(self, keys: list[int]) -> list[dict[int, int]]:
         """The holders of the prompt's leading routing blocks, up to the first block nobody holds
         (one probe per block: what Router._cache_pick walks)."""
-        out = []
-        entries = self.entries
-        for key in keys:
-            holders = entries.get(key)
-            if not holders:
-                break
-            out.append(holders)
-        return out
+        return leading_holders(self.entries, keys)
 
     def match(self, keys: list[int]) -> dict[int, int]:
         """rank -> how many leading routing blocks of `keys` it holds, for ranks holding at least one."""

@@ -40,6 +40,18 @@ def chain_keys(prompt: list[int], block: int = BLOCK) -> list[int]:
     return keys
 
 
+def leading_holders(entries: dict[int, dict[int, int]], keys: list[int]) -> list[dict[int, int]]:
+    """The holders of each leading block of `keys`, up to the first block nobody holds
+    (one dict probe per block; shared by the approximate and the event-fed index)."""
+    out = []
+    for key in keys:
+        holders = entries.get(key)
+        if not holders:
+            break
+        out.append(holders)
+    return out
+
+
 class PrefixIndex:
     """block key -> {rank: generation} for the ranks that were sent a prompt with that prefix.
 
@@ -77,14 +89,7 @@ class PrefixIndex:
         a rank could still beat the least-loaded one, so a prefix every rank
         holds (a shared system prompt) costs nothing per rank.
         """
-        out = []
-        entries = self.entries
-        for key in keys:
-            holders = entries.get(key)
-            if not holders:
-                break
-            out.append(holders)
-        return out
+        return leading_holders(self.entries, keys)
 
     def match(self, keys: list[int]) -> dict[int, int]:
         """rank -> how many leading blocks of `keys` it holds, for ranks holding at least one."""
