@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import psutil
 import zmq
-from dpserve.daemons.config import Addresses
+from dpserve.daemons.addresses import Addresses
 from dpserve.daemons.supervisor.launcher import Launcher
 from dpserve.daemons.supervisor.plan import (
     bind_listen_socket,

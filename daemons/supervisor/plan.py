@@ -12,7 +12,8 @@ import secrets
 import socket
 
 import msgspec
-from dpserve.daemons.config import Addresses, ApiServerConfig, CoordinatorConfig, ServeConfig, child_config
+from dpserve.daemons.addresses import Addresses
+from dpserve.daemons.config import ApiServerConfig, CoordinatorConfig, ServeConfig, child_config
 from dpserve.daemons.supervisor.children import Child
 from dpserve.engine.backends.ray.placement import RayError, RayPlacement, preflight
 from dpserve.engine.backends.ray.rank import RayRank

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from dpserve.daemons.config import Addresses, ServeConfig
+from dpserve.daemons.addresses import Addresses
+from dpserve.daemons.config import ServeConfig
 from dpserve.engine.common.auth import CurveKeys
 
 

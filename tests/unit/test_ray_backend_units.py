@@ -10,8 +10,9 @@ import socket
 import msgspec
 import pytest
 from click.testing import CliRunner
+from dpserve.daemons.addresses import Addresses
 from dpserve.daemons.cli.main import main as cli
-from dpserve.daemons.config import Addresses, ServeConfig
+from dpserve.daemons.config import ServeConfig
 from dpserve.daemons.supervisor.plan import RayPlan, ephemeral_key_file, plan_children
 from dpserve.engine.backends.ray import placement as ray_placement
 from dpserve.engine.backends.ray.placement import RayError, placement_problem, resolve_address
