@@ -21,7 +21,7 @@ import math
 import time
 from collections import deque
 
-from dpserve.daemons.api.prefix_index import BLOCK, leading_holders
+from dpserve.daemons.api.prefix_index import BLOCK, block_key, leading_holders
 from dpserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 
 
@@ -189,7 +189,7 @@ class KVIndex:
             partial = partial + tuple(toks[i * bs : (i + 1) * bs])
             key = None
             if len(partial) >= block:
-                key = hash((base, *partial))
+                key = block_key(base, partial)
                 if h in nodes:
                     self._drop(rank, state, h)
                 self._hold(key, rank)

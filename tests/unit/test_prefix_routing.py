@@ -7,7 +7,7 @@ import random
 import subprocess
 import sys
 
-from dpserve.daemons.api.prefix_index import BLOCK, PrefixIndex, chain_keys
+from dpserve.daemons.api.prefix_index import BLOCK, PrefixIndex, block_key, chain_keys, holder_steps, leading_holders
 from dpserve.daemons.api.router import Router
 from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.protocol import LoadTable, PrefixRouted, RankLoad, TableChannel
@@ -65,6 +65,35 @@ def test_index_matches_the_depth_each_rank_holds_and_forgets_a_lost_rank():
     index.forget_rank(1)
     assert index.match(keys) == {0: 4, 2: 1}
     assert index.match(chain_keys(prompt(3, 6 * BLOCK))) == {}
+
+
+def test_keys_are_block_key_chained_over_each_blocks_tokens():
+    ids = prompt(7, 3 * BLOCK + 5)
+    expect, parent = [], 0
+    for i in range(3):  # what kv_index files from a rank's BlockStored tokens
+        parent = block_key(parent, tuple(ids[i * BLOCK : (i + 1) * BLOCK]))
+        expect.append(parent)
+    assert chain_keys(ids) == expect == chain_keys(tuple(ids)) and chain_keys(ids, 16)[:1] != expect[:1]
+
+
+def test_holder_steps_are_where_the_linear_walk_changes():
+    rng = random.Random(3)
+    for _ in range(300):
+        n, ranks = rng.randrange(1, 40), range(rng.randrange(1, 9))
+        keys = list(range(n))
+        held = {r: rng.choice([0, 0, rng.randrange(n + 1), n]) for r in ranks}  # prefix-closed depths
+        entries = {}
+        for r, d in held.items():
+            for k in keys[:d]:
+                entries.setdefault(k, {})[r] = 0
+        rank = rng.randrange(9)
+        levels, expect = leading_holders(entries, keys), []
+        for d in range(len(levels), 0, -1):  # the linear walk: each set at its deepest level, down to rank's
+            if d == len(levels) or len(levels[d - 1]) != len(levels[d]):
+                expect.append((d, levels[d - 1]))
+                if rank in levels[d - 1]:
+                    break
+        assert holder_steps(entries, keys, rank, 0) == expect
 
 
 def test_index_is_bounded_least_recently_used_first():
