@@ -97,6 +97,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool | None = _ENGINE["enable_prefix_caching"]
     engine_args: dict[str, str] = {}  # --engine-arg KEY=VALUE (vLLM EngineArgs fields)
     lb_policy: str = "tokens"
+    kv_events: bool = True  # cache-aware: route on the ranks' KV events (off: on what was sent, approximate)
     max_waiting_per_rank: int = 4096
     # admission held at the frontend (daemons/api/admission.py): a rank running --max-num-seqs
     # sequences with hold_waiting_per_rank more waiting is full; while every rank is, requests wait
@@ -364,6 +365,7 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     data_parallel_size: int
     max_model_len: int
     lb_policy: str
+    kv_events: bool = True
     scheduling_policy: str = _SERVE["scheduling_policy"]
     max_waiting_per_rank: int
     admission_hold: bool = _SERVE["admission_hold"]

@@ -176,7 +176,7 @@ class ApiServer:
         self.zctx = zmq.asyncio.Context()
         self.supervisor = SupervisorLink(self.zctx, cfg.supervisor_address, cfg.name)
         self.tokenizer = TextTokenizer.from_dir(cfg.model_dir)
-        self.router = Router(cfg.data_parallel_size, cfg.lb_policy, cfg.max_waiting_per_rank, cfg.eligible_ranks)
+        self.router = Router(cfg.data_parallel_size, cfg.lb_policy, cfg.max_waiting_per_rank, cfg.eligible_ranks, kv_events=cfg.kv_events)
         self.keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
         self.auth = start_authenticator(self.zctx, self.keys, log)
         self.client = EngineClient(
