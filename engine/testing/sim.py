@@ -54,6 +54,7 @@ from dpserve.engine.common.sockets import make_socket
 from dpserve.engine.interface import QueueCounts
 from dpserve.engine.rank.io import COORDINATOR, LOAD_REPORT_MIN_INTERVAL_S, REFUSED, REGISTER_RETRY_S, WELCOMED, RankIO
 from dpserve.engine.rank.node_relay import NodeAggregator
+from dpserve.engine.testing.sim_cache import caching_core
 
 GREET_CHECK_S = 1.0  # how often reconnections are looked for (a re-greeting's delay at most)
 
@@ -71,6 +72,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     decode_step_ms: float = 10.0
     max_num_seqs: int = 64
     vary_load: bool = False  # benchmarks: every periodic report carries a change (a busy cluster)
+    kv_cache_blocks: int = 0  # > 0: a prefix cache of that many blocks, publishing KV events (sim_cache.caching_core)
     token_ids: list[int] = msgspec.field(default_factory=lambda: list(range(68, 94)))  # what answers are made of
 
 
@@ -237,7 +239,7 @@ class SimRank:
     def __init__(self, eng: SimEngine, rank: int) -> None:
         self.eng = eng
         self.rank = rank
-        self.core = SimCore(eng.cfg)
+        self.core = (caching_core(SimCore) if eng.cfg.kv_cache_blocks else SimCore)(eng.cfg)
         cfg = eng.cfg
         node_rank = rank - rank % cfg.ranks_per_node if cfg.ranks_per_node else cfg.node_rank
         self.io = RankIO(
@@ -266,6 +268,7 @@ class SimRank:
         outputs = self.core.step()
         if outputs:
             self.io.send_outputs(outputs, self.core)
+        self.io.kv.after_step(self.io, self.core)  # KV events (a caching core's), to the API servers that asked
         self.mark_dirty()
 
     def mark_dirty(self) -> None:
@@ -408,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-step-ms", type=float, default=10.0)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--vary-load", action="store_true", help="every periodic report carries a change (benchmarks)")
+    ap.add_argument("--kv-cache-blocks", type=int, default=0, help="a prefix cache of this many 16-token blocks per rank, publishing KV events")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies (test harnesses)")
     args = ap.parse_args(argv)
     if args.parent_pid:
@@ -417,15 +421,12 @@ def main(argv: list[str] | None = None) -> int:
         ranks=parse_ranks(args.ranks),
         coordinator_address=args.coordinator,
         fingerprint=args.fingerprint,
-        node_rank=args.node_rank,
-        ranks_per_node=args.ranks_per_node,
-        node_heartbeat_s=args.node_heartbeat_s,
-        key_file=args.key_file,
-        report_interval_s=args.report_interval_s,
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        node_rank=args.node_rank, ranks_per_node=args.ranks_per_node,
+        node_heartbeat_s=args.node_heartbeat_s, key_file=args.key_file,
+        report_interval_s=args.report_interval_s, prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_step_ms=args.decode_step_ms,
         max_num_seqs=args.max_num_seqs,
-        vary_load=args.vary_load,
+        vary_load=args.vary_load, kv_cache_blocks=args.kv_cache_blocks,
     )
     log = setup_logging("sim-engine")
     eng = SimEngine(cfg, log)

@@ -11,6 +11,7 @@ where a request goes.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict, deque
 
 from dpserve.engine.kv_events import BlockStored, KVEventLog, chain_snapshot
@@ -214,3 +215,78 @@ class SimCacheRank:
                 still.append(req)
         self.decoding = still
         return end, first, done
+
+
+SIM_BLOCK = 16  # the simulated engine's block size (the native engine's default)
+
+
+class _Cached:
+    __slots__ = ("hashes", "prompt", "hits", "held", "num_blocks", "is_registered")
+
+    def __init__(self, hashes: list[int], prompt: list[int], hits: int, num_blocks: int) -> None:
+        self.hashes, self.prompt, self.hits, self.num_blocks = hashes, prompt, hits, num_blocks
+        self.held = hashes[:hits]  # referenced: the hits until the prefill registers the rest
+        self.is_registered = False
+
+
+@functools.cache
+def caching_core(base: type):
+    """`dpserve sim-engine --kv-cache-blocks N`: SimCore (engine/testing/sim.py, passed as `base`)
+    with a SimCache of N blocks. A prompt's cached leading blocks are not prefilled again, and the
+    cache's KV events reach the API servers that ask, as a real rank's do (RankIO's KVPublisher
+    reads `kv_events` after each step and answers snapshots from `kv_snapshot()`).
+
+    Invariant: `requests` holds the cache state of exactly the requests SimCore still holds that
+    got blocks (a request that found no room runs uncached); each releases them once, when it
+    finishes or is aborted."""
+
+    class CachingSimCore(base):
+        def __init__(self, cfg) -> None:
+            super().__init__(cfg)
+            self.kv_events = KVEventLog(SIM_BLOCK)
+            self.cache = SimCache(cfg.kv_cache_blocks, SIM_BLOCK, self.kv_events)
+            self.requests: dict[str, _Cached] = {}
+
+        def describe(self) -> dict:
+            return {**super().describe(), "kv_cache_blocks": self.cache.num_blocks, "block_size": SIM_BLOCK}
+
+        def add_request(self, req):
+            out = super().add_request(req)
+            prompt = list(req.prompt_token_ids)
+            hashes = chain_hashes(prompt, SIM_BLOCK)
+            num_blocks = -(-(len(prompt) + req.params.max_tokens) // SIM_BLOCK)
+            # as vLLM: a prompt wholly cached still computes its last token
+            hits = self.cache.admit(hashes[: (len(prompt) - 1) // SIM_BLOCK], num_blocks)
+            if hits is not None:
+                self.requests[req.request_id] = _Cached(hashes, prompt, hits, num_blocks)
+                self.by_id[req.request_id].prefill_left -= hits * SIM_BLOCK
+            return out
+
+        def step(self):
+            outs = super().step()
+            for out in outs:
+                state = self.requests.get(out.request_id)
+                if state is None:
+                    continue
+                if not state.is_registered:  # its prefill is done: its first token came
+                    state.held = self.cache.register(state.hashes, state.prompt, state.hits)
+                    state.is_registered = True
+                if out.finish_reason is not None:
+                    self._release(out.request_id)
+            return outs
+
+        def abort_requests(self, request_ids) -> None:
+            request_ids = list(request_ids)
+            super().abort_requests(request_ids)
+            for rid in request_ids:
+                self._release(rid)
+
+        def _release(self, request_id: str) -> None:
+            state = self.requests.pop(request_id, None)
+            if state is not None:
+                self.cache.release(state.held, state.num_blocks)
+
+        def kv_snapshot(self) -> list[BlockStored]:
+            return self.cache.snapshot()
+
+    return CachingSimCore

@@ -189,3 +189,53 @@ def test_router_on_events_goes_where_the_prefix_is_and_leaves_when_it_is_evicted
     router.kv.apply(rank.log.take_batch(2, "i2"))
     router.kv.forget_rank(2)  # (and the note of our send: a restart forgets it too)
     assert router.pick(None, prompt + [1, 2]) == 0
+
+
+def test_a_simulated_rank_with_a_prefix_cache_publishes_what_it_holds():
+    """`dpserve sim-engine --kv-cache-blocks`: cached blocks are not prefilled again, its events feed
+    the index, its snapshot equals what the events built, and finished or aborted requests give
+    their blocks back."""
+    from dpserve.engine.common.protocol import AddRequest, SamplingParams
+    from dpserve.engine.kv_events import KVPublisher
+    from dpserve.engine.testing.sim import SimConfig, SimCore
+    from dpserve.engine.testing.sim_cache import caching_core
+
+    core = caching_core(SimCore)(SimConfig(ranks=[0], coordinator_address="", fingerprint="", kv_cache_blocks=12,
+                                           prefill_tokens_per_s=1600, decode_step_ms=10))  # 16 tokens a step
+    prompt = PIECES[0] + PIECES[1]  # 80 tokens: 5 full blocks, one routing block
+    index, fresh = KVIndex(1, ROUTING), KVIndex(1, ROUTING)
+
+    def run(rid: str, ids: list[int]) -> int:
+        core.add_request(AddRequest(rid, ids, SamplingParams(max_tokens=2), 0.0))
+        steps = 0
+        while core.has_unfinished():
+            core.step()
+            steps += 1
+            batch = core.kv_events.take_batch(0, "i0")
+            if batch is not None:
+                index.apply(batch)
+        return steps
+
+    assert run("a", prompt) == 6 and index.match(chain_keys(prompt, ROUTING)) == {0: 1}
+    assert run("b", prompt) == 2  # 79 of 80 tokens cached: one prefill step, one decode step
+    fresh.apply_snapshot(KVSnapshot(0, "i0", core.kv_events.seq, core.kv_snapshot()))
+    assert fresh.match(chain_keys(prompt, ROUTING)) == {0: 1} and core.cache.num_free + len(core.cache.cached) == 12
+    core.add_request(AddRequest("c", PIECES[2] * 4, SamplingParams(max_tokens=2), 0.0))  # 160 tokens: evicts
+    core.abort_requests(["c"])
+    assert not core.requests and core.cache.num_free + len(core.cache.cached) == 12
+    index.apply(core.kv_events.take_batch(0, "i0"))
+    assert index.match(chain_keys(prompt, ROUTING)) == {}  # evicted: the index follows
+
+    class IO:  # what KVPublisher uses of RankIO (sim.py calls after_step after every step)
+        rank, incarnation, sent = 0, "i0", []
+
+        def send_to(self, index: int, msg: object) -> None:
+            self.sent.append((index, type(msg)))
+
+    publisher, io = KVPublisher(), IO()
+    publisher.on_request(io, 3, core)  # an API server asks: a snapshot, then every step's batch
+    core.add_request(AddRequest("d", prompt, SamplingParams(max_tokens=1), 0.0))
+    while core.has_unfinished():
+        core.step()
+        publisher.after_step(io, core)
+    assert io.sent == [(3, KVSnapshot), (3, KVEventBatch)]
