@@ -5,7 +5,11 @@ another holds every place it is allowed.
 The unit is an account: one (priority class, tenant) at this API server. Each account
 counts its requests sent and not ended (`num_in_flight`) and its peak over the last
 `window_s` (an older peak decays by e every window_s). An
-account is active while it has a request in flight or had one within `window_s`.
+account is active while it has a request in flight or had one within `window_s`, or,
+while a less urgent class is active, within LINGER_WINDOWS x window_s: an interactive
+class's next request after a quiet spell must find a place that a bulk flood did not
+take (without preemption at fcfs ranks, nothing else gives it one: that request
+waited 2-6x its unloaded TTFT in half the runs of benchmarks/fairness_bench.py).
 
 With P places (this API server's part of the routable ranks' batch places), an active
 account j reserves
@@ -32,6 +36,7 @@ import time
 from collections.abc import Callable
 
 HEADROOM = 2.0  # places reserved beyond an account's recent peak
+LINGER_WINDOWS = 12  # an idle account of a class more urgent than an active one stays active this many windows
 
 # at its cap / may take a free place in fair order / under its reservation: at once, to where it
 # starts soonest (a rank with a free batch place, not a full one's waiting place) / alone: no cap
@@ -106,10 +111,22 @@ class Reservations:
 
     def _active(self, now: float) -> dict[tuple[int, str], Demand]:
         accounts = self.accounts
-        gone = [k for k, d in accounts.items() if not d.num_in_flight and not d.is_held and now - d.last_t >= self.window_s]
+        floor = self._floor(now)
+        gone = [k for k, d in accounts.items() if not d.num_in_flight and not d.is_held and now >= self._expiry(d, floor)]
         for key in gone:
             del accounts[key]
         return accounts
+
+    def _floor(self, now: float) -> float:
+        """The least urgent class with an account busy or idle for less than window_s."""
+        window = self.window_s
+        return max((d.priority for d in self.accounts.values() if d.num_in_flight or d.is_held or now - d.last_t < window), default=-math.inf)
+
+    def _expiry(self, d: Demand, floor: float) -> float:
+        """When idle account `d` stops being active: window_s after its last request, or
+        LINGER_WINDOWS x that while a less urgent class is active (its reservation stays, so
+        its next request after a quiet spell still finds a place the flood did not take)."""
+        return d.last_t + self.window_s * (LINGER_WINDOWS if d.priority < floor else 1)
 
     def check(self, priority: int, name: str, weight: float) -> int:
         """HOLD: the account is at its cap; NOW: under its own reservation (it goes at once);
@@ -143,4 +160,6 @@ class Reservations:
 
     def next_expiry(self) -> float | None:
         """When the next idle account stops being active (its reservation lapses), or None."""
-        return min((d.last_t + self.window_s for d in self.accounts.values() if not d.num_in_flight and not d.is_held), default=None)
+        now = self.clock()
+        floor = self._floor(now)
+        return min((self._expiry(d, floor) for d in self._active(now).values() if not d.num_in_flight and not d.is_held), default=None)

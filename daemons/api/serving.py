@@ -414,9 +414,9 @@ class ServingBase:
             return self._send_once(state, add, pinned)
         priority = add.params.priority
         go = (HOLD if admission.num_held else ALONE) if admission.reserve is None else admission.may_pass(state.tenant, priority)
-        if go:  # (under its reservation, NOW: where it starts soonest, not a full rank's waiting place)
+        if go:  # (under its reservation, NOW: the rank with the fewest running + waiting, which a fcfs rank serves first)
             try:
-                return admission.started(state, priority, self._send_once(state, add, pinned, go == NOW))
+                return admission.started(state, priority, self._send_once(state, add, soonest_rank(self.router) if go == NOW else None))
             except QueueFull:
                 pass
         if priority < admission.least_urgent():  # (priority policy) less urgent work is held or runs
@@ -429,12 +429,12 @@ class ServingBase:
             state.held = None  # never sent: nothing to correct
             raise
 
-    def _send_once(self, state: RequestState, add: AddRequest, pinned: int | None, soonest: bool = False) -> int:
+    def _send_once(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
         """Send to the best rank; a rank whose socket is gone is skipped, not fatal.
         Raises RoutingError when no rank takes it."""
         for _ in range(self.router.size):
-            # Where it starts soonest: more urgent than the default (priority policy), or reserved.
-            pick = self.router.pick_urgent if soonest or add.params.priority < 0 else self.router.pick
+            # Where it starts soonest: more urgent than the default (priority policy).
+            pick = self.router.pick_urgent if add.params.priority < 0 else self.router.pick
             rank = pick(pinned, add.prompt_token_ids)
             try:
                 self.client.send(state, add, rank)
