@@ -145,7 +145,9 @@ def servers(args, model_dir: str) -> list[tuple[str, object]]:
     context = 2048 if args.quick else 4096
     common = ["--max-model-len", str(context)]
     common += list(args.server_arg)
-    out = [(f"dpserve {policy}", lambda policy=policy: DpNode(model_dir, dp=2, api=2, extra=[*common, "--lb-policy", policy]))
+    # "approximate": cache-aware on what was sent (--no-kv-events); "cache-aware": on the ranks' KV events
+    lb = {"approximate": ["--lb-policy", "cache-aware", "--no-kv-events"]}
+    out = [(f"dpserve {policy}", lambda policy=policy: DpNode(model_dir, dp=2, api=2, extra=[*common, *lb.get(policy, ["--lb-policy", policy])]))
            for policy in args.policies.split(",")]
     venv = args.vllm_venv
     if venv and vllm_python(venv):
@@ -172,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tenant-requests", type=int, default=240)
     ap.add_argument("--rate", type=float, default=1.0, help="workload (c): requests per second")
     ap.add_argument("--server-arg", action="append", default=[], help="an extra dpserve argument (repeat), e.g. --kv-cache-memory-bytes=...")
-    ap.add_argument("--policies", default="cache-aware,round-robin,tokens", help="dpserve's --lb-policy values to run")
+    ap.add_argument("--policies", default="cache-aware,round-robin,tokens",
+                    help="dpserve's --lb-policy values to run, and `approximate` (cache-aware with --no-kv-events)")
     ap.add_argument("--json", action="store_true")
     args, _ = begin(ap, argv)
     if args.quick:
