@@ -48,13 +48,17 @@ BLOCK_SIZE = 16
 VOCAB = 50_000
 
 
-def workload(args, seed: int) -> list[tuple[float, list[int], int]]:
-    """(arrival time, prompt, max_tokens) per request, the same for every policy.
+def workload(args, seed: int) -> list[tuple[float, list[int], int, int]]:
+    """(arrival time, prompt, max_tokens, direct rank or -1) per request, the same for every policy.
 
     Tenants take turns: at any moment the questions come from a window of
     --active-tenants consecutive tenants, uniformly, and the window slides over
     all of them --cycles times during the run, so a tenant comes back after its
     prefix was evicted (what an index that never learns of evictions gets wrong).
+    A share --direct-share of the requests reaches a random rank by another
+    path than these routers (a pin through an API server that shares nothing,
+    a migrated request, an external load balancer): only the ranks' KV events
+    and load reports tell the routers of them.
     """
     rng = random.Random(seed)
     prefixes = [[rng.randrange(VOCAB) for _ in range(args.prefix_tokens)] for _ in range(args.tenants)]
@@ -68,7 +72,8 @@ def workload(args, seed: int) -> list[tuple[float, list[int], int]]:
             prompt = prefixes[tenant] + [rng.randrange(VOCAB) for _ in range(args.question_tokens)]
         else:
             prompt = [rng.randrange(VOCAB) for _ in range(args.unshared_tokens)]
-        out.append((t, prompt, args.output_tokens))
+        direct = rng.randrange(args.ranks) if rng.random() < args.direct_share else -1
+        out.append((t, prompt, args.output_tokens, direct))
     return out
 
 
@@ -122,8 +127,8 @@ class Sim:
             router.update_table(table)
 
     def run(self, requests) -> dict:
-        for rid, (t, prompt, max_tokens) in enumerate(requests):
-            self.at(t, "arrive", (rid, prompt, max_tokens))
+        for rid, (t, prompt, max_tokens, direct) in enumerate(requests):
+            self.at(t, "arrive", (rid, prompt, max_tokens, direct))
         self.at(self.args.table_interval_s, "table", None)
         handlers = {"arrive": self.arrive, "step": self.step_end, "table": self.table, "kv": self.kv, "routed": self.routed}
         remaining = len(requests)
@@ -137,15 +142,18 @@ class Sim:
         self.at(self.now + self.args.table_interval_s, "table", None)
 
     def arrive(self, payload) -> None:
-        rid, prompt, max_tokens = payload
-        a = rid % len(self.routers)
-        router = self.routers[a]
+        rid, prompt, max_tokens, direct = payload
+        a = rid % len(self.routers) if direct < 0 else -1  # -1: by another path, no router of ours saw it
         req = SimRequest(rid, prompt, chain_hashes(prompt, BLOCK_SIZE), max_tokens, self.now, a)
-        t0 = time.perf_counter()
-        rank = self.oracle_pick(router, req) if self.policy == "oracle" else router.pick(None, prompt)
-        router.on_send(rank, len(prompt) + max_tokens)
-        self.pick_s += time.perf_counter() - t0
-        self.num_picks += 1
+        if direct < 0:
+            router = self.routers[a]
+            t0 = time.perf_counter()
+            rank = self.oracle_pick(router, req) if self.policy == "oracle" else router.pick(None, prompt)
+            router.on_send(rank, len(prompt) + max_tokens)
+            self.pick_s += time.perf_counter() - t0
+            self.num_picks += 1
+        else:
+            rank = direct
         if self.policy == "oracle":
             coming = self.inflight[rank]
             for h in req.hashes:
@@ -182,7 +190,8 @@ class Sim:
     def step_end(self, payload) -> None:
         r, first, done = payload
         for req in first:
-            self.routers[req.router].on_progress(r, len(req.prompt) + 1)
+            if req.router >= 0:
+                self.routers[req.router].on_progress(r, len(req.prompt) + 1)
             if self.policy == "oracle":
                 coming = self.inflight[r]
                 for h in req.hashes:
@@ -190,7 +199,8 @@ class Sim:
                     if not coming[h]:
                         del coming[h]
         for req in done:
-            self.routers[req.router].on_finish(r, req.max_tokens - 1)
+            if req.router >= 0:
+                self.routers[req.router].on_finish(r, req.max_tokens - 1)
             self.done.append(req)
         if self.policy == "exact":
             batch = self.logs[r].take_batch(r, f"i{r}")
@@ -256,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--unshared-tokens", type=int, default=2112, help="prompt length without shared prefixes")
     ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--direct-share", type=float, default=0.0,
+                    help="share of requests sent to a random rank by another path (pins elsewhere, migration): routers see only events")
     ap.add_argument("--cache-tokens", type=int, default=16384, help="each rank's KV cache")
     ap.add_argument("--rate", type=float, default=20.0, help="requests per second, Poisson")
     ap.add_argument("--requests", type=int, default=12000)
