@@ -175,6 +175,18 @@ class Admission:
         go = self.reserve.check(priority, tenant.name, tenant.weight)
         return go if go >= NOW or not self.num_held else HOLD
 
+    def remote(self, origin: str, tenant: Tenant, in_flight: int, delivered: int) -> None:
+        """Another API server's report of `tenant` (tenants/sync.py): its requests in flight
+        there count in the reservations here, and the tokens delivered there move the
+        tenant's finish tags here, so that N API servers give the shares together."""
+        if self.reserve is not None:
+            self.reserve.remote(origin, tenant.priority, tenant.name, tenant.weight, in_flight)
+        if delivered:
+            for cls in self._classes.values():
+                acct = cls.accounts.get(tenant.name)
+                if acct is not None and acct.queue:  # (an idle tenant banks nothing: not charged either)
+                    acct.finish += delivered / max(tenant.weight, 1e-9)
+
     # ---------------------------------------------------------------- holding
 
     def enqueue(self, tenant: Tenant, priority: int, cost: int, send: Callable[[], int]) -> Held:

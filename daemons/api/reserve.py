@@ -11,19 +11,23 @@ class's next request after a quiet spell must find a place that a bulk flood did
 take (without preemption at fcfs ranks, nothing else gives it one: that request
 waited 2-6x its unloaded TTFT in half the runs of benchmarks/fairness_bench.py).
 
-With P places (this API server's part of the routable ranks' batch places), an active
-account j reserves
+With P places (this API server's part of the routable ranks' batch places), the quiet
+accounts of a class c (active, no requests held) reserve together, with one headroom:
 
-    r_j = min(P * weight_j / (weights of the active accounts), peak_j + HEADROOM)
+    R_c = min(sum of their shares s_j, sum of min(s_j, peak_j) + HEADROOM),   s_j = P * weight_j / (active weights)
 
 and an account i may hold at most its cap in flight:
 
-    cap_i = P - sum of r_j over the other active accounts of class <= i's class, less
-                those with requests held (backlogged: the fair order by tokens serves them)
+    cap_i = P - sum of R_c over the classes c <= i's class, i's own demand left out
 
 (more urgent classes' reservations come first; a more urgent class does not leave
-room for less urgent ones). cap_i >= its own weighted share, so nobody starves, and
+room for less urgent ones; backlogged accounts reserve nothing: the fair order by
+tokens serves them). cap_i >= its own weighted share, so nobody starves, and
 an account alone (the others idle past the window) has no cap at all: work-conserving.
+Quiet accounts lend each other their free reserved places: one whose class's quiet
+accounts use fewer places than R_c goes at once, even past its own share (one headroom
+a class, not one an account: 3 quiet tenants idled 6 places with 2 each, and cost the
+flood 18-23% of its tokens/s).
 A request of an account under its own reservation goes at once, past held ones.
 The cost is O(active accounts) per request, paid only with a tenants file or the
 priority policy (serving.py): the one-tenant plain path never gets here.
@@ -35,7 +39,8 @@ import math
 import time
 from collections.abc import Callable
 
-HEADROOM = 2.0  # places reserved beyond an account's recent peak
+HEADROOM = 1.0  # places reserved beyond the recent peaks of a class's quiet accounts (once a class)
+REMOTE_TTL_S = 3.0  # another API server's count, unheard this long, is dropped (tenants/limits.py's)
 LINGER_WINDOWS = 12  # an idle account of a class more urgent than an active one stays active this many windows
 
 # at its cap / may take a free place in fair order / under its reservation: at once, to where it
@@ -46,11 +51,13 @@ HOLD, TURN, NOW, ALONE = 0, 1, 2, 3
 class Demand:
     """One (class, tenant) account's recent demand at this API server."""
 
-    __slots__ = ("priority", "weight", "num_in_flight", "peak", "peak_t", "last_t", "is_held")
+    __slots__ = ("priority", "weight", "num_in_flight", "num_remote", "remote", "peak", "peak_t", "last_t", "is_held")
 
     def __init__(self, priority: int, weight: float, now: float) -> None:
         self.priority, self.weight = priority, max(weight, 1e-9)
-        self.num_in_flight = 0
+        self.num_in_flight = 0  # sent from here and not ended
+        self.num_remote = 0  # in flight from the other API servers (tenants/sync.py), their last word
+        self.remote: dict[str, tuple[int, float]] = {}  # origin -> (count, when heard)
         self.peak = 0.0  # the count's peak as of peak_t; it decays toward the count since
         self.peak_t = now
         self.last_t = now  # the last start or end
@@ -60,7 +67,8 @@ class Demand:
         """The highest count of the last `tau` seconds; older peaks decay by e every tau."""
         age = now - self.peak_t
         peak = self.peak if age <= tau else self.peak * math.exp((tau - age) / tau)
-        return peak if peak > self.num_in_flight else float(self.num_in_flight)
+        n = self.num_in_flight + self.num_remote
+        return peak if peak > n else float(n)
 
 
 class Reservations:
@@ -89,9 +97,35 @@ class Reservations:
         if d is None:
             d = self.accounts[key] = Demand(priority, weight, now)
         d.num_in_flight += 1
-        if d.num_in_flight >= d.peak_at(now, self.window_s):
-            d.peak, d.peak_t = float(d.num_in_flight), now
+        self._peak(d, now)
         d.last_t = now
+
+    def _peak(self, d: Demand, now: float) -> None:
+        n = d.num_in_flight + d.num_remote
+        if n >= d.peak_at(now, self.window_s):
+            d.peak, d.peak_t = float(n), now
+
+    def remote(self, origin: str, priority: int, name: str, weight: float, count: int) -> None:
+        """Another API server has `count` requests of tenant `name` in flight (its report,
+        forwarded by the coordinator every FLUSH_S while they change): counted in the
+        account of the tenant's default class, so that every API server reserves and caps
+        by the cluster's counts (with P the cluster's places), not its own part of them."""
+        now = self.clock()
+        d = self.accounts.get((priority, name))
+        if d is None:
+            if not count:
+                return
+            d = self.accounts[(priority, name)] = Demand(priority, weight, now)
+        d.remote[origin] = (count, now)
+        self._fresh_remote(d, now)
+        self._peak(d, now)
+        d.last_t = now
+
+    def _fresh_remote(self, d: Demand, now: float) -> None:
+        """Drop the counts of API servers unheard for REMOTE_TTL_S (gone: nothing in flight)."""
+        for origin in [o for o, (_, heard) in d.remote.items() if now - heard > REMOTE_TTL_S]:
+            del d.remote[origin]
+        d.num_remote = sum(c for c, _ in d.remote.values())
 
     def set_held(self, priority: int, name: str, weight: float, is_held: bool) -> None:
         """The account's held queue became nonempty (True) or empty (False)."""
@@ -111,8 +145,11 @@ class Reservations:
 
     def _active(self, now: float) -> dict[tuple[int, str], Demand]:
         accounts = self.accounts
+        for d in accounts.values():
+            if d.remote:
+                self._fresh_remote(d, now)
         floor = self._floor(now)
-        gone = [k for k, d in accounts.items() if not d.num_in_flight and not d.is_held and now >= self._expiry(d, floor)]
+        gone = [k for k, d in accounts.items() if not d.num_in_flight + d.num_remote and not d.is_held and now >= self._expiry(d, floor)]
         for key in gone:
             del accounts[key]
         return accounts
@@ -120,7 +157,8 @@ class Reservations:
     def _floor(self, now: float) -> float:
         """The least urgent class with an account busy or idle for less than window_s."""
         window = self.window_s
-        return max((d.priority for d in self.accounts.values() if d.num_in_flight or d.is_held or now - d.last_t < window), default=-math.inf)
+        return max((d.priority for d in self.accounts.values() if d.num_in_flight + d.num_remote or d.is_held or now - d.last_t < window),
+                   default=-math.inf)
 
     def _expiry(self, d: Demand, floor: float) -> float:
         """When idle account `d` stops being active: window_s after its last request, or
@@ -129,9 +167,9 @@ class Reservations:
         return d.last_t + self.window_s * (LINGER_WINDOWS if d.priority < floor else 1)
 
     def check(self, priority: int, name: str, weight: float) -> int:
-        """HOLD: the account is at its cap; NOW: under its own reservation (it goes at once);
-        TURN: between the two (it may take a free place in fair order); ALONE: no other
-        account is active (no cap)."""
+        """HOLD: the account is at its cap; NOW: a place reserved for it, or lent by its
+        class's other quiet accounts, is free (it goes at once); TURN: between the two (it
+        may take a free place in fair order); ALONE: no other account is active (no cap)."""
         now = self.clock()
         active = self._active(now)
         me = active.get((priority, name))
@@ -142,24 +180,34 @@ class Reservations:
         else:
             if len(active) == 1:
                 return ALONE
-            total_weight, mine, num = 0.0, me.num_in_flight, me.peak_at(now, self.window_s)
+            total_weight, mine, num = 0.0, me.num_in_flight + me.num_remote, me.peak_at(now, self.window_s)
         for d in active.values():
             total_weight += d.weight
         places = self.places()
         tau = self.window_s
-        others = 0.0
+        # Per class, the other quiet accounts' shares, reserved demand and use (lending is within a class)
+        groups: dict[int, list[float]] = {}
         for d in active.values():
             if d is not me and d.priority <= priority and not d.is_held:
-                others += min(places * d.weight / total_weight, d.peak_at(now, tau) + HEADROOM)
+                share = places * d.weight / total_weight
+                g = groups.get(d.priority)
+                if g is None:
+                    g = groups[d.priority] = [0.0, 0.0, 0.0]
+                g[0] += share
+                g[1] += min(share, d.peak_at(now, tau))
+                g[2] += d.num_in_flight + d.num_remote
+        others = sum(min(g[0], g[1] + HEADROOM) for g in groups.values())
         if mine >= places - others:
             return HOLD
         if me is not None and me.is_held:
             return TURN  # behind its own held requests
-        own = min(places * max(weight, 1e-9) / total_weight, num + HEADROOM)
-        return NOW if mine < own else TURN
+        share = places * max(weight, 1e-9) / total_weight
+        g = groups.get(priority, (0.0, 0.0, 0.0))
+        pool = min(g[0] + share, g[1] + min(share, num) + HEADROOM)  # its class's quiet accounts' reservation
+        return NOW if mine < min(share, num + HEADROOM) or g[2] + mine < pool else TURN
 
     def next_expiry(self) -> float | None:
         """When the next idle account stops being active (its reservation lapses), or None."""
         now = self.clock()
         floor = self._floor(now)
-        return min((self._expiry(d, floor) for d in self._active(now).values() if not d.num_in_flight and not d.is_held), default=None)
+        return min((self._expiry(d, floor) for d in self._active(now).values() if not d.num_in_flight + d.num_remote and not d.is_held), default=None)

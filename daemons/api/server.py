@@ -199,10 +199,10 @@ class ApiServer:
         self.metrics = ApiMetrics(cfg, self.router)
         # tenants (--api-key-file as TOML): keys, limits held across the cluster, per-tenant metrics
         self.tenants = TenantService(cfg, log, self.coordinator, self.metrics.registry, incarnation) if cfg.tenants_file else None
-        if self.tenants is not None:
-            self.client.on_tenants = self.tenants.sync.apply
         self.client.on_step = self.metrics.vllm.step
         self.serving = OpenAIServing(cfg, self.tokenizer, self.client, self.metrics, log)
+        if self.tenants is not None:  # the others' usage, and the cluster's shares for admission (issue 28)
+            self.client.on_tenants, self.tenants.sync.on_remote = self.tenants.sync.apply, self.serving.admission and self.serving.admission.remote
         self.stop_event = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.probe_runner: web.AppRunner | None = None

@@ -148,7 +148,9 @@ class ServingBase:
             self.router.max_waiting_per_rank = cfg.max_num_seqs + min(cfg.max_waiting_per_rank, cfg.hold_waiting_per_rank)
             reserve = None  # places reserved by demand (reserve.py), with a tenants file or the priority policy
             if cfg.reserve_window_s > 0 and (cfg.tenants_file or by_class):  # (external LB: each API server, one rank)
-                reserve = Reservations.of_router(self.router, cfg.reserve_window_s, cfg.max_num_seqs, 1 if len(cfg.eligible_ranks) == 1 else cfg.api_server_count)
+                # with tenants, the others' counts come in (tenants/sync.py): the cluster's places
+                split = 1 if len(cfg.eligible_ranks) == 1 or cfg.tenants_file else cfg.api_server_count
+                reserve = Reservations.of_router(self.router, cfg.reserve_window_s, cfg.max_num_seqs, split)
             self.admission = Admission(cfg.max_held_per_tenant, by_class=by_class, reserve=reserve)
             self.router.on_room = self.admission.on_room
             metrics.registry.register(AdmissionCollector(self.admission, cfg.index))

@@ -343,17 +343,17 @@ def test_a_quiet_tenant_reserves_its_recent_peak_and_the_flood_is_capped_below_t
         adm, clock = reserved(places=16)
         res = adm.reserve
         assert res.check(0, "a", 1) == ALONE  # alone: no cap at all
-        start(adm, A, 3)  # a quiet tenant: 3 in flight, reserving 3 + 2 = 5
+        start(adm, A, 3)  # a quiet tenant: 3 in flight, reserving 3 + 1 = 4
         assert res.check(0, "b", 1) == NOW  # a newcomer is under its own reservation
-        start(adm, B, 11)
-        assert res.check(0, "b", 1) == HOLD  # 16 - 5 (a's): at its cap with room left
+        start(adm, B, 12)
+        assert res.check(0, "b", 1) == HOLD  # 16 - 4 (a's): at its cap with room left
         assert res.check(0, "a", 1) == NOW  # a's next request goes at once
-        start(adm, C, 1)  # a third (peak 1: reserves 3) lowers b's cap to 16 - 5 - 3 = 8
+        start(adm, C, 1)  # a third (peak 1) lowers b's cap to 16 - (3 + 1 + 1): one headroom a class
         assert res.check(0, "b", 1) == HOLD
         # between its reservation and its cap, a tenant takes a free place in fair order
         adm2, _ = reserved(places=16)
         start(adm2, A, 3)
-        start(adm2, B, 9)
+        start(adm2, B, 11)  # past its share (8) and the class's pooled reservation (3 + 8 + 1)
         assert adm2.reserve.check(0, "b", 1) == TURN and adm2.may_pass(B, 0) == TURN
         hold(adm2, Cluster(), C, 1)
         assert adm2.may_pass(B, 0) == HOLD and adm2.may_pass(A, 0) == NOW  # others held: only the reserved pass
@@ -365,8 +365,8 @@ def test_a_capped_tenant_is_held_with_room_free_and_released_as_its_own_requests
         adm, clock = reserved(places=8)
         cluster = Cluster()
         cluster.room = 8
-        start(adm, A, 1)  # quiet: reserves 1 + 2 = 3, so b may hold 5
-        running = start(adm, B, 5)
+        start(adm, A, 1)  # quiet: reserves 1 + 1 = 2, so b may hold 6
+        running = start(adm, B, 6)
         assert not adm.may_pass(B, 0)
         (held,) = hold(adm, cluster, B, 1)
         adm.release()
@@ -382,14 +382,14 @@ def test_work_conserving_once_the_others_are_idle_past_the_window_and_peaks_deca
     async def main():
         adm, clock = reserved(places=16, window_s=5.0)
         res = adm.reserve
-        quiet = start(adm, A, 6)  # peak 6: reserves min(8, 6 + 2) = 8
-        start(adm, B, 8)
+        quiet = start(adm, A, 6)  # peak 6: reserves min(8, 6) + 1 = 7
+        start(adm, B, 9)
         assert not adm.may_pass(B, 0)
         for state in quiet[:4]:
             adm.ended(state)
         clock.now += 2.0  # a's peak holds for the window
         assert not adm.may_pass(B, 0)
-        clock.now += 5.0  # then decays: 6 e^-0.4 = 4.0, + 2: b may hold 16 - 6.0
+        clock.now += 5.0  # then decays: 6 e^-0.4 = 4.0, + 1: b may hold 16 - 5.0
         start(adm, B, 1)
         assert adm.may_pass(B, 0)
         start(adm, B, 1)
@@ -408,8 +408,8 @@ def test_more_urgent_classes_reservations_come_first():
     async def main():
         adm, clock = reserved(places=16)
         res = adm.reserve
-        start(adm, A, 2, priority=0)  # interactive: reserves 4
-        start(adm, B, 12, priority=1)  # bulk: at 16 - 4
+        start(adm, A, 2, priority=0)  # interactive: reserves 2 + 1
+        start(adm, B, 13, priority=1)  # bulk: at 16 - 3
         assert res.check(1, "b", 1) == HOLD
         # the interactive class does not leave room for bulk's reservation (8): it may take up to 16
         start(adm, A, 8, priority=0)
@@ -417,8 +417,8 @@ def test_more_urgent_classes_reservations_come_first():
         # with room for two, the less urgent class at its cap stays held: the room is the other's
         adm2, _ = reserved(places=8)
         cluster = Cluster()
-        start(adm2, A, 6, priority=0)  # reserves min(8 / 2, 6 + 2) = 4
-        start(adm2, B, 4, priority=1)  # at its cap, 8 - 4
+        start(adm2, A, 6, priority=0)  # reserves min(8 / 2, 6) + 1 = 5
+        start(adm2, B, 4, priority=1)  # past its cap, 8 - 5
         hold(adm2, cluster, B, 1, priority=1)
         hold(adm2, cluster, A, 1, priority=0)  # its cap: 8, nothing more urgent
         assert released(adm2, cluster, 2) == ["a"] and adm2.num_held == 1
@@ -430,12 +430,12 @@ def test_one_release_burst_stops_at_the_cap_and_a_lapsed_reservation_wakes_the_h
     async def main():
         adm, clock = reserved(places=8, window_s=0.05)
         cluster = Cluster()
-        (quiet,) = start(adm, A, 1)  # reserves 1 + 2: b may hold 5
+        (quiet,) = start(adm, A, 1)  # reserves 1 + 1: b may hold 6
         hold(adm, cluster, B, 8)
-        assert released(adm, cluster, 8) == ["b"] * 5  # each release counts before the next pick
+        assert released(adm, cluster, 8) == ["b"] * 6  # each release counts before the next pick
         adm.ended(quiet)  # a goes idle; its reservation lapses 0.05 s later (the clock is virtual)
         await asyncio.sleep(0)
-        assert len(cluster.sent) == 5
+        assert len(cluster.sent) == 6
         clock.now += 0.06
         await asyncio.sleep(0.1)  # the wake-up at the lapse (work conservation): nothing else would come
         assert len(cluster.sent) == 8 and adm.num_held == 0
@@ -450,7 +450,7 @@ def test_backlogged_tenants_reserve_nothing_the_fair_order_by_tokens_shares_betw
         cluster = Cluster()
         start(adm, A, 4)
         start(adm, B, 3)
-        assert adm.reserve.check(0, "b", 1) == NOW and adm.reserve.check(0, "a", 1) == HOLD  # a: 8 - min(4, 5)
+        assert adm.reserve.check(0, "b", 1) == NOW and adm.reserve.check(0, "a", 1) == HOLD  # a: 8 - (min(4, 3) + 1)
         hold(adm, cluster, A, 2, cost=10)
         hold(adm, cluster, B, 2, cost=40)  # both backlogged: neither reserves; tokens decide
         assert released(adm, cluster, 1) == ["a"]  # (a's tag is lowest: it asked for fewer tokens)

@@ -29,6 +29,7 @@ class TenantSync:
         self.codec = Codec(TenantUsage)
         self.cluster: dict[str, tuple[float, float, int]] = {}  # tenant -> (tokens/s, requests/s, in flight), from the coordinator
         self.num_reports = 0
+        self.on_remote = None  # (origin, Tenant, in flight, delivered tokens) -> None: admission's (admission.py)
 
     def cluster_usage(self, tenant: str) -> float:
         """Recent delivered tokens/s of `tenant` across the cluster (refreshed every second)."""
@@ -63,8 +64,11 @@ class TenantSync:
         if msg.origin == self.origin:
             return
         limits: Limits = self.limits_of()
-        for name, requests, charged, _delivered, in_flight in msg.usage:
+        for name, requests, charged, delivered, in_flight in msg.usage:
             limits.remote(msg.origin, name, requests, charged, in_flight)
+            st = limits.states.get(name) if self.on_remote is not None else None
+            if st is not None:
+                self.on_remote(msg.origin, st.tenant, in_flight, delivered)
 
     async def run(self) -> None:
         ticks_per_keepalive = round(KEEPALIVE_S / FLUSH_S)

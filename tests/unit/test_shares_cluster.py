@@ -1,0 +1,99 @@
+"""Shares held by N API servers together (issue 28): each server's reservations count the
+other servers' requests in flight, and its fair order the tokens they delivered, as the
+coordinator forwards their reports (tenants/sync.py). Two servers on a virtual clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dpserve.daemons.api.admission import Admission
+from dpserve.daemons.api.reserve import ALONE, HOLD, NOW, Reservations
+from dpserve.daemons.api.router import QueueFull
+from dpserve.daemons.api.tenants import Tenant
+from dpserve.daemons.api.tenants.limits import Limits
+from dpserve.daemons.api.tenants.sync import TenantSync
+from dpserve.daemons.coordinator.tenants import TenantAccounts
+from dpserve.engine.common.codec import Codec
+from dpserve.engine.common.protocol import CoordinatorInput, TableChannel
+
+QUIET, FLOOD = Tenant("quiet"), Tenant("flood")
+PLACES = 16  # the cluster's batch places: every server reserves and caps by the cluster's counts
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def servers(n: int, clock: Clock, forward: bool = True):
+    """n API servers (limits, sync, admission) whose reports go through one coordinator."""
+    wire_in, wire_out = Codec(CoordinatorInput), Codec(TableChannel)
+    accounts = TenantAccounts()
+    out = []
+
+    def send(data: bytes) -> None:
+        accounts.take(wire_in.decode(data), clock())
+        for _, sync, _ in out:
+            sync.apply(wire_out.decode(data))
+
+    for i in range(n):
+        limits = Limits({t.name: t for t in (QUIET, FLOOD)}, clock)
+        sync = TenantSync(lambda limits=limits: limits, f"api-{i}", send if forward else lambda data: None)
+        adm = Admission(1000, clock=clock, reserve=Reservations(5.0, lambda: PLACES, clock))
+        sync.on_remote = adm.remote
+        out.append((limits, sync, adm))
+    return out
+
+
+def begin(server, tenant: Tenant, n: int) -> None:
+    """n requests of `tenant` sent from this server (counted by its limits and its reservations)."""
+    limits, _, adm = server
+    for _ in range(n):
+        limits.admit(tenant)
+        adm.reserve.started(tenant.priority, tenant.name, tenant.weight)
+
+
+def test_a_flood_at_one_server_is_capped_by_a_quiet_tenants_demand_at_another():
+    for forward in (True, False):
+        clock = Clock()
+        a, b = servers(2, clock, forward)
+        begin(a, QUIET, 3)  # the quiet tenant comes only to server a
+        begin(b, FLOOD, 12)  # the flood only to server b
+        a[1].flush()
+        b[1].flush()
+        go = b[2].reserve.check(FLOOD.priority, FLOOD.name, FLOOD.weight)
+        if forward:  # b reserves the quiet tenant's peak 3 + 1 of the 16 places: the flood is at its cap
+            assert go == HOLD
+            assert a[2].reserve.check(QUIET.priority, QUIET.name, QUIET.weight) == NOW
+        else:  # each server alone: b sees the flood alone, and lets it take every place
+            assert go == ALONE
+
+
+def test_tokens_delivered_at_one_server_count_in_another_servers_fair_order():
+    async def main():
+        clock = Clock()
+        a, b = servers(2, clock)
+        sent = []
+
+        def send_of(name: str):
+            def send() -> int:
+                if len(sent) >= 1:
+                    raise QueueFull(1)
+                sent.append(name)
+                return 0
+            return send
+
+        adm = b[2]
+        adm.reserve = None  # (the fair order alone)
+        adm.enqueue(FLOOD, 0, 100, send_of("flood"))  # held first: the tie would be the flood's
+        adm.enqueue(QUIET, 0, 100, send_of("quiet"))
+        limits = a[0]
+        st = limits.admit(FLOOD)  # meanwhile server a delivered 5,000 of the flood's tokens
+        limits.done(st, 0, 1000, 4000)
+        a[1].flush()
+        adm.release()
+        assert sent == ["quiet"]
+    asyncio.run(main())
