@@ -15,6 +15,8 @@ class Addresses(msgspec.Struct, kw_only=True):
     coordinator_table: str
     api_engines: list[str]  # index = API-server index
     api_probes: list[str]  # unix socket paths for per-API-server HTTP probes
+    node_loads: str = ""  # the node's load relay: its ranks' LoadReports (issue 30; supervisor/relays.py)
+    node_table: str = ""  # the node's table relay, when it runs: what its API servers subscribe to
 
     @classmethod
     def for_node(cls, cfg: ServeConfig, run_dir: str, node_address: str) -> Addresses:
@@ -39,4 +41,6 @@ class Addresses(msgspec.Struct, kw_only=True):
             coordinator_table=table,
             api_engines=api_engines,
             api_probes=probes,
+            node_loads=f"ipc://{run_dir}/node.loads",  # node-local either way
+            node_table=f"ipc://{run_dir}/node.table",
         )

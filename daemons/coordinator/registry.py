@@ -140,8 +140,9 @@ class RankTable:
         it comes from an engine this table does not hold."""
         return not self._rows((row,), now)
 
-    def _rows(self, rows: list[tuple] | tuple, now: float) -> list[tuple]:
-        """Apply report rows; returns those of engines this table does not hold. A
+    def _rows(self, rows: list[tuple] | tuple, now: float, heard: bool = True) -> list[tuple]:
+        """Apply report rows; returns those of engines this table does not hold
+        (`heard`: the rank is heard from now; a relay's rows say nothing of when). A
         changed load is kept as the row (a tuple comparison, no field copied: ~1 us,
         issue 30) and written into the rank's entry only when a LoadTable needs it
         (_sync): the hot loop of a busy cluster's intake."""
@@ -152,7 +153,8 @@ class RankTable:
             if accepting.get(rank) != row[1]:
                 unknown.append(row)  # not registered, another incarnation, or declared lost
                 continue
-            last_seen[rank] = now
+            if heard:
+                last_seen[rank] = now
             load = row[2:]
             if held[rank] != load:  # (unchanged: a heartbeat, nothing to publish)
                 held[rank] = load
@@ -175,13 +177,19 @@ class RankTable:
     def node_load(self, msg: NodeLoad, now: float) -> list[tuple]:
         """A node's aggregate: its fresh ranks are heard from (a rank of another node, or
         one this table does not hold, is not), its changed loads applied. Returns the
-        rows of ranks this table does not hold (they must register again)."""
-        last_seen, ranks, node = self.last_seen, self.ranks, msg.node_rank
-        for rank in msg.alive:  # the heartbeat: one dict write a rank
+        rows of ranks this table does not hold (they must register again). A rank
+        counts as heard when its relay last heard it (`heard_ms_ago`), so a hung rank
+        and a dead node go stale on the rank's own clock, not one beat later."""
+        unknown = self._rows(msg.loads, now, heard=False) if msg.loads else []
+        last_seen, ranks, node, ago = self.last_seen, self.ranks, msg.node_rank, msg.heard_ms_ago
+        if len(ago) != len(msg.alive):
+            ago = [0] * len(msg.alive)  # a relay that sends no ages: heard just now
+        for rank, ms in zip(msg.alive, ago):  # the heartbeat: one dict write a rank
             entry = ranks.get(rank)
-            if entry is not None and entry.node_rank == node:
-                last_seen[rank] = now
-        return self._rows(msg.loads, now) if msg.loads else []
+            # (never back: a registration or a rank's own report may be newer than the relay's news)
+            if entry is not None and entry.node_rank == node and (heard := now - ms / 1000) > last_seen[rank]:
+                last_seen[rank] = heard
+        return unknown
 
     def node_address(self, node_rank: int, address: str) -> None:
         """A node's supervisor said where it is: its ranks' entries name it."""

@@ -1,4 +1,5 @@
-"""A node's relay of the coordinator's load table (issue 30, measured as an option):
+"""A node's relay of the coordinator's load table (issue 30; `serve` runs it on a
+thread of the supervisor when the node has enough API servers, supervisor/relays.py):
 one subscription to the head, re-published on a local socket that the node's API
 servers subscribe to instead, so the head sends each table once per node, not once
 per API server. ZeroMQ's XSUB/XPUB proxy moves the bytes in C (no Python per
@@ -17,14 +18,15 @@ import os
 import signal
 
 import zmq
+from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.procutil import die_with_parent, set_process_name
+from dpserve.engine.common.sockets import make_socket
 
 
-def relay(ctx: zmq.Context, upstream: str, bind: str) -> None:
-    """Proxy the table from `upstream` to subscribers of `bind` until the context ends."""
-    sub = ctx.socket(zmq.XSUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.RCVHWM, 10_000)
+def relay(ctx: zmq.Context, upstream: str, bind: str, keys: CurveKeys | None = None) -> None:
+    """Proxy the table from `upstream` (a CURVE client with `keys`, as every node is
+    to its head) to subscribers of `bind` (node-local) until the context ends."""
+    sub = make_socket(ctx, zmq.XSUB, keys, rcvhwm=10_000, reconnect_ms=(100, 2000))
     sub.connect(upstream)
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)

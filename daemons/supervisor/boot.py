@@ -1,6 +1,6 @@
 """What the supervisor boots before any child starts: the listening sockets it
 owns (bound once, no SO_REUSEPORT, handed to every API server), the run
-directory, its ZeroMQ sockets, the child table and the prefork launcher."""
+directory, its ZeroMQ sockets and relays, the child table and the prefork launcher."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ from dpserve.daemons.supervisor.plan import (
     ephemeral_key_file,
     node_address_towards,
     plan_children,
+    table_address,
+    uses_table_relay,
 )
+from dpserve.daemons.supervisor.relays import LoadRelay, TableRelay, load_beat_s
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.config import resolve_max_model_len
@@ -114,9 +117,10 @@ def prepare(sup: Supervisor) -> None:
         identity=f"supervisor-{cfg.data_parallel_start_rank}".encode(),
     )
     sup.coord_codec = Codec(CoordinatorInput)
+    start_relays(sup)
     # The cluster view's source: the load table every API server reads (cluster.py).
     sup.table_sub = make_socket(
-        sup.zctx, zmq.SUB, sup.keys, connect=sup.addr.coordinator_table, subscribe=b"", reconnect_ms=(100, 2000)
+        sup.zctx, zmq.SUB, sup.keys, connect=table_address(cfg, sup.addr), subscribe=b"", reconnect_ms=(100, 2000)
     )
     for child in plan_children(cfg, sup.addr, sup.listen_socks, sup.max_model_len, sup.heartbeat_interval_s, ray):
         sup.children[child.name] = child
@@ -133,3 +137,19 @@ def write_ports_file(path: str | None, port: int, supervisor_port: int) -> None:
         with open(tmp, "wb") as f:
             f.write(_enc({"port": port, "supervisor_port": supervisor_port, "pid": os.getpid()}))
         os.replace(tmp, path)
+
+
+def start_relays(sup: Supervisor) -> None:
+    """The node's load relay, when it runs ranks of its own (not Ray's actors), and its
+    table relay, when it runs enough API servers (supervisor/relays.py)."""
+    cfg = sup.cfg
+    if cfg.size_local and not cfg.uses_ray:
+        stale_after_s = cfg.probe_interval_s * cfg.probe_failure_threshold
+        sup.load_relay = LoadRelay(
+            cfg.data_parallel_start_rank, sup.addr.node_loads, sup.addr.coordinator_engines, sup.keys,
+            load_beat_s(sup.heartbeat_interval_s, stale_after_s), stale_after_s, sup.log,
+        )
+        sup.load_relay.start()
+    if uses_table_relay(cfg):
+        sup.table_relay = TableRelay(sup.addr.coordinator_table, sup.addr.node_table, sup.keys)
+        sup.table_relay.start()

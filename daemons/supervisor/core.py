@@ -33,7 +33,7 @@ from dpserve.daemons.supervisor.policy import Action, RestartPolicy, decide, nod
 from dpserve.daemons.supervisor.probes import Prober
 from dpserve.daemons.supervisor.producers import read_control, read_table, watch_coordinator_link, watch_exit
 from dpserve.daemons.supervisor.rolling import RollingRestart
-from dpserve.daemons.supervisor.shutdown import shutdown
+from dpserve.daemons.supervisor.shutdown import shutdown, stop_relays
 from dpserve.daemons.supervisor.views import NodeView
 from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_STARTUP, OomRecord, describe_exit
@@ -73,6 +73,8 @@ class Supervisor:
         self.num_alive_ranks = 0  # as the API servers see the cluster (coordinator's table)
         self.cluster = ClusterState(cfg.data_parallel_size, cfg.probe_interval_s * cfg.probe_failure_threshold, time.time(), cfg.size_max)
         self.table_sub = None
+        self.load_relay = None  # the node's relays (relays.py), started by boot.prepare
+        self.table_relay = None
         self.view = NodeView(self)
         self.health = HealthServer(self.view, draining.DrainEndpoints(self.post, cfg.key_file))
         self.prober = Prober(self.view, self.post)
@@ -107,6 +109,7 @@ class Supervisor:
             prepare(self)
         except (StartupError, ValueError) as exc:
             self.log.error("cannot start", error=str(exc))
+            stop_relays(self)
             await self.health.stop()
             if self.own_run_dir:
                 shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -15,6 +15,7 @@ import msgspec
 from dpserve.daemons.addresses import Addresses
 from dpserve.daemons.config import ApiServerConfig, CoordinatorConfig, ServeConfig, child_config
 from dpserve.daemons.supervisor.children import Child
+from dpserve.daemons.supervisor.relays import TABLE_RELAY_MIN_SUBSCRIBERS
 from dpserve.engine.backends.ray.placement import RayError, RayPlacement, preflight
 from dpserve.engine.backends.ray.rank import RayRank
 from dpserve.engine.common.codec import config_fingerprint
@@ -214,7 +215,19 @@ def engine_config(cfg: ServeConfig, facts: NodeFacts, rank: int) -> EngineProces
         fingerprint=facts.fingerprint,
         heartbeat_interval_s=facts.heartbeat_interval_s,
         parent_pid=facts.parent_pid,
+        node_relay_address=facts.addr.node_loads,
     )
+
+
+def uses_table_relay(cfg: ServeConfig) -> bool:
+    """The node's API servers read the table through the node's table relay (issue 30):
+    where it pays, TABLE_RELAY_MIN_SUBSCRIBERS of them or more (the supervisor subscribes too)."""
+    return cfg.runs_api_servers and cfg.api_server_count + 1 >= TABLE_RELAY_MIN_SUBSCRIBERS
+
+
+def table_address(cfg: ServeConfig, addr: Addresses) -> str:
+    """Where this node's API servers and supervisor subscribe to the load table."""
+    return addr.node_table if uses_table_relay(cfg) and addr.node_table else addr.coordinator_table
 
 
 def engine_children(cfg: ServeConfig, facts: NodeFacts) -> list[Child]:
@@ -240,7 +253,8 @@ def ray_children(cfg: ServeConfig, facts: NodeFacts, ray: RayPlan) -> list[Child
             RayRank,
             cfg,
             prefix="ray_",
-            engine=msgspec.structs.replace(engine_config(cfg, facts, rank), key_file=""),
+            # the actor may run on another machine: it reports to the coordinator itself
+            engine=msgspec.structs.replace(engine_config(cfg, facts, rank), key_file="", node_relay_address=""),
             address=ray.address,
             group_name=ray.group_name,
             key_file=facts.key_file,
@@ -287,7 +301,7 @@ def api_children(cfg: ServeConfig, facts: NodeFacts, listen_socks: list[socket.s
             max_model_len=facts.max_model_len,
             listen_fd=sock.fileno(),
             engine_address=facts.addr.api_engines[i],
-            table_address=facts.addr.coordinator_table,
+            table_address=table_address(cfg, facts.addr),
             supervisor_address=facts.addr.supervisor,
             probe_path=facts.addr.api_probes[i],
             parent_pid=facts.parent_pid,

@@ -23,6 +23,14 @@ if TYPE_CHECKING:
     from dpserve.daemons.supervisor.core import Supervisor
 
 
+def stop_relays(sup: Supervisor) -> None:
+    """The node's relays (relays.py): after its ranks and API servers, never before."""
+    for relay in (sup.load_relay, sup.table_relay):
+        if relay is not None:
+            relay.stop()
+    sup.load_relay = sup.table_relay = None
+
+
 async def shutdown(sup: Supervisor) -> None:
     sup.phase = "stopping"
     sup.notifier.stopping("stopping: draining API servers")
@@ -52,6 +60,7 @@ async def shutdown(sup: Supervisor) -> None:
         task.cancel()
     await asyncio.gather(*sup.tasks, return_exceptions=True)
     await sup.health.stop()
+    stop_relays(sup)
     sup.zctx.destroy(linger=0)
     if sup.own_run_dir:
         shutil.rmtree(sup.run_dir, ignore_errors=True)

@@ -104,3 +104,4 @@ class EngineProcessConfig(msgspec.Struct, kw_only=True):
     heartbeat_interval_s: float
     parent_pid: int
     log_level: str = "info"
+    node_relay_address: str = ""  # LoadReports go to the node's relay (issue 30); '' = to the coordinator

@@ -329,12 +329,15 @@ class NodeLoad(msgspec.Struct, tag="node_load", array_like=True):
     ranks with it). `loads`: the reports that changed since the last NodeLoad (every
     rank's on a resync), each as (rank, incarnation, *a LoadDelta row), so that the
     coordinator keeps and forwards a row untouched. Registration, readiness and
-    deaths still go per rank."""
+    deaths still go per rank. `heard_ms_ago[i]`: how long before sending the relay
+    last heard `alive[i]`, so that staleness is judged from the rank's own last
+    report, not from its relay's last beat (empty: just now)."""
 
     node_rank: int
     seq: int
     alive: list[int]
     loads: list[tuple[int, str, int, int, int, int, int, int, int, int, int, int, int]]
+    heard_ms_ago: list[int] = []
 
 
 class TenantUsage(msgspec.Struct, tag="tenant_usage", array_like=True):

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import math
 
+import zmq
+from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.protocol import LoadReport, NodeLoad
+from dpserve.engine.common.sockets import make_socket
 
 # While loads change a node sends at most this often: 512 nodes under full load
 # -> at most 25,600 messages/s (the coordinator publishes changes at most every
@@ -100,4 +103,21 @@ class NodeAggregator:
             self.sent[row[0]] = row
         self.changed.clear()
         self.last_flush = now
-        return NodeLoad(self.node_rank, self.seq, alive, loads)
+        ago = [int((now - heard[r]) * 1000) for r in alive]
+        return NodeLoad(self.node_rank, self.seq, alive, loads, ago)
+
+
+class RelayLink:
+    """A rank's way to its node's relay (node-local, a PUSH): its LoadReports go there,
+    not to the coordinator. Never blocks: a report that cannot be queued is dropped
+    (the next one carries the same load), as on the coordinator's socket."""
+
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.codec = Codec(LoadReport)
+        self.sock = make_socket(ctx, zmq.PUSH, connect=address, sndhwm=1000)
+
+    def send(self, report: LoadReport) -> None:
+        try:
+            self.sock.send(self.codec.encode(report), zmq.NOBLOCK)
+        except zmq.Again:
+            pass

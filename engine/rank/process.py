@@ -22,6 +22,7 @@ from dpserve.engine.common.config import EngineProcessConfig
 from dpserve.engine.common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_STARTUP, SupervisorLink, start_child
 from dpserve.engine.interface import RankEngine
 from dpserve.engine.rank.io import COORDINATOR, LOAD_REPORT_MIN_INTERVAL_S, WELCOMED, RankIO
+from dpserve.engine.rank.node_relay import RelayLink
 
 # How long a dying engine waits for its EngineDead to reach each API server.
 # Long enough for any live peer (vLLM lingers seconds); short enough that an
@@ -56,6 +57,8 @@ class EngineProcess:
             node_rank=cfg.node_rank, coordinator_address=cfg.coordinator_address, log=log,
             watch=lambda sock: self.poller.register(sock, zmq.POLLIN),
         )
+        if cfg.node_relay_address:  # one message per node (issue 30): the supervisor's relay sends them on
+            self.io.load_sink = RelayLink(self.ctx, cfg.node_relay_address).send
         # Signals wake the busy loop's poll at once (pyzmq resumes an interrupted poll,
         # so a SIGTERM or a drain would otherwise wait out an idle poll's heartbeat_s).
         self._wake_r, self._wake_w = socket.socketpair()
