@@ -195,6 +195,18 @@ def windows_jain(results: list[Result], tenants: list[str], start: float, end: f
     return out
 
 
+def log_ttfts(args, scenario: str, phases: dict[str, list[Result]], *tenants: str) -> None:
+    """With --ttft-log: one line a request of `tenants` (scenario, phase, tenant, start on the
+    monotonic clock, which the API server's and ranks' logs share, TTFT, status), appended."""
+    if not args.ttft_log:
+        return
+    with open(args.ttft_log, "a") as f:
+        for name, results in phases.items():
+            for r in results:
+                if r.tenant in tenants:
+                    f.write(f"{scenario} {name} {r.tenant} {r.t0:.4f} {r.ttft if r.t_first else -1:.4f} {r.status}\n")
+
+
 # ----------------------------------------------------------------- scenarios
 
 
@@ -204,6 +216,7 @@ async def noisy(url, model, args, capacity: float) -> dict:
     alone = await phase(url, model, args.phase_s, drain, open_loops=[("t1", rate, args.max_tokens)])
     loaded = await phase(url, model, args.phase_s, drain, open_loops=[("t0", 10 * share, args.max_tokens)]
                          + [(t, rate, args.max_tokens) for t in ("t1", "t2", "t3")])
+    log_ttfts(args, "noisy", {"alone": alone, "loaded": loaded}, "t1", "t2", "t3")
     base = p99(ttfts(alone, "t1"))
     rows = {t: p99(ttfts(loaded, t)) for t in ("t1", "t2", "t3")}
     return {"share_req_s": share, "quiet_rate": rate, "alone_p99_s": base, "loaded_p99_s": rows,
@@ -230,6 +243,7 @@ async def priority(url, model, args, slots: int, capacity: float) -> dict:
     loaded = await phase(url, model, args.phase_s, args.phase_s, open_loops=[("interactive", rate, args.max_tokens)],
                          closed_loops=[("bulk", 3 * slots, args.max_tokens)])
     base, under = p99(ttfts(alone, "interactive")), p99(ttfts(loaded, "interactive"))
+    log_ttfts(args, "priority", {"alone": alone, "loaded": loaded}, "interactive")
     return {"rate": rate, "unloaded_p99_s": base, "flooded_p99_s": under, "ratio": under / base if base and under else None,
             "bulk_served": sum(r.tenant == "bulk" and r.status == 200 for r in loaded), "loaded_tok_s": delivered(loaded, args.phase_s)}
 
@@ -276,6 +290,7 @@ def main(argv=None) -> None:
     p.add_argument("--reserve", type=float, default=5.0, help="--reserve-window-s (0: no reserved places)")
     p.add_argument("--phase-s", type=float, default=15.0)
     p.add_argument("--jain-s", type=float, default=30.0)
+    p.add_argument("--ttft-log", default=None, help="append each quiet / interactive request's TTFT to this file")
     args, run = begin(p, argv)
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
         url, model, stop, step_s = start_cluster(args, TENANTS.write(tmp))

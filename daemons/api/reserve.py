@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Callable
 
-HEADROOM = 1.0  # places reserved beyond the recent peaks of a class's quiet accounts (once a class)
+HEADROOM = 2.0  # places reserved beyond the recent peaks of a class's quiet accounts (once a class)
 REMOTE_TTL_S = 3.0  # another API server's count, unheard this long, is dropped (tenants/limits.py's)
 LINGER_WINDOWS = 12  # an idle account of a class more urgent than an active one stays active this many windows
 
@@ -77,8 +77,9 @@ class Reservations:
     Invariant: an account is in `accounts` while it has a request in flight or its last
     one ended less than window_s ago (pruned lazily by `_active`)."""
 
-    def __init__(self, window_s: float, places: Callable[[], float], clock: Callable[[], float]) -> None:
+    def __init__(self, window_s: float, places: Callable[[], float], clock: Callable[[], float], headroom: float = HEADROOM) -> None:
         self.window_s = window_s
+        self.headroom = headroom
         self.places = places  # this API server's batch places (+ the waiting each rank may hold)
         self.clock = clock
         self.accounts: dict[tuple[int, str], Demand] = {}
@@ -196,15 +197,15 @@ class Reservations:
                 g[0] += share
                 g[1] += min(share, d.peak_at(now, tau))
                 g[2] += d.num_in_flight + d.num_remote
-        others = sum(min(g[0], g[1] + HEADROOM) for g in groups.values())
+        others = sum(min(g[0], g[1] + self.headroom) for g in groups.values())
         if mine >= places - others:
             return HOLD
         if me is not None and me.is_held:
             return TURN  # behind its own held requests
         share = places * max(weight, 1e-9) / total_weight
         g = groups.get(priority, (0.0, 0.0, 0.0))
-        pool = min(g[0] + share, g[1] + min(share, num) + HEADROOM)  # its class's quiet accounts' reservation
-        return NOW if mine < min(share, num + HEADROOM) or g[2] + mine < pool else TURN
+        pool = min(g[0] + share, g[1] + min(share, num) + self.headroom)  # its class's quiet accounts' reservation
+        return NOW if mine < min(share, num + self.headroom) or g[2] + mine < pool else TURN
 
     def next_expiry(self) -> float | None:
         """When the next idle account stops being active (its reservation lapses), or None."""

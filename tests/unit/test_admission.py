@@ -317,11 +317,11 @@ def test_under_the_priority_policy_less_urgent_work_in_flight_lets_a_more_urgent
 # ---------------------------------------------------------------- reservations (reserve.py)
 
 def reserved(places: float = 16, window_s: float = 5.0):
-    """Admission with reservations over `places` places, on a virtual clock."""
+    """Admission with reservations over `places` places (headroom 1), on a virtual clock."""
     from dpserve.daemons.api.reserve import Reservations
 
     clock = Clock()
-    return Admission(1000, clock=clock, reserve=Reservations(window_s, lambda: places, clock)), clock
+    return Admission(1000, clock=clock, reserve=Reservations(window_s, lambda: places, clock, headroom=1.0)), clock
 
 
 def start(adm: Admission, tenant: Tenant, n: int, priority: int = 0) -> list:

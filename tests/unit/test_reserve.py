@@ -16,7 +16,7 @@ class Clock:
 
 def test_an_idle_more_urgent_class_keeps_its_reservation_while_a_less_urgent_one_floods():
     clock = Clock()
-    res = Reservations(5.0, lambda: 16, clock)
+    res = Reservations(5.0, lambda: 16, clock, headroom=1.0)
     res.started(0, "interactive", 1)
     res.ended(0, "interactive")  # idle from t = 100
     for _ in range(15):
@@ -31,7 +31,7 @@ def test_an_idle_more_urgent_class_keeps_its_reservation_while_a_less_urgent_one
 
 def test_an_idle_account_of_the_same_or_a_less_urgent_class_lapses_after_one_window():
     clock = Clock()
-    res = Reservations(5.0, lambda: 16, clock)
+    res = Reservations(5.0, lambda: 16, clock, headroom=1.0)
     res.started(1, "quiet", 1)
     res.ended(1, "quiet")
     res.started(1, "flood", 1)
@@ -47,7 +47,7 @@ def test_an_idle_account_of_the_same_or_a_less_urgent_class_lapses_after_one_win
 
 def test_quiet_accounts_of_a_class_lend_each_other_their_free_reserved_places():
     clock = Clock()
-    res = Reservations(5.0, lambda: 16, clock)  # 3 accounts: a share of 16 / 3 each
+    res = Reservations(5.0, lambda: 16, clock, headroom=1.0)  # 3 accounts: a share of 16 / 3 each
     for _ in range(4):
         res.started(0, "a", 1)
     for _ in range(3):
