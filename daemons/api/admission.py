@@ -383,7 +383,7 @@ class Admission:
 
 def soonest_rank(router: Router) -> int:
     """The routable eligible rank with the fewest sequences running and waiting (the
-    table's, plus this API server's sends since), full or not: where a request that
+    table's, plus this API server's sends since, never less than its own in flight there), full or not: where a request that
     preempts starts soonest. A scan: only such requests pay for it. Raises NoRankAvailable."""
     best, best_key = -1, None
     for rank in router.eligible:
@@ -391,6 +391,8 @@ def soonest_rank(router: Router) -> int:
             continue
         load = router.loads[rank]
         key = load.num_running + load.num_waiting + router.sent[rank]
+        if key < router.inflight[rank]:  # (a table older than our last sends, which reset `sent`)
+            key = router.inflight[rank]
         if best_key is None or key < best_key:
             best, best_key = rank, key
     if best_key is None:

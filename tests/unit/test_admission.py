@@ -281,7 +281,9 @@ def test_the_least_urgent_held_class_and_the_rank_where_a_preempting_request_sta
     router.on_send(1, 10)
     router.on_send(1, 10)
     assert soonest_rank(router) == 0  # (ties to the first)
-    router.update_table(LoadTable(2, 3, [RankLoad(0, "a", False), RankLoad(1, "b", False)]))
+    router.update_table(LoadTable(2, 3, [RankLoad(0, "a", True, 2, 0), RankLoad(1, "b", True, 0, 0), RankLoad(2, "c", False)]))
+    assert soonest_rank(router) == 0  # a table older than our 3 sends to rank 1: never below our own in flight
+    router.update_table(LoadTable(3, 3, [RankLoad(0, "a", False), RankLoad(1, "b", False)]))
     with pytest.raises(NoRankAvailable):
         soonest_rank(router)
 
