@@ -80,16 +80,23 @@ class RankIO:
         log,
         watch: Callable[[zmq.Socket], None],
         watch_monitors: bool = True,
+        monitors: bool = True,
     ) -> None:
         """`watch(sock)` is called for every socket the owner must poll and hand to
         read(). With `watch_monitors` False the owner does not poll the connection
         monitors: a new connection is greeted at once and reconnections when the
-        owner calls greet_reconnections()."""
+        owner calls greet_reconnections(). With `monitors` False there are none (a
+        simulated cluster's thousands of connections): an API server that restarts
+        is greeted when it asks, through the coordinator (GreetAgain).
+        `sent`, when the owner sets it, collects every socket a message was sent on:
+        an owner that polls ZeroMQ's FDs itself must look at them again (a send can
+        take in messages without the FD signalling)."""
         self.ctx, self.keys, self.log = ctx, keys, log
         self.rank, self.incarnation = rank, incarnation
         self._registration = EngineRegister(rank, incarnation, fingerprint, os.getpid(), socket.gethostname(), node_rank)
         self.coordinator_address = coordinator_address
-        self.watch, self.watch_monitors = watch, watch_monitors
+        self.watch, self.watch_monitors, self.use_monitors = watch, watch_monitors, monitors
+        self.sent: set[zmq.Socket] | None = None
         self.in_codec = Codec(EngineInput, "requests")
         self.out_codec = Codec(EngineToApi)
         self.kv = KVPublisher()  # KV events to the API servers that asked (issue 29)
@@ -128,6 +135,7 @@ class RankIO:
         says to retry within REGISTER_UNSENT_RETRY_S."""
         self.last_register = time.monotonic()
         try:
+            self._note_sent(self.coordinator)
             self.coordinator.send(self.coord_codec.encode(self._registration), zmq.NOBLOCK)
         except zmq.Again:
             self.last_register -= REGISTER_RETRY_S - REGISTER_UNSENT_RETRY_S
@@ -185,15 +193,16 @@ class RankIO:
             sock = make_socket(
                 self.ctx, zmq.DEALER, self.keys, identity=self.api_identity, sndhwm=0, rcvhwm=0, reconnect_ms=(50, 1000)
             )
-            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if self.use_monitors else None
             sock.connect(address)
             index = len(self.api)
-            self.monitors[monitor] = index
+            if monitor is not None:
+                self.monitors[monitor] = index
             self._index[sock] = index
             self.api.append(sock)
             self.api_addresses.append(address)
             self.watch(sock)
-            if self.watch_monitors:
+            if self.watch_monitors and monitor is not None:
                 self.watch(monitor)
             else:  # queued until the connection is up: no wait for the owner's next greeting round
                 self.send_to(index, EngineHello(self.rank, self.incarnation))
@@ -341,9 +350,14 @@ class RankIO:
     def report(self, msg: object) -> None:
         """A message to the coordinator (dropped if it cannot be queued: the next report follows)."""
         try:
+            self._note_sent(self.coordinator)
             self.coordinator.send(self.coord_codec.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             pass
+
+    def _note_sent(self, sock: zmq.Socket) -> None:
+        if self.sent is not None:
+            self.sent.add(sock)
 
     def report_load(self, engine: RankEngine, now: float, *, force: bool = False, every_s: float = math.inf) -> bool:
         """A LoadReport if forced, if the last is `every_s` old (the heartbeat), or if the
@@ -370,8 +384,9 @@ class RankIO:
         )
         return True
 
-    @staticmethod
-    def _send(sock: zmq.Socket, data: bytes) -> None:
+    def _send(self, sock: zmq.Socket, data: bytes) -> None:
+        if self.sent is not None:
+            self.sent.add(sock)
         try:
             sock.send(data, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:

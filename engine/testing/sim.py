@@ -31,8 +31,6 @@ import signal
 import sys
 import time
 import uuid
-from collections import deque
-from collections.abc import Iterable
 
 import msgspec
 import zmq
@@ -40,21 +38,13 @@ from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.logs import setup_logging
 from dpserve.engine.common.procutil import die_with_parent, raise_fd_limit
-from dpserve.engine.common.protocol import (
-    FINISH_LENGTH,
-    FINISH_STOP,
-    AbortRequests,
-    AddRequest,
-    CoordinatorInput,
-    LoadReport,
-    RequestOutput,
-    ResumeRequests,
-)
+from dpserve.engine.common.protocol import AbortRequests, AddRequest, CoordinatorInput, LoadReport, ResumeRequests
 from dpserve.engine.common.sockets import make_socket
-from dpserve.engine.interface import QueueCounts
 from dpserve.engine.rank.io import COORDINATOR, LOAD_REPORT_MIN_INTERVAL_S, REFUSED, REGISTER_RETRY_S, WELCOMED, RankIO
 from dpserve.engine.rank.node_relay import NodeAggregator
 from dpserve.engine.testing.sim_cache import caching_core
+from dpserve.engine.testing.sim_core import SimCore
+from dpserve.engine.testing.sim_poll import FdPoller
 
 GREET_CHECK_S = 1.0  # how often reconnections are looked for (a re-greeting's delay at most)
 
@@ -72,135 +62,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
     decode_step_ms: float = 10.0
     max_num_seqs: int = 64
     vary_load: bool = False  # benchmarks: every periodic report carries a change (a busy cluster)
+    monitors: bool = True  # connection monitors greet a restarted API server at once (off: it asks, GreetAgain)
     kv_cache_blocks: int = 0  # > 0: a prefix cache of that many blocks, publishing KV events (sim_cache.caching_core)
     token_ids: list[int] = msgspec.field(default_factory=lambda: list(range(68, 94)))  # what answers are made of
-
-
-class _Seq:
-    __slots__ = ("request_id", "prefill_left", "max_tokens", "num_generated", "stop_ids", "first")
-
-    def __init__(self, req: AddRequest) -> None:
-        self.request_id = req.request_id
-        self.prefill_left = len(req.prompt_token_ids)
-        self.max_tokens = req.params.max_tokens
-        # A continuation goes on where it left off: output i is a function of the
-        # prompt's first id and i alone, so a moved answer equals an unmoved one.
-        self.num_generated = req.num_prior_outputs
-        self.stop_ids = set(req.params.stop_token_ids)
-        self.first = req.prompt_token_ids[0] if req.prompt_token_ids else 0
-
-
-class SimCore(QueueCounts):
-    """The simulated model of one rank, behind the RankEngine interface.
-
-    Invariant: `by_id` holds exactly the sequences in `waiting` and `running`;
-    each gets exactly one finishing output unless aborted.
-    """
-
-    on_progress = None  # a simulated step is never long
-
-    def __init__(self, cfg: SimConfig) -> None:
-        self.cfg = cfg
-        self.waiting: deque[_Seq] = deque()
-        self.running: list[_Seq] = []
-        self.by_id: dict[str, _Seq] = {}
-        self.paused: set[str] = set()  # ids in by_id that step() skips (their clients stopped reading)
-        self.load_round = 0  # with vary_load, the usage the load reports carry changes with it
-
-    def describe(self) -> dict:
-        return {"engine": "simulated", "max_num_seqs": self.cfg.max_num_seqs}
-
-    def add_request(self, req: AddRequest) -> RequestOutput | None:
-        seq = _Seq(req)
-        self.by_id[seq.request_id] = seq
-        self.waiting.append(seq)
-        return None
-
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        for rid in request_ids:
-            seq = self.by_id.pop(rid, None)
-            self.paused.discard(rid)
-            if seq is None:
-                continue
-            if seq in self.running:
-                self.running.remove(seq)
-            else:
-                self.waiting.remove(seq)
-
-    def pause_requests(self, request_ids: Iterable[str]) -> None:
-        """A paused sequence gets no decode step (it keeps its place) until resumed."""
-        self.paused.update(rid for rid in request_ids if rid in self.by_id)
-
-    def resume_requests(self, request_ids: Iterable[str]) -> None:
-        self.paused.difference_update(request_ids)
-
-    def has_unfinished(self) -> bool:
-        return len(self.by_id) > len(self.paused)
-
-    def step(self) -> list[RequestOutput]:
-        """One simulated scheduler step: prefill within the budget, one token per running sequence."""
-        cfg = self.cfg
-        outs: list[RequestOutput] = []
-        tokens = cfg.token_ids
-        # 1. Decode: every sequence that already had its first token gets one more.
-        still: list[_Seq] = []
-        for seq in self.running:
-            if seq.request_id in self.paused:
-                still.append(seq)
-                continue
-            self._emit(seq, tokens[(seq.first + seq.num_generated) % len(tokens)], outs, still)
-        self.running = still
-        # 2. Prefill: FIFO within the token budget; a finished prefill yields the first token.
-        budget = cfg.prefill_tokens_per_s * cfg.decode_step_ms / 1000
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            seq = self.waiting[0]
-            used = min(budget, seq.prefill_left)
-            seq.prefill_left -= used
-            budget -= used
-            if seq.prefill_left > 0:
-                break
-            self.waiting.popleft()
-            self._emit(seq, tokens[(seq.first + seq.num_generated) % len(tokens)], outs, self.running)
-        return outs
-
-    def _emit(self, seq: _Seq, token: int, outs: list[RequestOutput], keep: list[_Seq]) -> None:
-        seq.num_generated += 1
-        if token in seq.stop_ids:
-            outs.append(RequestOutput(seq.request_id, [token], FINISH_STOP, stop_token_id=token))
-        elif seq.num_generated >= seq.max_tokens:
-            outs.append(RequestOutput(seq.request_id, [token], FINISH_LENGTH))
-        else:
-            keep.append(seq)
-            outs.append(RequestOutput(seq.request_id, [token]))
-            return
-        del self.by_id[seq.request_id]
-        self.paused.discard(seq.request_id)  # (one paused before its first token still prefills)
-
-    # The load, as RankIO reports it.
-    @property
-    def num_waiting_prefill_tokens(self) -> int:
-        return int(sum(s.prefill_left for s in self.waiting))
-
-    @property
-    def num_remaining_decode_tokens(self) -> int:
-        """Tokens the running sequences may still produce (waiting ones are not counted)."""
-        return sum(s.max_tokens - s.num_generated for s in self.running)
-
-    @property
-    def slot_usage(self) -> float:
-        if self.cfg.vary_load:
-            return (self.load_round % 100) / 100
-        return len(self.running) / self.cfg.max_num_seqs
-
-    @property
-    def kv_usage(self) -> float:
-        return self.slot_usage
-
-    @property
-    def last_step_ms(self) -> float:
-        return self.cfg.decode_step_ms if self.running else 0.0
-
-    num_preemptions = num_prefix_queries = num_prefix_hits = 0
 
 
 class SimNode:
@@ -245,8 +109,9 @@ class SimRank:
         self.io = RankIO(
             eng.ctx, eng.keys, rank=rank, incarnation=uuid.uuid4().hex[:12], fingerprint=cfg.fingerprint,
             node_rank=node_rank, coordinator_address=cfg.coordinator_address, log=eng.log.bind(rank=rank),
-            watch=lambda sock: eng.watch(sock, self), watch_monitors=False,
+            watch=lambda sock: eng.watch(sock, self), watch_monitors=False, monitors=cfg.monitors,
         )
+        self.io.sent = eng.sent
         self.node = eng.nodes.get(node_rank) or eng.nodes.setdefault(node_rank, SimNode(eng, node_rank))
         self.io.load_sink = self.node.note
 
@@ -292,7 +157,8 @@ class SimEngine:
         # a rank holds 2 sockets per API server (channel and its monitor) plus one
         self.ctx.set(zmq.MAX_SOCKETS, 65536)
         self.keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
-        self.poller = zmq.Poller()
+        self.poller = FdPoller()  # epoll: a wake-up costs what is readable, not every socket (issue 30)
+        self.sent: set[zmq.Socket] = set()  # sockets sent on since the last poll (RankIO.sent): looked at again
         self.owners: dict[zmq.Socket, SimRank] = {}
         self.busy: set[SimRank] = set()  # ranks with requests: they step on the next tick
         self.dirty: set[SimRank] = set()  # ranks whose load changed since their last report
@@ -305,7 +171,7 @@ class SimEngine:
 
     def watch(self, sock: zmq.Socket, rank: SimRank) -> None:
         self.owners[sock] = rank
-        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(sock)
 
     def run(self) -> int:
         ranks = self.ranks
@@ -324,7 +190,9 @@ class SimEngine:
             if self.pending:
                 wake = min(wake, min(n.agg.next_due() for n in self.pending))
             timeout_ms = max(0, int((wake - time.monotonic()) * 1000 + 0.999))
-            for sock, _ in self.poller.poll(timeout_ms):
+            self.poller.recheck(self.sent)
+            self.sent.clear()
+            for sock in self.poller.poll(timeout_ms):
                 self._drain(sock)
                 if time.monotonic() >= next_report:
                     # Ranks connecting to 32 API servers each (~10 ms a rank) must not hold
@@ -412,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--vary-load", action="store_true", help="every periodic report carries a change (benchmarks)")
     ap.add_argument("--kv-cache-blocks", type=int, default=0, help="a prefix cache of this many 16-token blocks per rank, publishing KV events")
+    ap.add_argument("--no-monitors", action="store_true",
+                    help="no connection monitors (thousands of connections): a restarted API server asks to be greeted")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies (test harnesses)")
     args = ap.parse_args(argv)
     if args.parent_pid:
@@ -426,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         report_interval_s=args.report_interval_s, prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_step_ms=args.decode_step_ms,
         max_num_seqs=args.max_num_seqs,
-        vary_load=args.vary_load, kv_cache_blocks=args.kv_cache_blocks,
+        vary_load=args.vary_load, kv_cache_blocks=args.kv_cache_blocks, monitors=not args.no_monitors,
     )
     log = setup_logging("sim-engine")
     eng = SimEngine(cfg, log)
