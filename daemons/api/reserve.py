@@ -14,7 +14,8 @@ waited 2-6x its unloaded TTFT in half the runs of benchmarks/fairness_bench.py).
 With P places (this API server's part of the routable ranks' batch places), the quiet
 accounts of a class c (active, no requests held) reserve together, with one headroom:
 
-    R_c = min(sum of their shares s_j, sum of min(s_j, peak_j) + HEADROOM),   s_j = P * weight_j / (active weights)
+    R_c = min(sum of their shares s_j, sum of min(s_j, peak_j) + max(MIN_HEADROOM, HEADROOM x their number)),
+    s_j = P * weight_j / (active weights)
 
 and an account i may hold at most its cap in flight:
 
@@ -25,9 +26,10 @@ room for less urgent ones; backlogged accounts reserve nothing: the fair order b
 tokens serves them). cap_i >= its own weighted share, so nobody starves, and
 an account alone (the others idle past the window) has no cap at all: work-conserving.
 Quiet accounts lend each other their free reserved places: one whose class's quiet
-accounts use fewer places than R_c goes at once, even past its own share (one headroom
-a class, not one an account: 3 quiet tenants idled 6 places with 2 each, and cost the
-flood 18-23% of its tokens/s).
+accounts use fewer places than R_c goes at once, even past its own share (1 place of
+headroom an account, pooled, and 2 at least: 2 an account, not lent, idled 6 places for 3
+quiet tenants and cost the flood 18-23% of its tokens/s; 2 a class left too few while
+their demand ramped up, and a tenant's next request waited for a place).
 A request of an account under its own reservation goes at once, past held ones.
 The cost is O(active accounts) per request, paid only with a tenants file or the
 priority policy (serving.py): the one-tenant plain path never gets here.
@@ -39,7 +41,8 @@ import math
 import time
 from collections.abc import Callable
 
-HEADROOM = 2.0  # places reserved beyond the recent peaks of a class's quiet accounts (once a class)
+HEADROOM = 1.0  # places reserved beyond the recent peaks of a class's quiet accounts, per account (lent within the class)
+MIN_HEADROOM = 2.0  # and at least this many a class
 REMOTE_TTL_S = 3.0  # another API server's count, unheard this long, is dropped (tenants/limits.py's)
 LINGER_WINDOWS = 12  # an idle account of a class more urgent than an active one stays active this many windows
 
@@ -77,9 +80,10 @@ class Reservations:
     Invariant: an account is in `accounts` while it has a request in flight or its last
     one ended less than window_s ago (pruned lazily by `_active`)."""
 
-    def __init__(self, window_s: float, places: Callable[[], float], clock: Callable[[], float], headroom: float = HEADROOM) -> None:
+    def __init__(self, window_s: float, places: Callable[[], float], clock: Callable[[], float], headroom: float = HEADROOM,
+                 min_headroom: float = MIN_HEADROOM) -> None:
         self.window_s = window_s
-        self.headroom = headroom
+        self.headroom, self.min_headroom = headroom, min_headroom
         self.places = places  # this API server's batch places (+ the waiting each rank may hold)
         self.clock = clock
         self.accounts: dict[tuple[int, str], Demand] = {}
@@ -193,19 +197,21 @@ class Reservations:
                 share = places * d.weight / total_weight
                 g = groups.get(d.priority)
                 if g is None:
-                    g = groups[d.priority] = [0.0, 0.0, 0.0]
+                    g = groups[d.priority] = [0.0, 0.0, 0.0, 0]
                 g[0] += share
                 g[1] += min(share, d.peak_at(now, tau))
                 g[2] += d.num_in_flight + d.num_remote
-        others = sum(min(g[0], g[1] + self.headroom) for g in groups.values())
+                g[3] += 1
+        h, h_min = self.headroom, self.min_headroom
+        others = sum(min(g[0], g[1] + max(h_min, h * g[3])) for g in groups.values())
         if mine >= places - others:
             return HOLD
         if me is not None and me.is_held:
             return TURN  # behind its own held requests
         share = places * max(weight, 1e-9) / total_weight
-        g = groups.get(priority, (0.0, 0.0, 0.0))
-        pool = min(g[0] + share, g[1] + min(share, num) + self.headroom)  # its class's quiet accounts' reservation
-        return NOW if mine < min(share, num + self.headroom) or g[2] + mine < pool else TURN
+        g = groups.get(priority, (0.0, 0.0, 0.0, 0))
+        pool = min(g[0] + share, g[1] + min(share, num) + max(h_min, h * (g[3] + 1)))  # its class's quiet accounts' reservation
+        return NOW if mine < min(share, num + max(h_min, h)) or g[2] + mine < pool else TURN
 
     def next_expiry(self) -> float | None:
         """When the next idle account stops being active (its reservation lapses), or None."""

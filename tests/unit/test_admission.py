@@ -323,7 +323,7 @@ def reserved(places: float = 16, window_s: float = 5.0):
     from dpserve.daemons.api.reserve import Reservations
 
     clock = Clock()
-    return Admission(1000, clock=clock, reserve=Reservations(window_s, lambda: places, clock, headroom=1.0)), clock
+    return Admission(1000, clock=clock, reserve=Reservations(window_s, lambda: places, clock, headroom=1.0, min_headroom=1.0)), clock
 
 
 def start(adm: Admission, tenant: Tenant, n: int, priority: int = 0) -> list:
@@ -350,7 +350,7 @@ def test_a_quiet_tenant_reserves_its_recent_peak_and_the_flood_is_capped_below_t
         start(adm, B, 12)
         assert res.check(0, "b", 1) == HOLD  # 16 - 4 (a's): at its cap with room left
         assert res.check(0, "a", 1) == NOW  # a's next request goes at once
-        start(adm, C, 1)  # a third (peak 1) lowers b's cap to 16 - (3 + 1 + 1): one headroom a class
+        start(adm, C, 1)  # a third (peak 1) lowers b's cap to 16 - (3 + 1 + 2): 1 headroom an account, pooled
         assert res.check(0, "b", 1) == HOLD
         # between its reservation and its cap, a tenant takes a free place in fair order
         adm2, _ = reserved(places=16)

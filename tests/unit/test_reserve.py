@@ -16,7 +16,7 @@ class Clock:
 
 def test_an_idle_more_urgent_class_keeps_its_reservation_while_a_less_urgent_one_floods():
     clock = Clock()
-    res = Reservations(5.0, lambda: 16, clock, headroom=1.0)
+    res = Reservations(5.0, lambda: 16, clock, headroom=1.0, min_headroom=1.0)
     res.started(0, "interactive", 1)
     res.ended(0, "interactive")  # idle from t = 100
     for _ in range(15):
@@ -31,7 +31,7 @@ def test_an_idle_more_urgent_class_keeps_its_reservation_while_a_less_urgent_one
 
 def test_an_idle_account_of_the_same_or_a_less_urgent_class_lapses_after_one_window():
     clock = Clock()
-    res = Reservations(5.0, lambda: 16, clock, headroom=1.0)
+    res = Reservations(5.0, lambda: 16, clock, headroom=1.0, min_headroom=1.0)
     res.started(1, "quiet", 1)
     res.ended(1, "quiet")
     res.started(1, "flood", 1)
@@ -47,7 +47,7 @@ def test_an_idle_account_of_the_same_or_a_less_urgent_class_lapses_after_one_win
 
 def test_quiet_accounts_of_a_class_lend_each_other_their_free_reserved_places():
     clock = Clock()
-    res = Reservations(5.0, lambda: 16, clock, headroom=1.0)  # 3 accounts: a share of 16 / 3 each
+    res = Reservations(5.0, lambda: 16, clock, headroom=1.0, min_headroom=1.0)  # 3 accounts: a share of 16 / 3 each
     for _ in range(4):
         res.started(0, "a", 1)
     for _ in range(3):
@@ -57,10 +57,10 @@ def test_quiet_accounts_of_a_class_lend_each_other_their_free_reserved_places():
         res.started(0, "c", 1)  # c: peak 4, 4 in flight
     for _ in range(7):
         res.started(0, "flood", 1)
-    assert res.check(0, "flood", 1) == HOLD  # at 16 - (a's 4 + c's 4 + 1: one headroom for the class)
+    assert res.check(0, "flood", 1) == HOLD  # at 16 - (a's 4 + c's 4 + 2: 1 headroom an account, pooled)
     assert res.check(0, "c", 1) == NOW  # under its own min(16 / 3, 4) + 1
     for _ in range(5):
-        res.started(0, "c", 1)  # 9: past its share (16 / 3), on a's 3 free reserved places and the headroom
-    assert res.check(0, "c", 1) == NOW  # the class's quiet use 1 + 9 < its reservation 4 + 16 / 3 + 1
+        res.started(0, "c", 1)  # 9: past its share (16 / 3), on a's 3 free reserved places
+    assert res.check(0, "c", 1) == NOW  # the class's quiet use 1 + 9 < its reservation min(2 x 16 / 3, 4 + 16 / 3 + 2)
     res.started(0, "c", 1)  # 10: the pool is used up
     assert res.check(0, "c", 1) == TURN

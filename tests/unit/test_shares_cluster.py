@@ -42,7 +42,7 @@ def servers(n: int, clock: Clock, forward: bool = True):
     for i in range(n):
         limits = Limits({t.name: t for t in (QUIET, FLOOD)}, clock)
         sync = TenantSync(lambda limits=limits: limits, f"api-{i}", send if forward else lambda data: None)
-        adm = Admission(1000, clock=clock, reserve=Reservations(5.0, lambda: PLACES, clock, headroom=1.0))
+        adm = Admission(1000, clock=clock, reserve=Reservations(5.0, lambda: PLACES, clock, headroom=1.0, min_headroom=1.0))
         sync.on_remote = adm.remote
         out.append((limits, sync, adm))
     return out
