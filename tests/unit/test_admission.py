@@ -355,7 +355,7 @@ def test_a_quiet_tenant_reserves_its_recent_peak_and_the_flood_is_capped_below_t
         # between its reservation and its cap, a tenant takes a free place in fair order
         adm2, _ = reserved(places=16)
         start(adm2, A, 3)
-        start(adm2, B, 11)  # past its share (8) and the class's pooled reservation (3 + 8 + 1)
+        start(adm2, B, 11)  # past its share (8) and the class's pooled reservation (3 + 8 + 2)
         assert adm2.reserve.check(0, "b", 1) == TURN and adm2.may_pass(B, 0) == TURN
         hold(adm2, Cluster(), C, 1)
         assert adm2.may_pass(B, 0) == HOLD and adm2.may_pass(A, 0) == NOW  # others held: only the reserved pass
