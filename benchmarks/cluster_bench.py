@@ -145,9 +145,9 @@ def part_cluster(args) -> dict:
     cluster = SimCluster(
         args.ranks, args.api_servers, args.ranks_per_process, num_alone=2,
         report_interval_s=args.report_interval_s, stale_after_s=args.stale_after_s, prefork=args.launch == "prefork",
-        ranks_per_node=args.ranks_per_node, node_heartbeat_s=args.node_heartbeat_s,
+        ranks_per_node=args.ranks_per_node, node_heartbeat_s=args.node_heartbeat_s, monitors=args.sim_monitors,
     )
-    out: dict = {"launch": args.launch, "ranks": args.ranks, "api_servers": args.api_servers, "ranks_per_process": args.ranks_per_process,
+    out: dict = {"sim_monitors": args.sim_monitors, "launch": args.launch, "ranks": args.ranks, "api_servers": args.api_servers, "ranks_per_process": args.ranks_per_process,
                  "sim_processes": 0, "report_interval_s": args.report_interval_s, "stale_after_s": args.stale_after_s}
     with cluster:
         out["sim_processes"] = len(cluster.sim_procs)
@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-relay", action="store_true", help="also measure the coordinator with a node relay of the table")
     ap.add_argument("--coordinator-report-interval-s", type=float, default=0.1)
     ap.add_argument("--memory-ranks", type=int, default=4096, help="the memory part: one API server with 8 ranks, then with this many")
+    ap.add_argument("--sim-monitors", action="store_true",
+                    help="simulated ranks keep a connection monitor each (off by default: ~1 inproc pair a connection)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: cluster, coordinator, membership, memory")
     ap.add_argument("--quick", action="store_true", help="64 ranks x 4 API servers, 256-rank coordinator, 3 s windows")
     ap.add_argument("--json", action="store_true")

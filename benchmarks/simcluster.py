@@ -130,6 +130,7 @@ class SimCluster:
         node_heartbeat_s: float | None = None,
         max_num_seqs: int = 64,
         api_options: dict | None = None,
+        monitors: bool = True,
     ) -> None:
         self.num_ranks = num_ranks
         self.num_api_servers = num_api_servers
@@ -146,6 +147,7 @@ class SimCluster:
         # a node's heartbeat: a quarter of the silence limit (changes still go within the report interval)
         self.node_heartbeat_s = stale_after_s / 4 if node_heartbeat_s is None else node_heartbeat_s
         self.max_num_seqs = max_num_seqs
+        self.monitors = monitors  # False: simulated ranks keep no connection monitors (sim --no-monitors)
         self.api_options = api_options or {}  # other ApiServerConfig fields (e.g. admission's)
         # prefork: API servers forked from dpserve's launcher after one import, as
         # `dpserve serve` does by default (this process becomes a child subreaper)
@@ -295,7 +297,7 @@ class SimCluster:
             "--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--parent-pid", str(os.getpid()),
             "--ranks-per-node", str(self.ranks_per_node), "--max-num-seqs", str(self.max_num_seqs),
             "--node-heartbeat-s", str(self.node_heartbeat_s),
-        ] + (["--vary-load"] if self.vary_load else [])
+        ] + (["--vary-load"] if self.vary_load else []) + ([] if self.monitors else ["--no-monitors"])
         self._spawn(name, "dpserve.engine.testing.sim", None, args)
         self.sim_procs.append(name)
         return name
