@@ -5,6 +5,7 @@ DEALER sockets, as one sim-engine process holds; CPU per poll(0).
     .venv/bin/python benchmarks/sim_poll_bench.py 256 32
 """
 
+import argparse
 import sys
 import tempfile
 import time
@@ -18,12 +19,13 @@ from dpserve.engine.common.procutil import raise_fd_limit  # noqa: E402
 from dpserve.engine.testing.sim_poll import FdPoller  # noqa: E402
 
 
-def main() -> int:
-    if len(sys.argv) != 3 or not sys.argv[1].isdigit():
-        print(__doc__)
-        return 0 if "--help" in sys.argv or "-h" in sys.argv else 2
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("ranks", type=int, help="simulated ranks in the process")
+    ap.add_argument("api_servers", type=int, help="API servers each rank connects to")
+    args = ap.parse_args(argv)
     raise_fd_limit()
-    n_ranks, n_api = int(sys.argv[1]), int(sys.argv[2])
+    n_ranks, n_api = args.ranks, args.api_servers
     tmp = tempfile.mkdtemp()
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 100_000)
