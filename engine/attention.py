@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from dpserve.engine import hf_compat
+from dpserve.engine import hf_compat, paged_attention_kernel
 from dpserve.engine.kv_cache import KVCache
 from dpserve.engine.paged_attention import paged_decode, paged_sdpa_decode, write_kv
 
@@ -153,7 +153,10 @@ def paged_attention(
         k_cache, v_cache = module.dpserve_k_cache, module.dpserve_v_cache
         write_kv(k_cache, v_cache, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        decode = paged_sdpa_decode if meta.batch.sdpa else paged_decode
+        if meta.batch.sdpa:
+            decode = paged_sdpa_decode
+        else:  # the C++ kernel when it was built (compiled.CompiledDecode loads it), else the PyTorch reference
+            decode = paged_attention_kernel.paged_decode if paged_attention_kernel.loaded() else paged_decode
         out = decode(query[0].transpose(0, 1), k_cache, v_cache, meta.batch.block_tables, meta.batch.lengths,
                      meta.kv.block_size, scale, sliding_window)
         return out.unsqueeze(0), None

@@ -23,7 +23,7 @@ import time
 
 import torch
 import torch.fx.experimental._config
-from dpserve.engine import hf_compat
+from dpserve.engine import hf_compat, paged_attention_kernel
 from dpserve.engine.compile_cache import settle_vec_isa
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ class CompiledDecode:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
         # inductor's vector-ISA probe, ~3 s of every start: once per machine (compile_cache.py)
         self.vec_isa = settle_vec_isa(cache_dir)
+        # attention's C++ kernel (built once per machine; the PyTorch path when it cannot be)
+        self.attention_kernel = paged_attention_kernel.load(cache_dir)
         # Without duck sizing, a batch that happens to equal the context width (or any other
         # size) is no reason for a graph of its own: one graph per batch-size class, as warmed.
         torch.fx.experimental._config.use_duck_shape = False
@@ -129,8 +131,9 @@ class CompiledDecode:
         for batch in WARM_BATCH_SIZES:
             run_dummy(batch)
         self.warm_s = time.perf_counter() - start
-        log.info("compiled decode ready in %.1f s (cache %s, vector ISA probe: %s)", self.warm_s,
-                 os.environ["TORCHINDUCTOR_CACHE_DIR"], self.vec_isa)
+        log.info("compiled decode ready in %.1f s (cache %s, vector ISA probe: %s, attention: %s)", self.warm_s,
+                 os.environ["TORCHINDUCTOR_CACHE_DIR"], self.vec_isa,
+                 "C++ kernel" if self.attention_kernel else "PyTorch")
         return self.warm_s
 
 

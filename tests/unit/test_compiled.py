@@ -9,6 +9,8 @@ engine here has the default block size, which the compiled code is specialized o
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from dpserve.engine import compiled as compiled_mod
@@ -56,6 +58,9 @@ def test_compiled_decode_equals_eager_and_generate(loaded_demo_model, compiled_e
     for r in reqs:
         assert comp.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
     assert engine.describe()["compiled_decode_s"] is not None
+    # attention through the C++ kernel (paged_attention_kernel.py) wherever it can be built (a compiler is
+    # here, or the decode would not compile; cpp_extension also wants ninja)
+    assert engine.runner.compiled.attention_kernel == (shutil.which("ninja") is not None)
 
 
 def test_compiled_decode_took_the_compiled_path(loaded_demo_model, compiled_engine_factory, monkeypatch):

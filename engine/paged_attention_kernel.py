@@ -1,0 +1,253 @@
+"""A C++/OpenMP paged-attention decode kernel for CPUs: keys and values read in place, in one pass per row.
+
+`torch.ops.dpserve_kernels.paged_decode(query, k_cache, v_cache, block_tables, lengths,
+block_size, scale, window)` computes what paged_attention.paged_decode computes (that
+pure-PyTorch function stays the fallback and the reference the tests compare against):
+one query token per sequence against its first lengths[b] cached positions (the last
+`window` of them when window > 0), looked up through the block table, grouped-query
+heads sharing their KV head's loads, float accumulation, for float32, bfloat16 and
+float16 caches. Work is split over (row, KV head) pairs with ATen's parallel_for
+(the rank's intra-op threads).
+
+Registered with the dispatcher (TORCH_LIBRARY) and given a fake (meta) function, so
+Dynamo traces it as one op and inductor calls it from the compiled decode block
+without a graph break. Built once per machine by torch.utils.cpp_extension, under the
+compile cache dir (compiled.compile_cache_dir) in a folder keyed by torch, the
+compiler and the CPU flags (compile_cache.machine_key: it is built with
+-march=native), so a restarted rank loads the built library. Without a C++ compiler
+or ninja, or if the build fails, load() says so once in the log and returns False:
+callers keep the pure-PyTorch path (as they do with DPSERVE_CPU_ATTENTION_KERNEL=0). Must never allocate KV memory nor decide what runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+LIBRARY = "dpserve_kernels"
+# Set to 0 to keep the pure-PyTorch attention (comparisons, or a host whose build misbehaves).
+ENV_SWITCH = "DPSERVE_CPU_ATTENTION_KERNEL"
+
+SOURCE = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+constexpr int64_t LANES = 16;
+
+// sum(a[d] * b[d]) over D: LANES independent partial sums (one vector register), then a tree.
+inline float dot(const float* a, const float* b, int64_t D) {
+  float part[LANES] = {0.f};
+  int64_t d = 0;
+  for (; d + LANES <= D; d += LANES)
+#pragma omp simd
+    for (int64_t l = 0; l < LANES; ++l) part[l] += a[d + l] * b[d + l];
+  for (; d < D; ++d) part[0] += a[d] * b[d];
+  for (int64_t step = LANES / 2; step > 0; step /= 2)
+    for (int64_t l = 0; l < step; ++l) part[l] += part[l + step];
+  return part[0];
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
+}
+
+// One (row, KV head): scores of its G query heads over positions [first, last), then the
+// softmax-weighted sum of values. q, out: [G, D] contiguous; a slot's K/V row at kc + slot * stride.
+// Each cached row is converted to float once and used by all G heads (grouped-query attention).
+template <typename T>
+void attend(const T* q, T* out, const T* kc, const T* vc, int64_t stride, const int64_t* table,
+            int64_t first, int64_t last, int64_t bs, int64_t G, int64_t D, float scale, std::vector<float>& buf) {
+  const int64_t n = last - first;
+  if (n <= 0) {
+    for (int64_t i = 0; i < G * D; ++i) out[i] = T(0.f);
+    return;
+  }
+  buf.assign(2 * G * D + D + n * G, 0.f);
+  float* qf = buf.data();
+  float* acc = qf + G * D;
+  float* row = acc + G * D;
+  float* scores = row + D;  // [n, G]
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(q[i]) * scale;
+  for (int64_t t = first; t < last;) {  // block by block: t .. end share table[t / bs]
+    const int64_t base = table[t / bs] * bs, end = std::min(last, (t / bs + 1) * bs);
+    for (; t < end; ++t) {
+      load_row(kc + (base + t % bs) * stride, row, D);
+      for (int64_t g = 0; g < G; ++g) scores[(t - first) * G + g] = dot(qf + g * D, row, D);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, scores[i * G + g]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = std::exp(scores[i * G + g] - m);
+      scores[i * G + g] = e;
+      sum += e;
+    }
+    for (int64_t i = 0; i < n; ++i) scores[i * G + g] /= sum;
+  }
+  for (int64_t t = first; t < last;) {
+    const int64_t base = table[t / bs] * bs, end = std::min(last, (t / bs + 1) * bs);
+    for (; t < end; ++t) {
+      load_row(vc + (base + t % bs) * stride, row, D);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[(t - first) * G + g];
+        float* a = acc + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+      }
+    }
+  }
+  for (int64_t i = 0; i < G * D; ++i) out[i] = T(acc[i]);
+}
+
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
+                        double scale, int64_t window) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode: query [B, H, D], caches [slots, KVH, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode: query and caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
+              "paged_decode: block_tables and lengths must be int64");
+  const int64_t B = query.size(0), H = query.size(1), D = query.size(2), KVH = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && H % KVH == 0, "paged_decode: head shapes do not match");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && lengths.numel() == B,
+              "paged_decode: block_tables [B, W] and lengths [B]");
+  const int64_t G = H / KVH, W = block_tables.size(1);
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = lengths.contiguous();
+  at::Tensor out = at::empty({B, H, D}, query.options());
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= W * block_size, "paged_decode: a length exceeds its block table");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / KVH, h = i % KVH, len = lp[b];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        const int64_t off = (b * H + h * G) * D;
+        attend<scalar_t>(qp + off, op + off, kp + h * D, vp + h * D, KVH * D, tp + b * W, first, len,
+                         block_size, G, D, static_cast<float>(scale), buf);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dpserve_kernels, m) {
+  m.def("paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, "
+        "int block_size, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dpserve_kernels, CPU, m) { m.impl("paged_decode", &paged_decode); }
+"""
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}  # "loaded": the op is registered and usable (set once per process)
+
+
+def loaded() -> bool:
+    """Whether the kernel is registered in this process (load() succeeded)."""
+    return _state.get("loaded", False)
+
+
+def build_dir(cache_dir: str) -> str:
+    from dpserve.engine.compile_cache import machine_key
+
+    return os.path.join(cache_dir, "kernels", machine_key()[:16])
+
+
+def load(cache_dir: str | None = None) -> bool:
+    """Build (once per machine) and register the kernel; False, logged once, when it cannot be had."""
+    with _lock:
+        if "loaded" in _state:
+            return _state["loaded"]
+        _state["loaded"] = _load(cache_dir)
+        return _state["loaded"]
+
+
+def _load(cache_dir: str | None) -> bool:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        log.info("%s=0: decode attention on the pure-PyTorch path", ENV_SWITCH)
+        return False
+    if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
+        log.warning("no C++ compiler on PATH: decode attention stays on the pure-PyTorch path")
+        return False
+    if hasattr(getattr(torch.ops, LIBRARY), "paged_decode"):
+        return True  # registered already (a test's load under another cache dir)
+    if cache_dir is None:
+        from dpserve.engine.compiled import compile_cache_dir
+
+        cache_dir = compile_cache_dir()
+    directory = build_dir(cache_dir)
+    try:
+        from torch.utils import cpp_extension
+
+        os.makedirs(directory, exist_ok=True)
+        source = os.path.join(directory, "paged_attention.cpp")
+        if not os.path.exists(source) or open(source, encoding="utf-8").read() != SOURCE:
+            _write(source, SOURCE)
+        cpp_extension.load(name="dpserve_paged_attention", sources=[source], build_directory=directory,
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+    except Exception as exc:  # a missing ninja, a failed build: the PyTorch path still serves
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        why = next((line for line in lines if "error" in line.lower()), lines[-1])
+        log.warning("the C++ paged-attention kernel could not be built in %s (%s): decode attention stays "
+                    "on the pure-PyTorch path", directory, why.strip())
+        return False
+    _register_fake()
+    return True
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake(f"{LIBRARY}::paged_decode")
+    def _(query, k_cache, v_cache, block_tables, lengths, block_size, scale, window):
+        return query.new_empty(query.shape)
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 lengths: torch.Tensor, block_size: int, scale: float, window: int | None = None) -> torch.Tensor:
+    """The kernel's [B, H, D] (load() must have succeeded); paged_attention.paged_decode's arguments."""
+    return torch.ops.dpserve_kernels.paged_decode(query, k_cache, v_cache, block_tables, lengths, block_size,
+                                                  float(scale), -1 if window is None else int(window))

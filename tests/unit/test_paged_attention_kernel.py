@@ -1,0 +1,98 @@
+"""The C++ paged-attention decode kernel (paged_attention_kernel.py) against the pure-PyTorch reference.
+
+Same cases as test_paged_attention.py (scattered, shared and padded block tables;
+one token, a block's edge, several blocks; windows), plus what the kernel does on
+its own: head sizes that are not a multiple of its vector width, plain multi-head
+attention, a query with the strides attention.py passes, bf16/fp16, inside
+torch.compile without a graph break, and its fallbacks. Skipped only on a host
+without a C++ compiler (where the engine keeps the PyTorch path).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from dpserve.engine import paged_attention_kernel as kernel
+from dpserve.engine.paged_attention import paged_decode
+
+from tests.unit.test_paged_attention import BS, CASES, D, make_case, padded, reference
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the engine keeps the pure-PyTorch attention")
+    assert kernel.load(str(tmp_path_factory.mktemp("compile-cache"))), "a compiler is here, the kernel must build"
+    return kernel.paged_decode
+
+
+@pytest.mark.parametrize("lengths,shared", CASES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_kernel_matches_reference_fp32(built, lengths, shared, window):
+    query, k_cache, v_cache, tables = make_case(lengths, seed=len(lengths) * 5 + (window or 0), shared=shared)
+    scale = D**-0.5
+    got = built(query, k_cache, v_cache, padded(tables), torch.tensor(lengths), BS, scale, window)
+    want = reference(query, k_cache, v_cache, tables, lengths, scale, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    wide = built(query, k_cache, v_cache, padded(tables, 8), torch.tensor(lengths), BS, scale, window)
+    torch.testing.assert_close(wide, got, atol=0, rtol=0)  # padding past every length is never read
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_half_types(built, dtype):
+    lengths = [5, 17, 2, 3 * BS]
+    query, k_cache, v_cache, tables = make_case(lengths, seed=3, dtype=dtype)
+    got = built(query, k_cache, v_cache, padded(tables), torch.tensor(lengths), BS, 0.25)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), reference(query, k_cache, v_cache, tables, lengths, 0.25), atol=2e-2, rtol=2e-2)
+    # the same float accumulation as the PyTorch path: equal up to the final rounding
+    pure = paged_decode(query, k_cache, v_cache, padded(tables), torch.tensor(lengths), BS, 0.25)
+    torch.testing.assert_close(got.float(), pure.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kv_heads,group,dim", [(4, 1, 24), (1, 8, 40), (2, 3, 128)])
+def test_kernel_head_shapes(built, kv_heads, group, dim):
+    gen = torch.Generator().manual_seed(kv_heads * 100 + dim)
+    blocks, lengths = 12, [1, 9, 2 * BS + 1]
+    k_cache = torch.randn(blocks * BS, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(blocks * BS, kv_heads, dim, generator=gen)
+    tables = torch.tensor([[3, 0, 0], [7, 1, 11], [2, 9, 5]])
+    # [B, H, D] as attention.py passes it: query[0].transpose(0, 1) of [1, H, B, D]
+    query = torch.randn(1, kv_heads * group, len(lengths), dim, generator=gen)[0].transpose(0, 1)
+    got = built(query, k_cache, v_cache, tables, torch.tensor(lengths), BS, dim**-0.5)
+    want = paged_decode(query, k_cache, v_cache, tables, torch.tensor(lengths), BS, dim**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_inside_compiled_code_without_graph_break(built):
+    """The compiled decode block calls it: Dynamo must trace it as one op (fullgraph)."""
+
+    def step(query, k_cache, v_cache, tables, lengths):
+        return built(query * 1.0, k_cache, v_cache, tables, lengths, BS, D**-0.5).relu()
+
+    fn = torch.compile(step, dynamic=True, fullgraph=True)
+    for lengths, shared in CASES[2:]:
+        query, k_cache, v_cache, tables = make_case(lengths, seed=len(lengths), shared=shared)
+        got = fn(query, k_cache, v_cache, padded(tables), torch.tensor(lengths))
+        want = reference(query, k_cache, v_cache, tables, lengths, D**-0.5).relu()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_rejects_a_length_past_its_table(built):
+    query, k_cache, v_cache, tables = make_case([5], seed=1)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        built(query, k_cache, v_cache, padded(tables), torch.tensor([len(tables[0]) * BS + 1]), BS, 0.5)
+
+
+def test_fallbacks_keep_the_pytorch_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv(kernel.ENV_SWITCH, "0")
+    assert kernel._load(str(tmp_path)) is False
+    monkeypatch.delenv(kernel.ENV_SWITCH)
+    monkeypatch.setattr(kernel.shutil, "which", lambda name: None)
+    assert kernel._load(str(tmp_path)) is False
+    assert "no C++ compiler" in caplog.text
+    assert not any(tmp_path.iterdir())  # nothing was built
