@@ -28,10 +28,8 @@ def relay(ctx: zmq.Context, upstream: str, bind: str, keys: CurveKeys | None = N
     to its head) to subscribers of `bind` (node-local) until the context ends."""
     sub = make_socket(ctx, zmq.XSUB, keys, rcvhwm=10_000, reconnect_ms=(100, 2000))
     sub.connect(upstream)
-    pub = ctx.socket(zmq.XPUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.setsockopt(zmq.SNDHWM, 10_000)
-    pub.bind(bind)
+    # the same CURVE keys as the head's: the node's subscribers need not know whom they subscribe to
+    pub = make_socket(ctx, zmq.XPUB, keys, sndhwm=10_000, bind=bind)
     try:
         zmq.proxy(sub, pub)
     except zmq.ContextTerminated:

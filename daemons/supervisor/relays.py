@@ -26,9 +26,12 @@ from dpserve.engine.common.protocol import CoordinatorInput, LoadReport
 from dpserve.engine.common.sockets import make_socket
 from dpserve.engine.rank.node_relay import NodeAggregator
 
-# The table relay pays when the head sends one copy instead of this many: measured
-# with benchmarks/cluster_bench.py (RESULTS, issue 30, second round).
-TABLE_RELAY_MIN_SUBSCRIBERS = 4
+# The table relay pays when the head sends one copy instead of this many (the node's
+# API servers and its supervisor). benchmarks/table_relay_bench.py found no gain for the
+# publisher at 1-16 local subscribers on ipc (within its noise, load 11) and a relay
+# costing the node 34-113 us a message; cluster_bench found the head 3 points lighter
+# at 32 (RESULTS, issue 30). So only from 16 subscribers on.
+TABLE_RELAY_MIN_SUBSCRIBERS = 16
 
 
 def load_beat_s(heartbeat_interval_s: float, stale_after_s: float) -> float:

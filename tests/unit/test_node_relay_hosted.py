@@ -130,5 +130,4 @@ def test_serve_points_ranks_at_the_load_relay_and_api_servers_at_the_table_relay
     api = msgspec.json.decode(children["api-0"].config_json, type=ApiServerConfig)
     relayed = api_servers + 1 >= TABLE_RELAY_MIN_SUBSCRIBERS  # the supervisor subscribes too
     assert api.table_address == ("ipc:///run/x/node.table" if relayed else "ipc:///run/x/coordinator.table")
-    assert relayed == (api_servers > 1)
     assert load_beat_s(0.5, 15.0) == 0.5 and load_beat_s(1.0, 2.0) == 0.5
