@@ -86,11 +86,14 @@ class NodeAggregator:
 
     def flush(self, now: float) -> NodeLoad | None:
         """The NodeLoad due now, or None: the heartbeat every interval (with the
-        changes, and every rank's report each RESYNC_EVERY-th), changes alone
-        when the last message is flush_s old."""
-        beat = now - self.last_beat >= self.interval_s
-        if not beat and not (self.changed and now - self.last_flush >= self.flush_s):
+        changes, and every rank's report each RESYNC_EVERY-th), changes when the
+        last message is flush_s old (a heartbeat too past half the interval)."""
+        since_beat = now - self.last_beat
+        if since_beat < self.interval_s and not (self.changed and now - self.last_flush >= self.flush_s):
             return None
+        # A message that goes anyway beats too once half the period has passed: under
+        # changing loads the heartbeat rides on the changes (no message of its own).
+        beat = since_beat >= self.interval_s / 2
         self.seq += 1
         if beat:
             self.last_beat = now

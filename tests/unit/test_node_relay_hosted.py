@@ -131,3 +131,25 @@ def test_serve_points_ranks_at_the_load_relay_and_api_servers_at_the_table_relay
     relayed = api_servers + 1 >= TABLE_RELAY_MIN_SUBSCRIBERS  # the supervisor subscribes too
     assert api.table_address == ("ipc:///run/x/node.table" if relayed else "ipc:///run/x/coordinator.table")
     assert load_beat_s(0.5, 15.0) == 0.5 and load_beat_s(1.0, 2.0) == 0.5
+
+
+def test_under_changing_loads_the_heartbeat_rides_on_the_changes():
+    """A change sent past half the beat period beats too: a busy node sends one message
+    an interval, not its changes and a heartbeat of its own (issue 30: the coordinator's
+    cost is per message). Driven as LoadRelay drives it: at each report and at next_due()."""
+    from dpserve.engine.rank.node_relay import NodeAggregator
+
+    relay = NodeAggregator(0, 0.25, silence_s=1.0)
+    relay.note(report(0), 0.0)
+    assert relay.flush(0.0).alive == [0]
+    sent, now, change_at = [], 0.0, 0.1
+    while now < 3.0:
+        now = round(min(change_at, relay.next_due()), 6)
+        if now >= change_at:  # every 100 ms a change
+            relay.note(report(0, running=round(change_at * 10)), now)
+            change_at = round(change_at + 0.1, 6)
+        if (msg := relay.flush(now)) is not None:
+            sent.append(msg)
+    assert len(sent) == 30 and all(m.loads for m in sent)  # one message an interval, each with its change
+    beats = [i for i, m in enumerate(sent) if m.alive]
+    assert beats and max(b - a for a, b in zip([-1, *beats], beats)) <= 2  # a beat at least every 0.2-0.25 s
