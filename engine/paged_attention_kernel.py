@@ -6,8 +6,8 @@ pure-PyTorch function stays the fallback and the reference the tests compare aga
 one query token per sequence against its first lengths[b] cached positions (the last
 `window` of them when window > 0), looked up through the block table, grouped-query
 heads sharing their KV head's loads, float accumulation, for float32, bfloat16 and
-float16 caches. Work is split over (row, KV head) pairs with ATen's parallel_for
-(the rank's intra-op threads).
+float16 caches. Work is split over rows with ATen's parallel_for (the rank's
+intra-op threads); a row reads each cached position's keys (all KV heads) once, in order.
 
 Registered with the dispatcher (TORCH_LIBRARY) and given a fake (meta) function, so
 Dynamo traces it as one op and inductor calls it from the compiled decode block
@@ -31,6 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 LIBRARY = "dpserve_kernels"
+NAME = "dpserve_paged_attention"  # the built library's file name
 # Set to 0 to keep the pure-PyTorch attention (comparisons, or a host whose build misbehaves).
 ENV_SWITCH = "DPSERVE_CPU_ATTENTION_KERNEL"
 
@@ -73,54 +74,63 @@ inline void load_row(const T* src, float* dst, int64_t D) {
   for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
 }
 
-// One (row, KV head): scores of its G query heads over positions [first, last), then the
-// softmax-weighted sum of values. q, out: [G, D] contiguous; a slot's K/V row at kc + slot * stride.
-// Each cached row is converted to float once and used by all G heads (grouped-query attention).
+// One row (sequence): scores of all H = KVH * G query heads over positions [first, last), then the
+// softmax-weighted sum of values. q, out: [H, D] contiguous; a slot's K/V row, [KVH, D], at kc + slot * KVH * D.
+// A row of the cache is read once, whole and in order (a block's slots are contiguous), and each KV
+// head's part is converted to float once for its G query heads (grouped-query attention).
 template <typename T>
-void attend(const T* q, T* out, const T* kc, const T* vc, int64_t stride, const int64_t* table,
-            int64_t first, int64_t last, int64_t bs, int64_t G, int64_t D, float scale, std::vector<float>& buf) {
-  const int64_t n = last - first;
+void attend(const T* q, T* out, const T* kc, const T* vc, const int64_t* table, int64_t first, int64_t last,
+            int64_t bs, int64_t KVH, int64_t G, int64_t D, float scale, std::vector<float>& buf) {
+  const int64_t n = last - first, H = KVH * G, stride = KVH * D;
   if (n <= 0) {
-    for (int64_t i = 0; i < G * D; ++i) out[i] = T(0.f);
+    for (int64_t i = 0; i < H * D; ++i) out[i] = T(0.f);
     return;
   }
-  buf.assign(2 * G * D + D + n * G, 0.f);
+  buf.assign(2 * H * D + D + n * H, 0.f);
   float* qf = buf.data();
-  float* acc = qf + G * D;
-  float* row = acc + G * D;
-  float* scores = row + D;  // [n, G]
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(q[i]) * scale;
+  float* acc = qf + H * D;
+  float* row = acc + H * D;
+  float* scores = row + D;  // [n, H]
+  for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(q[i]) * scale;
   for (int64_t t = first; t < last;) {  // block by block: t .. end share table[t / bs]
     const int64_t base = table[t / bs] * bs, end = std::min(last, (t / bs + 1) * bs);
     for (; t < end; ++t) {
-      load_row(kc + (base + t % bs) * stride, row, D);
-      for (int64_t g = 0; g < G; ++g) scores[(t - first) * G + g] = dot(qf + g * D, row, D);
+      const T* k = kc + (base + t % bs) * stride;
+      float* s = scores + (t - first) * H;
+      for (int64_t h = 0; h < KVH; ++h) {
+        load_row(k + h * D, row, D);
+        for (int64_t g = 0; g < G; ++g) s[h * G + g] = dot(qf + (h * G + g) * D, row, D);
+      }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t j = 0; j < H; ++j) {
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, scores[i * G + g]);
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, scores[i * H + j]);
     float sum = 0.f;
     for (int64_t i = 0; i < n; ++i) {
-      const float e = std::exp(scores[i * G + g] - m);
-      scores[i * G + g] = e;
+      const float e = std::exp(scores[i * H + j] - m);
+      scores[i * H + j] = e;
       sum += e;
     }
-    for (int64_t i = 0; i < n; ++i) scores[i * G + g] /= sum;
+    for (int64_t i = 0; i < n; ++i) scores[i * H + j] /= sum;
   }
   for (int64_t t = first; t < last;) {
     const int64_t base = table[t / bs] * bs, end = std::min(last, (t / bs + 1) * bs);
     for (; t < end; ++t) {
-      load_row(vc + (base + t % bs) * stride, row, D);
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[(t - first) * G + g];
-        float* a = acc + g * D;
+      const T* v = vc + (base + t % bs) * stride;
+      const float* p = scores + (t - first) * H;
+      for (int64_t h = 0; h < KVH; ++h) {
+        load_row(v + h * D, row, D);
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = p[h * G + g];
+          float* a = acc + (h * G + g) * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+          for (int64_t d = 0; d < D; ++d) a[d] += w * row[d];
+        }
       }
     }
   }
-  for (int64_t i = 0; i < G * D; ++i) out[i] = T(acc[i]);
+  for (int64_t i = 0; i < H * D; ++i) out[i] = T(acc[i]);
 }
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -151,14 +161,12 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / KVH, h = i % KVH, len = lp[b];
-        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        const int64_t off = (b * H + h * G) * D;
-        attend<scalar_t>(qp + off, op + off, kp + h * D, vp + h * D, KVH * D, tp + b * W, first, len,
-                         block_size, G, D, static_cast<float>(scale), buf);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t len = lp[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        attend<scalar_t>(qp + b * H * D, op + b * H * D, kp, vp, tp + b * W, first, len, block_size, KVH, G, D,
+                         static_cast<float>(scale), buf);
       }
     });
   });
@@ -218,9 +226,15 @@ def _load(cache_dir: str | None) -> bool:
 
         os.makedirs(directory, exist_ok=True)
         source = os.path.join(directory, "paged_attention.cpp")
-        if not os.path.exists(source) or open(source, encoding="utf-8").read() != SOURCE:
+        built = os.path.join(directory, f"{NAME}.so")
+        same = os.path.exists(source) and open(source, encoding="utf-8").read() == SOURCE
+        if same and os.path.exists(built) and os.path.getmtime(built) >= os.path.getmtime(source):
+            torch.ops.load_library(built)  # a restart: no ninja run (cpp_extension.load would check the build)
+            _register_fake()
+            return True
+        if not same:
             _write(source, SOURCE)
-        cpp_extension.load(name="dpserve_paged_attention", sources=[source], build_directory=directory,
+        cpp_extension.load(name=NAME, sources=[source], build_directory=directory,
                            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except Exception as exc:  # a missing ninja, a failed build: the PyTorch path still serves
