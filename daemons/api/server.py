@@ -202,7 +202,7 @@ class ApiServer:
         self.client.on_step = self.metrics.vllm.step
         self.serving = OpenAIServing(cfg, self.tokenizer, self.client, self.metrics, log)
         if self.tenants is not None:  # the others' usage, and the cluster's shares for admission (issue 28)
-            self.client.on_tenants, self.tenants.sync.on_remote = self.tenants.sync.apply, self.serving.admission and self.serving.admission.remote
+            self.client.on_tenants, self.tenants.sync.admission = self.tenants.sync.apply, self.serving.admission
         self.stop_event = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.probe_runner: web.AppRunner | None = None

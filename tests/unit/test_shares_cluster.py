@@ -43,7 +43,7 @@ def servers(n: int, clock: Clock, forward: bool = True):
         limits = Limits({t.name: t for t in (QUIET, FLOOD)}, clock)
         sync = TenantSync(lambda limits=limits: limits, f"api-{i}", send if forward else lambda data: None)
         adm = Admission(1000, clock=clock, reserve=Reservations(5.0, lambda: PLACES, clock, headroom=1.0, min_headroom=1.0))
-        sync.on_remote = adm.remote
+        sync.admission = adm
         out.append((limits, sync, adm))
     return out
 
@@ -96,4 +96,18 @@ def test_tokens_delivered_at_one_server_count_in_another_servers_fair_order():
         a[1].flush()
         adm.release()
         assert sent == ["quiet"]
+    asyncio.run(main())
+
+
+def test_requests_held_at_one_server_are_not_counted_in_flight_at_the_others():
+    async def main():
+        clock = Clock()
+        a, b = servers(2, clock)
+        begin(b, FLOOD, 12)
+        limits, sync, adm = b
+        for _ in range(30):  # 30 more through b's gate, held at its frontend: they take no place
+            limits.admit(FLOOD)
+            adm.enqueue(FLOOD, FLOOD.priority, 20, lambda: 0)
+        sync.flush()
+        assert a[2].reserve.accounts[(FLOOD.priority, FLOOD.name)].num_remote == 12
     asyncio.run(main())

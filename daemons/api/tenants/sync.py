@@ -2,8 +2,9 @@
 
 Owns the report of what this API server's tenants used (a TenantUsage to the
 coordinator at most every FLUSH_S while they use anything, and every
-KEEPALIVE_S while they have requests in flight), and applying the others'
-reports, which the coordinator forwards, to this server's buckets. No request
+KEEPALIVE_S while they have requests in flight; in flight: not counting those
+held at this frontend, which take no place), and applying the others'
+reports, which the coordinator forwards, to this server's buckets and admission. No request
 ever waits on it: admission reads local state only, which these reports keep
 within one flush interval of the cluster's.
 """
@@ -29,7 +30,7 @@ class TenantSync:
         self.codec = Codec(TenantUsage)
         self.cluster: dict[str, tuple[float, float, int]] = {}  # tenant -> (tokens/s, requests/s, in flight), from the coordinator
         self.num_reports = 0
-        self.on_remote = None  # (origin, Tenant, in flight, delivered tokens) -> None: admission's (admission.py)
+        self.admission = None  # this server's Admission (admission.py): its held requests, its cluster-wide shares
 
     def cluster_usage(self, tenant: str) -> float:
         """Recent delivered tokens/s of `tenant` across the cluster (refreshed every second)."""
@@ -39,9 +40,11 @@ class TenantSync:
     def take_report(self, keepalive: bool = False) -> TenantUsage | None:
         """What changed since the last report (and, on a keepalive, every tenant in flight)."""
         usage = []
+        stats = self.admission.stats if self.admission is not None else {}
         for name, st in self.limits_of().states.items():
             if st.dirty or (keepalive and st.in_flight):
-                usage.append((name, st.out_requests, st.out_charged, st.out_delivered, st.in_flight))
+                held = stats.get(name)  # (held here, they take no place: the others' shares count places)
+                usage.append((name, st.out_requests, st.out_charged, st.out_delivered, st.in_flight - (held.num_held if held else 0)))
                 st.out_requests = st.out_charged = st.out_delivered = 0
                 st.dirty = False
         return TenantUsage(self.origin, usage) if usage else None
@@ -66,9 +69,9 @@ class TenantSync:
         limits: Limits = self.limits_of()
         for name, requests, charged, delivered, in_flight in msg.usage:
             limits.remote(msg.origin, name, requests, charged, in_flight)
-            st = limits.states.get(name) if self.on_remote is not None else None
+            st = limits.states.get(name) if self.admission is not None else None
             if st is not None:
-                self.on_remote(msg.origin, st.tenant, in_flight, delivered)
+                self.admission.remote(msg.origin, st.tenant, in_flight, delivered)
 
     async def run(self) -> None:
         ticks_per_keepalive = round(KEEPALIVE_S / FLUSH_S)
