@@ -148,16 +148,20 @@ class Reservations:
         d.num_in_flight -= 1
         d.last_t = self.clock()
 
-    def _active(self, now: float) -> dict[tuple[int, str], Demand]:
+    def _active(self, now: float, priority: float = -math.inf) -> dict[tuple[int, str], Demand]:
+        """The accounts active now, seen by a request of class `priority` (it makes its class
+        active: an idle more urgent one lingers from its first request). An account is
+        forgotten once idle past the longest linger."""
         accounts = self.accounts
         for d in accounts.values():
             if d.remote:
                 self._fresh_remote(d, now)
-        floor = self._floor(now)
-        gone = [k for k, d in accounts.items() if not d.num_in_flight + d.num_remote and not d.is_held and now >= self._expiry(d, floor)]
+        longest = self.window_s * LINGER_WINDOWS
+        gone = [k for k, d in accounts.items() if not d.num_in_flight + d.num_remote and not d.is_held and now >= d.last_t + longest]
         for key in gone:
             del accounts[key]
-        return accounts
+        floor = max(self._floor(now), priority)
+        return {k: d for k, d in accounts.items() if d.num_in_flight + d.num_remote or d.is_held or now < self._expiry(d, floor)}
 
     def _floor(self, now: float) -> float:
         """The least urgent class with an account busy or idle for less than window_s."""
@@ -176,7 +180,7 @@ class Reservations:
         class's other quiet accounts, is free (it goes at once); TURN: between the two (it
         may take a free place in fair order); ALONE: no other account is active (no cap)."""
         now = self.clock()
-        active = self._active(now)
+        active = self._active(now, priority)
         me = active.get((priority, name))
         if me is None:
             if not active:

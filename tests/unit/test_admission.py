@@ -400,7 +400,7 @@ def test_work_conserving_once_the_others_are_idle_past_the_window_and_peaks_deca
             adm.ended(state)
         assert res.next_expiry() == 112.0  # a's last end + the window
         clock.now += 5.0  # a idle past the window: its reservation is gone
-        assert adm.may_pass(B, 0) and list(res.accounts) == [(0, "b")]
+        assert adm.may_pass(B, 0) and list(res._active(clock.now)) == [(0, "b")]
     run(main())
 
 

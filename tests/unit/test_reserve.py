@@ -42,7 +42,11 @@ def test_an_idle_account_of_the_same_or_a_less_urgent_class_lapses_after_one_win
     res.ended(1, "flood")
     res.ended(0, "urgent")  # both idle: nothing less urgent is active, so neither lingers
     clock.now = 110.0
-    assert res.check(2, "x", 1) == ALONE
+    assert list(res._active(clock.now)) == []
+    # a less urgent class's first request finds the more urgent ones' reservations still there
+    assert res.check(2, "x", 1) == NOW and set(res._active(clock.now, 2)) == {(1, "quiet"), (1, "flood"), (0, "urgent")}
+    clock.now = 105.0 + 5.0 * LINGER_WINDOWS  # and gone once idle past the linger
+    assert res.check(2, "x", 1) == ALONE and not res.accounts
 
 
 def test_quiet_accounts_of_a_class_lend_each_other_their_free_reserved_places():
