@@ -186,7 +186,7 @@ _SERVE = [
     flag("--admission-hold/--no-admission-hold", help="While every rank is full, requests wait at the API server in per-tenant queues, released by priority, then by weighted fair share of tokens (off: straight to a rank's queue, up to --max-waiting-per-rank)."),
     flag("--hold-waiting-per-rank", type=click.IntRange(0), help="A rank is full when --max-num-seqs sequences run there and this many more wait."),
     flag("--max-held-per-tenant", type=click.IntRange(1), help="Requests one tenant may have held at one API server; beyond it 429."),
-    flag("--reserve-window-s", type=click.FloatRange(0), help="With a tenants file or the priority policy: while several tenants (or priority classes) are active, each keeps min(its weighted share, its peak in flight over about this long + 2) batch places free for itself; the others may not take them (0: no reservations)."),
+    flag("--reserve-window-s", type=click.FloatRange(0), help="With a tenants file or the priority policy: while several tenants (or priority classes) are active, the quiet tenants of a class keep min(their weighted shares, their peaks in flight over about this long + 1 each, at least 2) batch places free, lent among them; the others may not take them (0: no reservations)."),
     flag("--max-request-body-bytes", type=click.IntRange(1024), help="Larger bodies get 413."),
     flag("--max-guided-grammar-bytes", type=click.IntRange(1), help="A structured-output parameter larger than this (guided_choice's total, the regex, the schema's JSON) gets 400."),
     flag("--max-guided-bytes-per-request", type=click.IntRange(1), help="That size times the engine requests carrying it (n x prompts): beyond it, 400."),
