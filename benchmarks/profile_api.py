@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--py-spy", action="store_true", help="record api-0 with py-spy during the (last) run")
     p.add_argument("--py-spy-out", default=None, help="keep the raw py-spy output here")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--server-arg", action="append", default=[], help="an extra dpserve argument (repeat), e.g. --lb-policy=cache-aware")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     exit_on_sigterm()
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             order = list(envs) if rnd % 2 == 0 else list(reversed(envs))
             for name in order:
-                node = DpNode(model, args.dp, args.api, env=envs[name], log_dir=scratch)
+                node = DpNode(model, args.dp, args.api, extra=args.server_arg, env=envs[name], log_dir=scratch)
                 try:
                     node.start()
                     url = node.url
