@@ -43,6 +43,7 @@ from collections.abc import Callable
 
 HEADROOM = 1.0  # places reserved beyond the recent peaks of a class's quiet accounts, per account (lent within the class)
 MIN_HEADROOM = 2.0  # and at least this many a class
+REPORT_S = 0.3  # the others' reports come this often at most (tenants/sync.py FLUSH_S, and their way)
 REMOTE_TTL_S = 3.0  # another API server's count, unheard this long, is dropped (tenants/limits.py's)
 LINGER_WINDOWS = 12  # an idle account of a class more urgent than an active one stays active this many windows
 
@@ -54,13 +55,15 @@ HOLD, TURN, NOW, ALONE = 0, 1, 2, 3
 class Demand:
     """One (class, tenant) account's recent demand at this API server."""
 
-    __slots__ = ("priority", "weight", "num_in_flight", "num_remote", "remote", "peak", "peak_t", "last_t", "is_held")
+    __slots__ = ("priority", "weight", "num_in_flight", "num_remote", "remote", "num_unreported", "unreported_t", "peak", "peak_t", "last_t", "is_held")
 
     def __init__(self, priority: int, weight: float, now: float) -> None:
         self.priority, self.weight = priority, max(weight, 1e-9)
         self.num_in_flight = 0  # sent from here and not ended
         self.num_remote = 0  # in flight from the other API servers (tenants/sync.py), their last word
         self.remote: dict[str, tuple[int, float]] = {}  # origin -> (count, when heard)
+        self.num_unreported = 0  # started here since the others' last report, or within REPORT_S
+        self.unreported_t = now
         self.peak = 0.0  # the count's peak as of peak_t; it decays toward the count since
         self.peak_t = now
         self.last_t = now  # the last start or end
@@ -84,16 +87,22 @@ class Reservations:
                  min_headroom: float = MIN_HEADROOM) -> None:
         self.window_s = window_s
         self.headroom, self.min_headroom = headroom, min_headroom
+        # Other API servers counting their own in flight into these shares (tenants/sync.py): until
+        # their next report, each is taken to have started as many as this one (a flood's first
+        # burst, sent by every server at once, would otherwise fill the reserved places N times over)
+        self.num_peers = 0
         self.places = places  # this API server's batch places (+ the waiting each rank may hold)
         self.clock = clock
         self.accounts: dict[tuple[int, str], Demand] = {}
 
     @classmethod
-    def of_router(cls, router, window_s: float, max_num_seqs: int, num_api_servers: int) -> Reservations:
+    def of_router(cls, router, window_s: float, max_num_seqs: int, num_api_servers: int, num_peers: int = 0) -> Reservations:
         """Places: this API server's part of the routable ranks' batch places (the router
         counts the routable ones as the table changes). Not the waiting places a rank may
         also hold: a place reserved there would still wait for a running answer to end."""
-        return cls(window_s, lambda: router.num_routable * max_num_seqs / num_api_servers, time.monotonic)
+        res = cls(window_s, lambda: router.num_routable * max_num_seqs / num_api_servers, time.monotonic)
+        res.num_peers = num_peers
+        return res
 
     def started(self, priority: int, name: str, weight: float) -> None:
         now = self.clock()
@@ -102,6 +111,9 @@ class Reservations:
         if d is None:
             d = self.accounts[key] = Demand(priority, weight, now)
         d.num_in_flight += 1
+        if now - d.unreported_t > REPORT_S:  # (older sends are in the peers' view by now)
+            d.num_unreported, d.unreported_t = 0, now
+        d.num_unreported += 1
         self._peak(d, now)
         d.last_t = now
 
@@ -122,6 +134,7 @@ class Reservations:
                 return
             d = self.accounts[(priority, name)] = Demand(priority, weight, now)
         d.remote[origin] = (count, now)
+        d.num_unreported, d.unreported_t = 0, now
         self._fresh_remote(d, now)
         self._peak(d, now)
         d.last_t = now
@@ -185,11 +198,12 @@ class Reservations:
         if me is None:
             if not active:
                 return ALONE
-            total_weight, mine, num = max(weight, 1e-9), 0, 0.0
+            total_weight, mine, num, unseen = max(weight, 1e-9), 0, 0.0, 0
         else:
             if len(active) == 1:
                 return ALONE
             total_weight, mine, num = 0.0, me.num_in_flight + me.num_remote, me.peak_at(now, self.window_s)
+            unseen = self.num_peers * me.num_unreported if now - me.unreported_t <= REPORT_S else 0  # (the peers' likely sends)
         for d in active.values():
             total_weight += d.weight
         places = self.places()
@@ -208,7 +222,7 @@ class Reservations:
                 g[3] += 1
         h, h_min = self.headroom, self.min_headroom
         others = sum(min(g[0], g[1] + max(h_min, h * g[3])) for g in groups.values())
-        if mine >= places - others:
+        if mine + unseen >= places - others:
             return HOLD
         if me is not None and me.is_held:
             return TURN  # behind its own held requests

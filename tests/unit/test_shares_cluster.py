@@ -111,3 +111,20 @@ def test_requests_held_at_one_server_are_not_counted_in_flight_at_the_others():
         sync.flush()
         assert a[2].reserve.accounts[(FLOOD.priority, FLOOD.name)].num_remote == 12
     asyncio.run(main())
+
+
+def test_until_the_peers_report_each_is_taken_to_have_sent_as_many_as_this_server():
+    clock = Clock()
+    res = Reservations(5.0, lambda: PLACES, clock, headroom=1.0, min_headroom=1.0)
+    res.num_peers = 1  # one other API server
+    for _ in range(2):
+        res.started(0, "quiet", 1)  # reserves 2 + 1: a flood may hold 13 of the cluster's 16
+    for _ in range(7):
+        res.started(0, "flood", 1)
+    assert res.check(0, "flood", 1) == HOLD  # 7 here + the peer's likely 7 since its last report
+    res.remote("api-1", 0, "flood", 1, 4)  # its report: it sent 4
+    assert res.check(0, "flood", 1) != HOLD  # 7 + 4 < 13
+    res.started(0, "flood", 1)
+    assert res.check(0, "flood", 1) == HOLD  # 8 + 4 + 1 unreported
+    clock.now += 0.5  # a report interval later the peer's sends would be in its report
+    assert res.check(0, "flood", 1) != HOLD
