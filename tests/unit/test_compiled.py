@@ -33,9 +33,12 @@ def make(loaded, enforce_eager: bool, **overrides) -> EngineCore:
 @pytest.fixture(scope="module")
 def compiled_engine_factory(loaded_demo_model, tmp_path_factory):
     """Engines on one loaded model with the compiled decode on (the compile happens once)."""
+    from tests.unit.test_paged_attention_kernel import switched_on
+
     mp = pytest.MonkeyPatch()
     mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-    yield lambda **overrides: make(loaded_demo_model, False, **overrides)
+    with switched_on():  # the C++ attention kernel (opt-in in production): answers equal through it too
+        yield lambda **overrides: make(loaded_demo_model, False, **overrides)
     mp.undo()
 
 

@@ -10,6 +10,7 @@ without a C++ compiler (where the engine keeps the PyTorch path).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import pytest
@@ -26,8 +27,23 @@ pytestmark = pytest.mark.timeout(300)
 def built(tmp_path_factory):
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler: the engine keeps the pure-PyTorch attention")
-    assert kernel.load(str(tmp_path_factory.mktemp("compile-cache"))), "a compiler is here, the kernel must build"
-    return kernel.paged_decode
+    with switched_on():
+        assert kernel.load(str(tmp_path_factory.mktemp("compile-cache"))), "a compiler is here, the kernel must build"
+        yield kernel.paged_decode
+
+
+@contextlib.contextmanager
+def switched_on():
+    """DPSERVE_CPU_ATTENTION_KERNEL=1 and a fresh load() decision; the process's earlier one is put back after."""
+    saved = dict(kernel._state)
+    kernel._state.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(kernel.ENV_SWITCH, "1")
+        try:
+            yield
+        finally:
+            kernel._state.clear()
+            kernel._state.update(saved)
 
 
 @pytest.mark.parametrize("lengths,shared", CASES)
@@ -89,9 +105,11 @@ def test_kernel_rejects_a_length_past_its_table(built):
 
 
 def test_fallbacks_keep_the_pytorch_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv(kernel.ENV_SWITCH, raising=False)
+    assert kernel._load(str(tmp_path)) is False  # off by default
     monkeypatch.setenv(kernel.ENV_SWITCH, "0")
     assert kernel._load(str(tmp_path)) is False
-    monkeypatch.delenv(kernel.ENV_SWITCH)
+    monkeypatch.setenv(kernel.ENV_SWITCH, "1")
     monkeypatch.setattr(kernel.shutil, "which", lambda name: None)
     assert kernel._load(str(tmp_path)) is False
     assert "no C++ compiler" in caplog.text
