@@ -52,7 +52,8 @@ def test_fcfs_takes_priority_zero_and_refuses_any_other(fcfs):
 
 @pytest.fixture(scope="module")
 def prioritized(demo_model_dir):
-    with DpServer(demo_model_dir, *ARGS, "--scheduling-policy", "priority", "--max-num-seqs", "1").start() as srv:
+    # the demo model's whole context: the first batch request must still run when the urgent one comes
+    with DpServer(demo_model_dir, *ARGS, "--scheduling-policy", "priority", "--max-num-seqs", "1", "--max-model-len", "2048").start() as srv:
         yield srv
 
 
@@ -62,7 +63,9 @@ def test_priority_is_taken_and_an_urgent_request_passes_the_queue(prioritized):
 
     def low(i: int) -> None:
         with _client(prioritized) as client:
-            stream = client.completions.create(model="demo", prompt=f"batch job {i}", max_tokens=300, stream=True,
+            # the first runs ~1,900 steps (seconds, however fast the machine: at 300 it could end
+            # within the 0.3 s below on a quiet one); the others only need to wait behind it
+            stream = client.completions.create(model="demo", prompt=f"batch job {i}", max_tokens=1900 if i == 0 else 300, stream=True,
                                                extra_body={"priority": 5, "ignore_eos": True})
             for _ in stream:
                 if i == 0:
