@@ -247,15 +247,11 @@ class KVIndex:
         if keys:
             expiring.append((deadline, rank, keys))
 
-    def levels(self, keys: list[int]) -> list[dict[int, int]]:
-        """The holders of the prompt's leading routing blocks, up to the first block nobody holds
-        (one probe per block: what Router._cache_pick walks)."""
-        return leading_holders(self.entries, keys)
-
     def match(self, keys: list[int]) -> dict[int, int]:
-        """rank -> how many leading routing blocks of `keys` it holds, for ranks holding at least one."""
+        """rank -> how many leading routing blocks of `keys` it holds, for ranks holding at least one
+        (one probe per block; the router reads prefix_index.holder_steps over `entries` instead)."""
         found: dict[int, int] = {}
-        for depth, holders in enumerate(self.levels(keys), 1):
+        for depth, holders in enumerate(leading_holders(self.entries, keys), 1):
             for rank in holders:
                 if found.get(rank, 0) == depth - 1:
                     found[rank] = depth

@@ -63,7 +63,7 @@ def chain_keys(prompt: list[int], block: int = BLOCK) -> list[int]:
 
 def leading_holders(entries: dict[int, dict[int, int]], keys: list[int]) -> list[dict[int, int]]:
     """The holders of each leading block of `keys`, up to the first block nobody holds
-    (one dict probe per block; shared by the approximate and the event-fed index)."""
+    (one dict probe per block: KVIndex.match; routing reads holder_steps)."""
     out = []
     for key in keys:
         holders = entries.get(key)
@@ -138,15 +138,6 @@ class PrefixIndex:
                 entries.move_to_end(key)
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
-
-    def levels(self, keys: list[int]) -> list[dict[int, int]]:
-        """The holders ({rank: generation}) of the prompt's leading blocks, up to the first block nobody holds.
-
-        What the router walks: from the deepest level up, and only as far as
-        a rank could still beat the least-loaded one, so a prefix every rank
-        holds (a shared system prompt) costs nothing per rank.
-        """
-        return leading_holders(self.entries, keys)
 
     def match(self, keys: list[int]) -> dict[int, int]:
         """rank -> how many leading blocks of `keys` it holds, for ranks holding at least one."""
