@@ -16,7 +16,7 @@ VLLM_VENV ?= .venv-vllm
 
 .PHONY: setup setup-vllm demo test test-fast lint clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml daemons/api/_prefix_keys.c
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
 	$(VENV)/bin/pip install -q -e '.[test,fast]'

@@ -249,7 +249,7 @@ class KVIndex:
 
     def match(self, keys: list[int]) -> dict[int, int]:
         """rank -> how many leading routing blocks of `keys` it holds, for ranks holding at least one
-        (one probe per block; the router reads prefix_index.holder_steps over `entries` instead)."""
+        (one probe per block; the router reads prefix_index.cheapest_holder over `entries` instead)."""
         found: dict[int, int] = {}
         for depth, holders in enumerate(leading_holders(self.entries, keys), 1):
             for rank in holders:

@@ -20,6 +20,7 @@ dropped as they are met).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 BLOCK = 64  # tokens per routing block (coarser than the engine's KV blocks: cheaper, same affinity)
@@ -37,13 +38,13 @@ def block_key(parent: int, tokens: tuple) -> int:
     return hash((parent, hash(tokens)))
 
 
-def chain_keys(prompt: list[int], block: int = BLOCK) -> list[int]:
+def py_chain_keys(prompt: list[int], block: int = BLOCK) -> list[int]:
     """The keys of the prompt's full blocks, in order (at most MAX_BLOCKS): block_key chained.
 
-    Hashed once per request, in one pass of C loops: the ids copied into a
-    tuple once, cut into block tuples and hashed by map(); only the chaining
-    of two ints per block runs in Python (36 us at 4,096 tokens where the
-    tuple-unpacking loop took 41; reading 4,096 ints at all, sum(), takes ~16).
+    The pure-Python fallback of _prefix_keys.c (an install without a compiler),
+    and the definition that C code must match: the ids copied into a tuple
+    once, cut into block tuples and hashed by map(); only the chaining of two
+    ints per block runs in Python (~40 us at 4,096 tokens, ~2x reading the ids).
     """
     n = min(len(prompt) // block, MAX_BLOCKS)
     if n <= 0:
@@ -61,9 +62,24 @@ def chain_keys(prompt: list[int], block: int = BLOCK) -> list[int]:
     return keys
 
 
+try:  # the same keys, computed in C (~5x faster: one pass over the ids' ints, in place)
+    from dpserve.daemons.api._prefix_keys import chain_keys as _c_chain_keys
+except ImportError:  # built without a compiler (the extension is optional): same keys, slower
+    _c_chain_keys = None
+KEYS_IMPL = "c" if _c_chain_keys is not None else "python"  # which one chain_keys runs
+
+
+def chain_keys(prompt: list[int], block: int = BLOCK) -> list[int]:
+    """The keys of the prompt's full blocks, in order (at most MAX_BLOCKS): block_key chained,
+    in C when the extension was built (KEYS_IMPL), else py_chain_keys. The same keys either way."""
+    if _c_chain_keys is not None:
+        return _c_chain_keys(prompt, block, MAX_BLOCKS)
+    return py_chain_keys(prompt, block)
+
+
 def leading_holders(entries: dict[int, dict[int, int]], keys: list[int]) -> list[dict[int, int]]:
     """The holders of each leading block of `keys`, up to the first block nobody holds
-    (one dict probe per block: KVIndex.match; routing reads holder_steps)."""
+    (one dict probe per block: KVIndex.match; routing reads cheapest_holder)."""
     out = []
     for key in keys:
         holders = entries.get(key)
@@ -73,40 +89,80 @@ def leading_holders(entries: dict[int, dict[int, int]], keys: list[int]) -> list
     return out
 
 
-def holder_steps(entries: dict[int, dict[int, int]], keys: list[int], rank: int, gen: int) -> list[tuple[int, dict[int, int]]]:
-    """The holders of the prompt's leading blocks where they change, deepest first: [(depth, holders)],
-    down to the first set that holds `rank` (at generation `gen`), or to the root.
-
-    Holders are prefix-closed (a rank holding block d holds every block before
-    it), so the sets shrink with depth and an equal count is the same set:
-    binary searches find the deepest held block and each depth where the
-    count grows, O(log n) probes each, not one probe per block (what
-    Router._cache_pick reads: only sets deeper than `rank`'s can beat it).
-    """
-    get = entries.get
-    lo, hi = 0, len(keys)
-    while lo < hi:  # the deepest block anybody holds
+def deepest_held(entries: dict[int, dict[int, int]], keys: list[int]) -> int:
+    """How many leading blocks of `keys` anybody holds. Holders are prefix-closed (a rank
+    holding block d holds every block before it), so a binary search: the first and the
+    last block are probed first (a prompt nobody holds costs one probe, a later turn of a
+    held conversation two). `in` does not read the holders: a big index is cold, and each
+    object a probe touches is a cache miss (~0.15 us here)."""
+    n = len(keys)
+    if not n or keys[0] not in entries:
+        return 0
+    if keys[-1] in entries:
+        return n
+    lo, hi = 1, n - 1
+    while lo < hi:
         mid = (lo + hi + 1) >> 1
-        if get(keys[mid - 1]):
+        if keys[mid - 1] in entries:
             lo = mid
         else:
             hi = mid - 1
-    steps = []
-    depth = lo
-    while depth:
+    return lo
+
+
+def _wider(get, keys: list[int], size: int, floor: int, depth: int) -> int:
+    """The deepest depth in [floor, depth) whose block more than `size` ranks hold (the sets
+    shrink with depth: a binary search), or floor - 1 when none; `floor` is probed first."""
+    if floor >= depth or len(get(keys[floor - 1]) or ()) <= size:
+        return floor - 1
+    lo, hi = floor, depth - 1
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if len(get(keys[mid - 1]) or ()) > size:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def cheapest_holder(entries: dict[int, dict[int, int]], keys: list[int], best: int, scores: list, gen: list[int],
+                    block: float) -> tuple[int, int]:
+    """The rank for a prompt with these block keys, and how many leading blocks it holds: `best`
+    (the lowest score among the candidates), or a rank holding a deeper prefix whose score less
+    depth x `block` is lower (ties: best, then the deeper rank). scores[rank]: None for no
+    candidate; entries hold {rank: generation}, and a rank's stale entries are skipped.
+
+    Holders are prefix-closed, so the sets shrink with depth and an equal count is the same
+    set. From the deepest held block down, a set is read only where the count grows (binary
+    searches), and only down to the depth `floor` below which not even best (whose score is
+    the lowest) could beat the cheapest holder found so far. A later turn of a conversation
+    that one rank holds, best holding its shared system prompt only: four probes, not one per
+    block nor a search down to the system prompt (the probes, not the arithmetic, cost here).
+    """
+    depth = deepest_held(entries, keys)
+    get, n = entries.get, len(scores)
+    best_gen, best_score = gen[best], scores[best]
+    win, win_cost, win_depth, floor, seen = best, None, 0, 1, set()
+    while depth >= floor:
         holders = entries[keys[depth - 1]]
-        steps.append((depth, holders))
-        if holders.get(rank, -1) == gen:
-            break
-        size, lo, hi = len(holders), 0, depth - 1
-        while lo < hi:  # the deepest block held by more ranks than this one
-            mid = (lo + hi + 1) >> 1
-            if len(get(keys[mid - 1]) or ()) > size:
-                lo = mid
-            else:
-                hi = mid - 1
-        depth = lo
-    return steps
+        if holders.get(best, -1) == best_gen:  # best's own depth: nothing shallower can beat it
+            return (best, depth) if win_cost is None or best_score - depth * block <= win_cost else (win, win_depth)
+        for rank, g in holders.items():
+            if g != gen[rank] or rank in seen:
+                continue
+            seen.add(rank)  # its deepest level: its credit
+            score = scores[rank] if 0 <= rank < n else None
+            if score is None:
+                continue  # not eligible here, down, or at its queue limit
+            cost = score - depth * block
+            if win_cost is None or cost < win_cost:
+                win, win_cost, win_depth = rank, cost, depth
+        if win_cost is not None:  # (one depth of margin for the float division)
+            floor = max(floor, math.ceil((best_score - win_cost) / block) - 1)
+        depth = _wider(get, keys, len(holders), floor, depth)
+    # best holds nothing at `floor` or deeper: at floor > 1 the winner costs less by floor's
+    # definition; at floor 1, best holds nothing, and its score alone is its cost
+    return (best, 0) if win_cost is None or best_score <= win_cost else (win, win_depth)
 
 
 class PrefixIndex:

@@ -24,7 +24,7 @@ import heapq
 from bisect import bisect_left, insort
 
 from dpserve.daemons.api.kv_index import KVIndex
-from dpserve.daemons.api.prefix_index import BLOCK, PrefixIndex, chain_keys, holder_steps
+from dpserve.daemons.api.prefix_index import BLOCK, PrefixIndex, chain_keys, cheapest_holder
 from dpserve.engine.common.protocol import LoadTable, PrefixRouted, RankLoad
 
 QUEUE_WAITING_WEIGHT = 4  # vLLM's `4 x waiting + running`
@@ -383,12 +383,10 @@ class Router:
         i = bisect_left(bucket, start)
         best = self.eligible[bucket[i] if i < len(bucket) else bucket[0]]
         if keys:
-            steps = holder_steps(index.entries, keys, best, index.generation[best])
-            if steps:
-                block, weight = (index.block, EXACT_CACHE_WEIGHT) if index is self.kv else (BLOCK, 1.0)
-                best, depth = self._cache_pick(best, steps, index.generation, block * (self.cache_weight or weight))
-                if index is self.kv:
-                    self._pending_credit = depth * block
+            block, weight = (index.block, EXACT_CACHE_WEIGHT) if index is self.kv else (BLOCK, 1.0)
+            best, depth = cheapest_holder(index.entries, keys, best, self._key, index.generation, block * (self.cache_weight or weight))
+            if index is self.kv:
+                self._pending_credit = depth * block
         return best
 
     def pick_urgent(self, pinned: int | None = None, prompt: list[int] | None = None) -> int:
@@ -417,31 +415,3 @@ class Router:
         if self.prefix is not None and prompt is not None:
             self._pending_keys = chain_keys(prompt, self.kv.block if self.kv is not None and self.kv.ranks_seen else BLOCK)
         return best
-
-    def _cache_pick(self, best: int, steps: list[tuple[int, dict[int, int]]], gen: list[int], block: float) -> tuple[int, int]:
-        """The least-loaded candidate `best`, or a candidate holding a deeper prefix
-        whose saving outweighs its extra load (ties: the lighter rank).
-
-        `steps` (prefix_index.holder_steps): the holder sets deeper than what
-        `best` holds, deepest first, then best's own. A rank no deeper than best
-        has a score at least best's and a credit at most best's, so it cannot
-        win. Cost: the ranks holding more than best does.
-        Returns the rank and how many leading blocks of the prompt it holds.
-        """
-        key, pos = self._key, self._pos
-        depth = steps[-1][0] if steps[-1][1].get(best, -1) == gen[best] else 0
-        best_cost = key[best] - depth * block
-        seen = set()
-        for d, holders in steps:
-            if d <= depth:
-                break
-            for rank, g in holders.items():
-                if rank in seen:
-                    continue
-                seen.add(rank)  # its deepest level: its credit
-                if g != gen[rank] or not 0 <= rank < self.size or pos[rank] < 0 or key[rank] is None:
-                    continue  # forgotten, not eligible here, down, or at its queue limit
-                cost = key[rank] - d * block
-                if cost < best_cost:
-                    best, best_cost, depth = rank, cost, d
-        return best, depth

@@ -3,11 +3,24 @@ cache hits against load. Pure state, no sockets."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import subprocess
 import sys
+import sysconfig
 
-from dpserve.daemons.api.prefix_index import BLOCK, PrefixIndex, block_key, chain_keys, holder_steps, leading_holders
+import pytest
+from dpserve.daemons.api.prefix_index import (
+    BLOCK,
+    KEYS_IMPL,
+    PrefixIndex,
+    block_key,
+    chain_keys,
+    cheapest_holder,
+    deepest_held,
+    py_chain_keys,
+)
 from dpserve.daemons.api.router import Router
 from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.protocol import LoadTable, PrefixRouted, RankLoad, TableChannel
@@ -76,24 +89,81 @@ def test_keys_are_block_key_chained_over_each_blocks_tokens():
     assert chain_keys(ids) == expect == chain_keys(tuple(ids)) and chain_keys(ids, 16)[:1] != expect[:1]
 
 
-def test_holder_steps_are_where_the_linear_walk_changes():
+def test_cheapest_holder_is_the_brute_force_cheapest():
+    """The pruned search returns what scoring every rank at its own depth would: the lowest
+    score - depth x block, best on a tie; non-candidates (None) never win. With stale entries
+    (the approximate index after a restart: an older incarnation's deeper blocks) a rank may
+    be credited with less than it holds, never with more."""
     rng = random.Random(3)
+    for i in range(3000):
+        n, size, stale = rng.randrange(1, 40), rng.randrange(1, 9), i % 3 == 0
+        keys = list(range(100, 100 + n))
+        gen = [rng.choice([0, 0, 1]) if stale else 0 for _ in range(size)]
+        entries, depth = {}, {}
+        for r in range(size):
+            old, d = rng.choice([0, 0, rng.randrange(n + 1), n]) if stale else 0, rng.choice([0, rng.randrange(n + 1), n])
+            for j, k in enumerate(keys[: max(old, d)]):
+                entries.setdefault(k, {})[r] = gen[r] if j < d else gen[r] - 1
+            depth[r] = d
+        scores = [rng.choice([None, rng.randrange(0, 3000)]) for _ in range(size)]
+        if all(x is None for x in scores):
+            continue
+        best = min((r for r in range(size) if scores[r] is not None), key=lambda r: scores[r])
+        block = rng.choice([64, 256.0, 51.2])
+        rank, got = cheapest_holder(entries, keys, best, scores, gen, block)
+        cost = {r: scores[r] - depth[r] * block for r in range(size) if scores[r] is not None}
+        assert rank in cost and got <= depth[rank]
+        if not stale:
+            assert got == depth[rank] and cost[rank] == min(cost.values())
+            assert rank == best or cost[best] > cost[rank]
+
+
+def test_deepest_held_probes_the_first_and_the_last_block_first():
+    keys, probed = list(range(64)), []
+
+    class Entries(dict):
+        def __contains__(self, key):
+            probed.append(key)
+            return dict.__contains__(self, key)
+
+    for held, probes in ((0, [0]), (64, [0, 63]), (40, None)):
+        probed.clear()
+        assert deepest_held(Entries({k: {0: 0} for k in keys[:held]}), keys) == held
+        assert probes is None or probed == probes
+    assert len(probed) <= 8  # a binary search otherwise
+
+
+def test_c_keys_are_the_python_keys():
+    """The C extension and the pure-Python fallback give the same keys: for token ids, for ints
+    past one digit, negative or beyond 64 bits (ints hash modulo 2**61 - 1), bools, and
+    other hashable ids (hashed from a tuple copy), from lists and tuples, any block size."""
+    if KEYS_IMPL != "c":
+        pytest.skip("built without the C extension: chain_keys is the Python fallback (KEYS_IMPL)")
+    from dpserve.daemons.api._prefix_keys import chain_keys as c_keys
+
+    rng = random.Random(5)
+    odd = [0, -1, -2, 1 << 30, -(1 << 30), (1 << 61) - 1, 1 << 61, (1 << 63) - 1, -(1 << 63), 1 << 64, -(1 << 90), True, False]
     for _ in range(300):
-        n, ranks = rng.randrange(1, 40), range(rng.randrange(1, 9))
-        keys = list(range(n))
-        held = {r: rng.choice([0, 0, rng.randrange(n + 1), n]) for r in ranks}  # prefix-closed depths
-        entries = {}
-        for r, d in held.items():
-            for k in keys[:d]:
-                entries.setdefault(k, {})[r] = 0
-        rank = rng.randrange(9)
-        levels, expect = leading_holders(entries, keys), []
-        for d in range(len(levels), 0, -1):  # the linear walk: each set at its deepest level, down to rank's
-            if d == len(levels) or len(levels[d - 1]) != len(levels[d]):
-                expect.append((d, levels[d - 1]))
-                if rank in levels[d - 1]:
-                    break
-        assert holder_steps(entries, keys, rank, 0) == expect
+        ids = [rng.choice(odd) if rng.random() < 0.2 else rng.randrange(-(1 << 70), 1 << 70) if rng.random() < 0.1
+               else rng.randrange(50_000) for _ in range(rng.randrange(0, 700))]
+        block = rng.choice([1, 7, 16, 64])
+        assert c_keys(ids, block, 128) == py_chain_keys(ids, block) == c_keys(tuple(ids), block, 128)
+    mixed = prompt(9, 3 * BLOCK)
+    mixed[70] = "a"
+    mixed[150] = (1, 2)
+    assert c_keys(mixed, BLOCK, 128) == py_chain_keys(mixed) and chain_keys(prompt(9, 9000)) == py_chain_keys(prompt(9, 9000))
+    assert len(c_keys(list(range(10)), 2, 3)) == 3 and c_keys([1, 2], 64, 128) == []
+    for bad, error in ((([[1]] * 64, 64, 128), TypeError), ((None, 64, 128), TypeError), (([1], 0, 128), ValueError)):
+        with pytest.raises(error):
+            c_keys(*bad)
+
+
+def test_the_keys_implementation_is_the_c_extension_where_a_compiler_is():
+    """Which implementation ran is stated here: the project's build compiles _prefix_keys.c
+    (pyproject.toml, optional) wherever a C compiler is, and CI's `make setup` installs it."""
+    compiler = shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])
+    print(f"chain_keys implementation: {KEYS_IMPL} (C compiler: {compiler})")
+    assert KEYS_IMPL == ("c" if compiler else "python") or os.environ.get("DPSERVE_ALLOW_PYTHON_KEYS") == "1"
 
 
 def test_index_is_bounded_least_recently_used_first():
