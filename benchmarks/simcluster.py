@@ -131,6 +131,7 @@ class SimCluster:
         max_num_seqs: int = 64,
         api_options: dict | None = None,
         monitors: bool = True,
+        kv_cache_blocks: int = 0,
     ) -> None:
         self.num_ranks = num_ranks
         self.num_api_servers = num_api_servers
@@ -148,6 +149,7 @@ class SimCluster:
         self.node_heartbeat_s = stale_after_s / 4 if node_heartbeat_s is None else node_heartbeat_s
         self.max_num_seqs = max_num_seqs
         self.monitors = monitors  # False: simulated ranks keep no connection monitors (sim --no-monitors)
+        self.kv_cache_blocks = kv_cache_blocks  # > 0: each rank a prefix cache of that many blocks, publishing KV events
         self.api_options = api_options or {}  # other ApiServerConfig fields (e.g. admission's)
         # prefork: API servers forked from dpserve's launcher after one import, as
         # `dpserve serve` does by default (this process becomes a child subreaper)
@@ -297,7 +299,8 @@ class SimCluster:
             "--prefill-tokens-per-s", str(self.prefill_tokens_per_s), "--parent-pid", str(os.getpid()),
             "--ranks-per-node", str(self.ranks_per_node), "--max-num-seqs", str(self.max_num_seqs),
             "--node-heartbeat-s", str(self.node_heartbeat_s),
-        ] + (["--vary-load"] if self.vary_load else []) + ([] if self.monitors else ["--no-monitors"])
+        ] + (["--vary-load"] if self.vary_load else []) + ([] if self.monitors else ["--no-monitors"]) \
+            + (["--kv-cache-blocks", str(self.kv_cache_blocks)] if self.kv_cache_blocks else [])
         self._spawn(name, "dpserve.engine.testing.sim", None, args)
         self.sim_procs.append(name)
         return name
@@ -418,9 +421,10 @@ def main(argv=None) -> None:
     p.add_argument("--decode-step-ms", type=float, default=10.0)
     p.add_argument("--prefork", action="store_true", help="fork the API servers from dpserve's launcher, as `dpserve serve` does")
     p.add_argument("--seconds", type=float, default=0.0, help="serve this long, then stop (0: until interrupted)")
+    p.add_argument("--kv-cache-blocks", type=int, default=0, help="each rank a prefix cache of this many 16-token blocks, publishing KV events")
     args, run = begin(p, argv)
     cluster = SimCluster(args.ranks, args.api_servers, args.ranks_per_process, lb_policy=args.lb_policy,
-                         decode_step_ms=args.decode_step_ms, prefork=args.prefork)
+                         decode_step_ms=args.decode_step_ms, prefork=args.prefork, kv_cache_blocks=args.kv_cache_blocks)
     with cluster:
         ready_s = cluster.wait_routable(args.ranks, timeout=120)
         run.log(f"{args.ranks} simulated ranks behind {args.api_servers} API servers at {cluster.url} (routable in {ready_s:.1f} s)")

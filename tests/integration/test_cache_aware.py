@@ -9,10 +9,17 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.server import DpServer
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from benchmarks.simcluster import SimCluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +38,11 @@ def node(demo_model_dir):
         yield srv
 
 
-def complete(node: DpServer, prompt: list[int], pinned: int | None = None) -> tuple[int, dict]:
+def complete(node: DpServer | SimCluster, prompt: list[int], pinned: int | None = None) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=60)  # a new connection every time
     headers = {"Content-Type": "application/json", **({"X-data-parallel-rank": str(pinned)} if pinned is not None else {})}
-    conn.request("POST", "/v1/completions", json.dumps({"model": "demo", "prompt": prompt, "max_tokens": 4, "temperature": 0}), headers)
+    model = "sim" if isinstance(node, SimCluster) else "demo"
+    conn.request("POST", "/v1/completions", json.dumps({"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}), headers)
     resp = conn.getresponse()
     body = json.loads(resp.read())
     conn.close()
@@ -70,3 +78,20 @@ def test_routing_follows_an_evicted_prefix_away(node):
         complete(node, ids(4000 + i, 1000), pinned=0)
     ranks = [complete(node, prefix + ids(3100, BLOCK) + ids(3200 + k, BLOCK))[0] for k, prefix in enumerate(prefixes)]
     assert ranks == [1, 1, 1, 1]
+
+
+def test_simulated_ranks_events_steer_routing_over_sockets():
+    """The same eviction, on simulated ranks (`simcluster.py --kv-cache-blocks`, 64 blocks of
+    16 tokens each) behind 2 API servers: their KV events and snapshots travel the real
+    channels, and the later turns follow the prefixes to rank 1, whichever API server routes."""
+    with SimCluster(2, num_api_servers=2, ranks_per_process=2, lb_policy="cache-aware", kv_cache_blocks=64,
+                    report_interval_s=0.2) as cluster:
+        cluster.wait_routable(2, timeout=60)
+        prefixes = [ids(5000 + k, 2 * BLOCK) for k in range(4)]  # 4 x 12 blocks with their turn: both caches hold all
+        for prefix in prefixes:
+            for rank in (0, 1):
+                assert complete(cluster, prefix + ids(5100, BLOCK), pinned=rank)[0] == rank
+        for i in range(2):  # 2 x 57 blocks through rank 0's 64: it keeps none of the above
+            complete(cluster, ids(6000 + i, 900), pinned=0)
+        ranks = [complete(cluster, prefix + ids(5100, BLOCK) + ids(5200 + k, BLOCK))[0] for k, prefix in enumerate(prefixes)]
+        assert ranks == [1, 1, 1, 1]
