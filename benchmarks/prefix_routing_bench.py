@@ -15,7 +15,8 @@ conversations (16-token engine blocks, each stored once per rank), the
 decision binary searches over the 64-token blocks' holders plus the note of
 the send. Each turn is a fresh copy of its ids (as just decoded: new ints, in
 cache); "reading the ids" is sum() over them, the floor for any hashing in
-Python. Median of --repeats, microseconds per request; printed, never asserted.
+Python. The keys come from the C extension where it was built (prefix_index.KEYS_IMPL,
+printed). Median of --repeats, microseconds per request; printed, never asserted.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpserve.daemons.api.prefix_index import chain_keys  # noqa: E402
+from dpserve.daemons.api.prefix_index import KEYS_IMPL, chain_keys  # noqa: E402
 from dpserve.daemons.api.router import Router  # noqa: E402
 from dpserve.engine.common.protocol import LoadTable, RankLoad  # noqa: E402
 from dpserve.engine.kv_events import KVEventLog  # noqa: E402
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    print(f"block keys computed by: {KEYS_IMPL} (prefix_index.KEYS_IMPL); load average {open('/proc/loadavg').read().split()[:3]}\n")
     print("| ranks | prompt tokens | tokens: pick+send+finish | reading the ids (sum) | block keys | approximate: decision |"
           " exact (events): decision | exact: keys + decision |")
     print("|---|---|---|---|---|---|---|---|")

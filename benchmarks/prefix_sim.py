@@ -77,6 +77,11 @@ def workload(args, seed: int) -> list[tuple[float, list[int], int, int]]:
     return out
 
 
+def cache_tokens(args, rank: int) -> int:
+    """Rank `rank`'s KV cache, in tokens (--cache-spread: two sizes, the same total)."""
+    return int(args.cache_tokens * (1 - args.cache_spread if rank % 2 == 0 else 1 + args.cache_spread))
+
+
 class Sim:
     """One policy's run: ranks, routers and the event queue between them."""
 
@@ -84,8 +89,9 @@ class Sim:
         self.args, self.policy = args, policy
         speeds = SimSpeeds(args.prefill_tokens_per_s, args.decode_base_ms, args.decode_per_seq_ms, args.chunk_tokens)
         self.logs = [KVEventLog(BLOCK_SIZE) for _ in range(args.ranks)]
-        self.ranks = [SimCacheRank(r, SimCache(args.cache_tokens // BLOCK_SIZE, BLOCK_SIZE, self.logs[r]), speeds, args.max_num_seqs)
+        self.ranks = [SimCacheRank(r, SimCache(cache_tokens(args, r) // BLOCK_SIZE, BLOCK_SIZE, self.logs[r]), speeds, args.max_num_seqs)
                       for r in range(args.ranks)]
+        self.num_resets = 0
         router_policy = {"approximate": "cache-aware", "exact": "cache-aware", "oracle": "tokens"}.get(policy, policy)
         self.routers = [Router(args.ranks, router_policy, kv_events=policy == "exact", cache_weight=args.cache_weight)
                         for _ in range(args.api_servers)]
@@ -106,7 +112,8 @@ class Sim:
         for i, router in enumerate(self.routers):
             router.origin = f"api{i}"
             if policy in ("approximate", "exact") and args.api_servers > 1:
-                router.on_routed = lambda rank, keys, i=i: self.at(self.now + args.table_interval_s, "routed", (i, rank, keys))
+                delay = args.table_interval_s if args.note_delay_s is None else args.note_delay_s
+                router.on_routed = lambda rank, keys, i=i, delay=delay: self.at(self.now + delay, "routed", (i, rank, keys))
             for r in range(args.ranks):
                 router.engine_hello(r, f"i{r}")
             if router.kv is not None:
@@ -130,7 +137,10 @@ class Sim:
         for rid, (t, prompt, max_tokens, direct) in enumerate(requests):
             self.at(t, "arrive", (rid, prompt, max_tokens, direct))
         self.at(self.args.table_interval_s, "table", None)
-        handlers = {"arrive": self.arrive, "step": self.step_end, "table": self.table, "kv": self.kv, "routed": self.routed}
+        if self.args.reset_every_s:
+            self.at(self.args.reset_every_s, "reset", random.Random(self.args.seed + 1))
+        handlers = {"arrive": self.arrive, "step": self.step_end, "table": self.table, "kv": self.kv, "routed": self.routed,
+                    "reset": self.reset}
         remaining = len(requests)
         while self.queue and (remaining > len(self.done)):
             self.now, _, kind, payload = heapq.heappop(self.queue)
@@ -140,6 +150,22 @@ class Sim:
     def table(self, _payload) -> None:
         self.publish_table()
         self.at(self.now + self.args.table_interval_s, "table", None)
+
+    def reset(self, rng: random.Random) -> None:
+        """A rank drops every cached block nobody is using, for its own reasons (a weight update,
+        vLLM's /reset_prefix_cache, another workload's memory), without restarting: its events
+        say so, its load reports do not."""
+        r = rng.randrange(len(self.ranks))
+        cache = self.ranks[r].cache
+        while cache.cached:
+            cache._evict()
+            cache.num_free += 1
+        self.num_resets += 1
+        if self.policy == "exact" and not self.stepping[r]:  # an idle rank publishes at its next step: now
+            batch = self.logs[r].take_batch(r, f"i{r}")
+            if batch is not None:
+                self.at(self.now + self.args.event_delay_s, "kv", batch)
+        self.at(self.now + self.args.reset_every_s, "reset", rng)
 
     def arrive(self, payload) -> None:
         rid, prompt, max_tokens, direct = payload
@@ -246,6 +272,7 @@ class Sim:
             "ttft_p90_ms": round(ttfts[int(0.9 * (len(ttfts) - 1))] * 1000, 1),
             "output_tok_s": round(out_tokens / span, 1),
             "evictions": sum(r.cache.num_evictions for r in self.ranks),
+            "resets": self.num_resets,
             "pick_us": round(self.pick_s / max(1, self.num_picks) * 1e6, 1),
             "event_bytes_per_s_per_rank": round(self.event_bytes / sim_s / len(self.ranks)) if self.event_bytes else 0,
             "event_batches_per_s_per_rank": round(self.event_batches / sim_s / len(self.ranks), 1),
@@ -269,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--direct-share", type=float, default=0.0,
                     help="share of requests sent to a random rank by another path (pins elsewhere, migration): routers see only events")
     ap.add_argument("--cache-tokens", type=int, default=16384, help="each rank's KV cache")
+    ap.add_argument("--cache-spread", type=float, default=0.0,
+                    help="caches of different sizes: even ranks hold cache-tokens x (1 - F), odd ranks x (1 + F)")
+    ap.add_argument("--note-delay-s", type=float, default=None,
+                    help="approximate/exact with several API servers: what one routed reaches the others this late (default: a table interval)")
+    ap.add_argument("--reset-every-s", type=float, default=0.0,
+                    help="every this many seconds a random rank drops its unused cached blocks without restarting (0: never)")
     ap.add_argument("--rate", type=float, default=20.0, help="requests per second, Poisson")
     ap.add_argument("--requests", type=int, default=12000)
     # the realistic model (135M-class, bf16, eager, OMP 1) on this CPU, measured with EngineCore (see RESULTS)
@@ -290,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     requests = workload(args, args.seed)
-    pressure = args.tenants * args.prefix_tokens / (args.ranks * args.cache_tokens)
+    pressure = args.tenants * args.prefix_tokens / sum(cache_tokens(args, r) for r in range(args.ranks))
     rows = []
     for policy in args.policies.split(","):
         t0 = time.perf_counter()

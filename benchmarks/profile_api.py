@@ -5,6 +5,8 @@
     python benchmarks/profile_api.py --py-spy               # + a py-spy profile of api-0
     python benchmarks/profile_api.py --code /tmp/before --code . --rounds 3
                                                             # A/B: two source trees, alternating
+    python benchmarks/profile_api.py --dp 2 --variant=--lb-policy=tokens --variant=--lb-policy=cache-aware --rounds 4
+                                                            # A/B: two sets of server arguments, alternating
 
 --code DIR runs dpserve from another source tree (a folder holding engine/
 and daemons/, e.g. `git archive HEAD engine daemons | tar -x -C /tmp/before`)
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -85,6 +88,8 @@ def main(argv=None) -> int:
     p.add_argument("--py-spy-out", default=None, help="keep the raw py-spy output here")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--server-arg", action="append", default=[], help="an extra dpserve argument (repeat), e.g. --lb-policy=cache-aware")
+    p.add_argument("--variant", action="append", default=[],
+                   help="extra dpserve arguments of one variant (repeat to compare, shell-quoted), alternated with the others per round")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     exit_on_sigterm()
@@ -97,7 +102,8 @@ def main(argv=None) -> int:
         env = code_tree_env(tree, os.path.join(scratch, f"shim{i}")) if tree else {}
         if args.omp_threads != "default":
             env["OMP_NUM_THREADS"] = args.omp_threads
-        envs[tree or "installed"] = env
+        for variant in args.variant or [""]:
+            envs[(tree or "installed") + (f" {variant}" if variant else "")] = (env, shlex.split(variant))
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if args.py_spy and not os.access(spy, os.X_OK):
         print("py-spy not found: pip install py-spy", file=sys.stderr)
@@ -112,7 +118,8 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             order = list(envs) if rnd % 2 == 0 else list(reversed(envs))
             for name in order:
-                node = DpNode(model, args.dp, args.api, extra=args.server_arg, env=envs[name], log_dir=scratch)
+                env, extra = envs[name]
+                node = DpNode(model, args.dp, args.api, extra=args.server_arg + extra, env=env, log_dir=scratch)
                 try:
                     node.start()
                     url = node.url

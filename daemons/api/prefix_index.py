@@ -3,16 +3,17 @@
 Approximate, as SGLang's router: a rank is assumed to hold the prefixes of
 the prompts it was sent (its engine's prefix cache keeps them until memory
 pressure evicts them), so no engine reports its cache and nothing on the
-request path waits for anyone. Exact knowledge (ranks publishing every block
-they cache, as llm-d consumes vLLM's KV events) would cost a message per
-cached block per rank, fanned out to every API server: at 1,024 ranks that
-is more traffic than the load tables, for routing that differs only after
-an eviction, which the load term of the score absorbs anyway.
+request path waits for anyone. It never learns of an eviction, nor of what
+reached a rank by another path: where ranks publish KV events, the router
+reads kv_index.py's exact index instead, keyed the same way. Both are
+searched by cheapest_holder below.
 
 A prompt is cut into blocks of BLOCK tokens; block k's key is a hash of the
 key of block k-1 and its token ids (a chain: equal keys mean equal prefixes,
 up to a 64-bit collision). Keys are stable across processes (hash() of int
-tuples is not salted), so API servers could share what they routed. Entries
+tuples is not salted), so API servers could share what they routed. They are
+computed in C (_prefix_keys.c, which reproduces CPython's tuple and int hashes)
+where the extension was built, else by py_chain_keys: the same keys. Entries
 live in an LRU of bounded size; a rank that restarts or dies forgets
 everything at once (its generation changes; stale entries are skipped and
 dropped as they are met).
