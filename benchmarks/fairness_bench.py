@@ -259,7 +259,7 @@ def start_cluster(args, tenants_file: str):
         step_ms = DECODE_BASE_MS + DECODE_PER_SEQ_MS * args.max_num_seqs
         c = SimCluster(args.ranks, num_api_servers=args.api_servers, ranks_per_process=args.ranks, report_interval_s=0.2,
                        decode_step_ms=step_ms, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, max_num_seqs=args.max_num_seqs,
-                       api_options={"tenants_file": tenants_file, "admission_hold": args.hold >= 0,
+                       api_options={"tenants_file": tenants_file, "admission_hold": args.hold >= 0, "api_server_count": args.api_servers,
                                     "hold_waiting_per_rank": max(0, args.hold), "reserve_window_s": args.reserve})
         c.start()
         c.wait_routable(args.ranks, timeout=60)

@@ -45,6 +45,7 @@ HEADROOM = 1.0  # places reserved beyond the recent peaks of a class's quiet acc
 MIN_HEADROOM = 2.0  # and at least this many a class
 REPORT_S = 0.3  # the others' reports come this often at most (tenants/sync.py FLUSH_S, and their way)
 REMOTE_TTL_S = 3.0  # another API server's count, unheard this long, is dropped (tenants/limits.py's)
+PEER_TTL_S = 300.0  # another API server heard from within this long is counted a peer (it may burst too)
 LINGER_WINDOWS = 12  # an idle account of a class more urgent than an active one stays active this many windows
 
 # at its cap / may take a free place in fair order / under its reservation: at once, to where it
@@ -89,8 +90,11 @@ class Reservations:
         self.headroom, self.min_headroom = headroom, min_headroom
         # Other API servers counting their own in flight into these shares (tenants/sync.py): until
         # their next report, each is taken to have started as many as this one (a flood's first
-        # burst, sent by every server at once, would otherwise fill the reserved places N times over)
+        # burst, sent by every server at once, would otherwise fill the reserved places N times over).
+        # At least the configured number (this node's others); more once more have been heard from
+        # (other nodes' API servers: the node's count alone let 2 servers send a flood twice over)
         self.num_peers = 0
+        self.peers_heard: dict[str, float] = {}  # origin -> when last heard
         self.places = places  # this API server's batch places (+ the waiting each rank may hold)
         self.clock = clock
         self.accounts: dict[tuple[int, str], Demand] = {}
@@ -126,18 +130,28 @@ class Reservations:
         """Another API server has `count` requests of tenant `name` in flight (its report,
         forwarded by the coordinator every FLUSH_S while they change): counted in the
         account of the tenant's default class, so that every API server reserves and caps
-        by the cluster's counts (with P the cluster's places), not its own part of them."""
+        by the cluster's counts (with P the cluster's places), not its own part of them.
+        A report of 0 makes the account active here too: an interactive tenant served by
+        another API server keeps its reservation against a flood arriving here (without it,
+        a flood at a server that never saw the tenant was alone, and took every place)."""
         now = self.clock()
         d = self.accounts.get((priority, name))
-        if d is None:
-            if not count:
-                return
+        if d is None:  # (even at 0 in flight: it was active there just now, and its reservation holds here too)
             d = self.accounts[(priority, name)] = Demand(priority, weight, now)
         d.remote[origin] = (count, now)
+        self.peers_heard[origin] = now
         d.num_unreported, d.unreported_t = 0, now
         self._fresh_remote(d, now)
         self._peak(d, now)
         d.last_t = now
+
+    def _num_peers(self, now: float) -> int:
+        """The other API servers likely to send too: configured, or heard within PEER_TTL_S."""
+        heard = self.peers_heard
+        if len(heard) > self.num_peers:
+            for origin in [o for o, t in heard.items() if now - t > PEER_TTL_S]:
+                del heard[origin]
+        return max(self.num_peers, len(heard))
 
     def _fresh_remote(self, d: Demand, now: float) -> None:
         """Drop the counts of API servers unheard for REMOTE_TTL_S (gone: nothing in flight)."""
@@ -203,7 +217,7 @@ class Reservations:
             if len(active) == 1:
                 return ALONE
             total_weight, mine, num = 0.0, me.num_in_flight + me.num_remote, me.peak_at(now, self.window_s)
-            unseen = self.num_peers * me.num_unreported if now - me.unreported_t <= REPORT_S else 0  # (the peers' likely sends)
+            unseen = self._num_peers(now) * me.num_unreported if now - me.unreported_t <= REPORT_S else 0  # (the peers' likely sends)
         for d in active.values():
             total_weight += d.weight
         places = self.places()

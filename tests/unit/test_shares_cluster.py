@@ -128,3 +128,38 @@ def test_until_the_peers_report_each_is_taken_to_have_sent_as_many_as_this_serve
     assert res.check(0, "flood", 1) == HOLD  # 8 + 4 + 1 unreported
     clock.now += 0.5  # a report interval later the peer's sends would be in its report
     assert res.check(0, "flood", 1) != HOLD
+
+
+def test_a_quiet_tenant_idle_at_one_server_keeps_its_reservation_at_another():
+    """Its request started and ended at server a within one report (b hears of 0 in flight);
+    a flood then comes to b alone: b still reserves a place of headroom for the quiet tenant."""
+    clock = Clock()
+    a, b = servers(2, clock)
+    st = a[0].admit(QUIET)
+    a[2].reserve.started(QUIET.priority, QUIET.name, QUIET.weight)
+    clock.now += 0.1
+    a[0].done(st, 0, 8, 12)
+    a[2].reserve.ended(QUIET.priority, QUIET.name)
+    a[1].flush()
+    res = b[2].reserve
+    assert res.check(FLOOD.priority, FLOOD.name, FLOOD.weight) != ALONE
+    n = 0
+    while n < PLACES and res.check(FLOOD.priority, FLOOD.name, FLOOD.weight) != HOLD:
+        res.started(FLOOD.priority, FLOOD.name, FLOOD.weight)
+        n += 1
+        clock.now += 0.31  # (past REPORT_S: no unreported sends of a's assumed; within the 5 s window)
+    assert n == PLACES - 1  # its 1 place of headroom stays free
+
+
+def test_peers_heard_from_count_as_senders_beyond_the_configured_number():
+    """A server configured alone on its node (num_peers 0) that hears from another node's
+    API server assumes its unreported sends too."""
+    clock = Clock()
+    res = Reservations(5.0, lambda: PLACES, clock, headroom=1.0, min_headroom=1.0)
+    res.started(0, "quiet", 1)  # reserves 1 + 1: a flood may hold 14
+    res.remote("node1-api-0", 0, "flood", 1, 0)  # heard from (nothing of the flood in flight there yet)
+    for _ in range(7):
+        res.started(0, "flood", 1)
+    assert res.check(0, "flood", 1) == HOLD  # 7 here + the peer's likely 7
+    clock.now += 0.5
+    assert res.check(0, "flood", 1) != HOLD
