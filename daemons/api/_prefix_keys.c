@@ -123,12 +123,11 @@ static int any_block_hashes(PyObject **items, Py_ssize_t n, Py_ssize_t block, Py
 }
 
 /* The keys, chained: key_k = hash((key_{k-1}, hashes[k])) */
-static PyObject *chained(const Py_hash_t *hashes, Py_ssize_t n)
+static PyObject *chained(const Py_hash_t *hashes, Py_ssize_t n, Py_hash_t parent)
 {
     PyObject *keys = PyList_New(n);
     if (keys == NULL)
         return NULL;
-    Py_hash_t parent = 0;
     for (Py_ssize_t k = 0; k < n; k++) {
         Py_uhash_t acc = XXPRIME_5;
         XXSTEP(acc, int_hash(parent));
@@ -145,16 +144,17 @@ static PyObject *chained(const Py_hash_t *hashes, Py_ssize_t n)
 }
 
 PyDoc_STRVAR(chain_keys_doc,
-"chain_keys(prompt, block, max_blocks) -> list[int]\n\n"
+"chain_keys(prompt, block, max_blocks, parent=0) -> list[int]\n\n"
 "The keys of the prompt's first min(len(prompt) // block, max_blocks) full blocks,\n"
-"chained: the same as prefix_index.chain_keys's pure-Python fallback.");
+"chained from `parent`: the same as prefix_index.py_chain_keys.");
 
 static PyObject *chain_keys(PyObject *self, PyObject *args)
 {
     PyObject *prompt;
-    Py_ssize_t block, max_blocks;
-    if (!PyArg_ParseTuple(args, "Onn:chain_keys", &prompt, &block, &max_blocks))
+    Py_ssize_t block, max_blocks, parent_arg = 0;
+    if (!PyArg_ParseTuple(args, "Onn|n:chain_keys", &prompt, &block, &max_blocks, &parent_arg))
         return NULL;
+    Py_hash_t parent = (Py_hash_t)parent_arg;  /* a key: a Py_hash_t, the size of a Py_ssize_t */
     if (block < 1) {
         PyErr_SetString(PyExc_ValueError, "block must be at least 1");
         return NULL;
@@ -175,9 +175,9 @@ static PyObject *chain_keys(PyObject *self, PyObject *args)
     if (PyList_CheckExact(prompt) || PyTuple_CheckExact(prompt)) {
         PyObject **items = PyList_CheckExact(prompt) ? ((PyListObject *)prompt)->ob_item : ((PyTupleObject *)prompt)->ob_item;
         if (int_block_hashes(items, n, block, hashes) == 0)
-            keys = chained(hashes, n);
+            keys = chained(hashes, n, parent);
         else if (PyTuple_CheckExact(prompt) && any_block_hashes(items, n, block, hashes) == 0)
-            keys = chained(hashes, n);
+            keys = chained(hashes, n, parent);
         if (keys != NULL || PyErr_Occurred()) {
             PyMem_Free(hashes);
             return keys;
@@ -188,7 +188,7 @@ static PyObject *chain_keys(PyObject *self, PyObject *args)
         if (PyTuple_GET_SIZE(ids) < n * block)
             PyErr_SetString(PyExc_RuntimeError, "prompt changed size while hashed");
         else if (any_block_hashes(((PyTupleObject *)ids)->ob_item, n, block, hashes) == 0)
-            keys = chained(hashes, n);
+            keys = chained(hashes, n, parent);
         Py_DECREF(ids);
     }
     PyMem_Free(hashes);

@@ -21,7 +21,7 @@ import math
 import time
 from collections import deque
 
-from dpserve.daemons.api.prefix_index import BLOCK, block_key, leading_holders
+from dpserve.daemons.api.prefix_index import BLOCK, keys_after, leading_holders
 from dpserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 
 
@@ -30,7 +30,8 @@ class _RankKV:
 
     base: the routing key of the last complete routing block before this
     engine block (0 at the root); partial: the tokens since that boundary,
-    this block's included; key: set when this block ends a routing block.
+    this block's included (none when it ends a routing block); key: set when
+    this block ends a routing block.
     """
 
     __slots__ = ("incarnation", "seq", "synced", "nodes", "children", "keys")
@@ -97,8 +98,7 @@ class KVIndex:
             if isinstance(event, BlockStored):
                 self._stored(rank, state, event)
             elif isinstance(event, BlockRemoved):
-                for h in event.block_hashes:
-                    self._drop(rank, state, h)
+                self._drop(rank, state, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self._clear(rank, state)
         return False
@@ -184,43 +184,47 @@ class KVIndex:
             if pnode is None:
                 return  # its parent is not filed (evicted, or never seen): unreachable from a prompt's root
             base, partial = (pnode[2], ()) if pnode[2] is not None else (pnode[0], pnode[1])
-        toks = event.token_ids
-        for i, h in enumerate(event.block_hashes):
-            partial = partial + tuple(toks[i * bs : (i + 1) * bs])
-            key = None
-            if len(partial) >= block:
-                key = block_key(base, partial)
-                if h in nodes:
-                    self._drop(rank, state, h)
+        toks, hashes = event.token_ids, event.block_hashes
+        if len(toks) < len(hashes) * bs:
+            return  # malformed: fewer token ids than its blocks hold
+        # one call (C) keys every routing block the event completes; then one pass files them
+        ids = [*partial, *toks] if partial else toks
+        keys, lead = keys_after(base, ids, block), len(partial)
+        for i, h in enumerate(hashes):
+            end = lead + (i + 1) * bs  # ids through this engine block
+            k = end // block  # routing blocks complete through it
+            if h in nodes:
+                self._drop(rank, state, (h,))
+            if end % block:
+                nodes[h] = [keys[k - 1] if k else base, tuple(ids[k * block : end]), None]
+            else:  # it ends routing block k
+                key = keys[k - 1]
                 self._hold(key, rank)
                 state.keys.add(key)
                 noted = self.notes.get(key)
                 if noted is not None and rank in noted:
                     self._unnote(key, rank)  # confirmed: the note has done its job
-            elif h in nodes:
-                self._drop(rank, state, h)
-            nodes[h] = [base, partial, key]
+                nodes[h] = [keys[k - 2] if k > 1 else base, (), key]
             if parent is not None:
                 state.children.setdefault(parent, []).append(h)
             parent = h
-            if key is not None:
-                base, partial = key, ()
 
-    def _drop(self, rank: int, state: _RankKV, h) -> None:
-        """Unfile a block and everything filed under it (prefix-closed)."""
-        nodes, children, notes = state.nodes, state.children, self.notes
-        stack = [h]
+    def _drop(self, rank: int, state: _RankKV, hashes) -> None:
+        """Unfile these blocks and everything filed under them (prefix-closed): one call an event."""
+        nodes, children, notes, held = state.nodes, state.children, self.notes, state.keys
+        stack = list(hashes)
         while stack:
             h = stack.pop()
-            stack.extend(children.pop(h, ()))
+            kids = children.pop(h, None)
+            if kids:
+                stack.extend(kids)
             node = nodes.pop(h, None)
-            if node is None:
+            if node is None or node[2] is None:
                 continue
             key = node[2]
-            if key is not None:
-                state.keys.discard(key)
-                if rank not in notes.get(key, ()):
-                    self._unhold(key, rank)
+            held.discard(key)
+            if rank not in notes.get(key, ()):
+                self._unhold(key, rank)
 
     # ------------------------------------------------------------ notes and lookups
 

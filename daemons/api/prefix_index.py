@@ -22,6 +22,7 @@ dropped as they are met).
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict
 
 BLOCK = 64  # tokens per routing block (coarser than the engine's KV blocks: cheaper, same affinity)
@@ -39,24 +40,26 @@ def block_key(parent: int, tokens: tuple) -> int:
     return hash((parent, hash(tokens)))
 
 
-def py_chain_keys(prompt: list[int], block: int = BLOCK) -> list[int]:
-    """The keys of the prompt's full blocks, in order (at most MAX_BLOCKS): block_key chained.
+def py_chain_keys(prompt: list[int], block: int = BLOCK, parent: int = 0, max_blocks: int = MAX_BLOCKS) -> list[int]:
+    """The keys of the prompt's full blocks, in order (at most max_blocks): block_key chained
+    from `parent`.
 
     The pure-Python fallback of _prefix_keys.c (an install without a compiler),
     and the definition that C code must match: the ids copied into a tuple
     once, cut into block tuples and hashed by map(); only the chaining of two
     ints per block runs in Python (~40 us at 4,096 tokens, ~2x reading the ids).
     """
-    n = min(len(prompt) // block, MAX_BLOCKS)
+    n = min(len(prompt) // block, max_blocks)
     if n <= 0:
         return []
     cuts = _CUTS.get(block)
     if cuts is None:
         cuts = _CUTS[block] = [slice(i * block, (i + 1) * block) for i in range(MAX_BLOCKS)]
+    if n > len(cuts):
+        cuts = [slice(i * block, (i + 1) * block) for i in range(n)]
     ids = tuple(prompt) if len(prompt) < (n + 1) * block else tuple(prompt[: n * block])
     keys: list[int] = []
     append = keys.append
-    parent = 0
     for h in map(hash, map(ids.__getitem__, cuts[:n])):
         parent = hash((parent, h))
         append(parent)
@@ -76,6 +79,14 @@ def chain_keys(prompt: list[int], block: int = BLOCK) -> list[int]:
     if _c_chain_keys is not None:
         return _c_chain_keys(prompt, block, MAX_BLOCKS)
     return py_chain_keys(prompt, block)
+
+
+def keys_after(parent: int, tokens: list[int], block: int) -> list[int]:
+    """The keys of every full block of `tokens`, chained from the block keyed `parent` (0: the
+    root): what a rank's KV events store, filed in one call (kv_index.py). Same keys as chain_keys."""
+    if _c_chain_keys is not None:
+        return _c_chain_keys(tokens, block, sys.maxsize, parent)
+    return py_chain_keys(tokens, block, parent, sys.maxsize)
 
 
 def leading_holders(entries: dict[int, dict[int, int]], keys: list[int]) -> list[dict[int, int]]:

@@ -146,8 +146,9 @@ def test_c_keys_are_the_python_keys():
     for _ in range(300):
         ids = [rng.choice(odd) if rng.random() < 0.2 else rng.randrange(-(1 << 70), 1 << 70) if rng.random() < 0.1
                else rng.randrange(50_000) for _ in range(rng.randrange(0, 700))]
-        block = rng.choice([1, 7, 16, 64])
+        block, parent = rng.choice([1, 7, 16, 64]), rng.choice([0, rng.randrange(-(1 << 63), 1 << 63)])
         assert c_keys(ids, block, 128) == py_chain_keys(ids, block) == c_keys(tuple(ids), block, 128)
+        assert c_keys(ids, block, 1 << 40, parent) == py_chain_keys(ids, block, parent, 1 << 40)  # keys_after: KV-event filing
     mixed = prompt(9, 3 * BLOCK)
     mixed[70] = "a"
     mixed[150] = (1, 2)
