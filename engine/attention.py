@@ -111,6 +111,26 @@ class StepMetadata:
     batch: DecodeBatch | None = None
 
 
+@dataclass(slots=True)
+class DecodeStep:
+    """A decode-only step as the compiled decode blocks read it (compiled.py).
+
+    Passed down the model's forward as the keyword argument DECODE_KWARG (transformers
+    hands a forward's extra keyword arguments to every layer and on to the attention
+    function), not through step_metadata's global: a compiled block's inputs are then
+    all its arguments, which is what an ahead-of-time compiled block is guarded on and
+    loaded against. Every row is a decode; attention reads the cache in place.
+    """
+
+    slot_mapping: torch.Tensor  # [B] long: each row's new cache slot
+    block_tables: torch.Tensor  # [B, W] long, padded with block 0
+    lengths: torch.Tensor  # [B] long: context lengths including the new token
+    block_size: int
+    use_kernel: bool  # attention through the C++ kernel (paged_attention_kernel), else PyTorch's
+
+
+DECODE_KWARG = "dpserve_decode"
+
 _current: StepMetadata | None = None
 
 
@@ -135,6 +155,10 @@ def paged_attention(
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    step = kwargs.pop(DECODE_KWARG, None)
+    if step is not None:
+        return _attend_in_place(module, query, key, value, step.slot_mapping, step.block_tables, step.lengths,
+                                step.block_size, scaling, sliding_window, step.use_kernel, False), None
     meta = _current
     if meta is None:
         # Outside an engine step (generate() in tests and tools): transformers'
@@ -148,18 +172,9 @@ def paged_attention(
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit softcapping is not supported by the paged attention path")
     if meta.batch is not None:
-        # The compiled decode: this layer's cache from the module (compiled.bind_kv), not by its
-        # index, so that one compiled block serves every layer (an index would be a constant).
-        k_cache, v_cache = module.dpserve_k_cache, module.dpserve_v_cache
-        write_kv(k_cache, v_cache, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if meta.batch.sdpa:
-            decode = paged_sdpa_decode
-        else:  # the C++ kernel when it was built (compiled.CompiledDecode loads it), else the PyTorch reference
-            decode = paged_attention_kernel.paged_decode if paged_attention_kernel.loaded() else paged_decode
-        out = decode(query[0].transpose(0, 1), k_cache, v_cache, meta.batch.block_tables, meta.batch.lengths,
-                     meta.kv.block_size, scale, sliding_window)
-        return out.unsqueeze(0), None
+        return _attend_in_place(module, query, key, value, meta.slot_mapping, meta.batch.block_tables,
+                                meta.batch.lengths, meta.kv.block_size, scaling, sliding_window,
+                                paged_attention_kernel.loaded(), meta.batch.sdpa), None
     layer = hf_compat.layer_index(module)
     k_cache, v_cache = meta.kv.keys[layer], meta.kv.values[layer]
     _, heads, n_tokens, dim = query.shape
@@ -197,6 +212,23 @@ def paged_attention(
     if meta.on_layer is not None:
         meta.on_layer()
     return out.unsqueeze(0), None
+
+
+def _attend_in_place(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     slots: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
+                     scaling: float | None, window: int | None, use_kernel: bool, sdpa: bool) -> torch.Tensor:
+    """[1, B, H, D]: a decode-only step (compiled, or replayed from CUDA graphs). This layer's cache comes
+    from the module (compiled.bind_kv), not by its index, so that one compiled block serves every layer
+    (an index would be a constant)."""
+    k_cache, v_cache = module.dpserve_k_cache, module.dpserve_v_cache
+    write_kv(k_cache, v_cache, slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if sdpa:
+        decode = paged_sdpa_decode
+    else:  # the C++ kernel when it was built (compiled.CompiledDecode loads it), else the PyTorch reference
+        decode = paged_attention_kernel.paged_decode if use_kernel else paged_decode
+    out = decode(query[0].transpose(0, 1), k_cache, v_cache, block_tables, lengths, block_size, scale, window)
+    return out.unsqueeze(0)
 
 
 def _attend_decodes(g: DecodeGroup, q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,8 +1,9 @@
 """The decode forward compiled by torch.compile (inductor's C++/OpenMP code on CPU), warmed at start.
 
 Owns when a step may take the compiled path (decodes only), the compile
-itself, its warm-up and its on-disk cache (inductor's, under the cache dir,
-so a restarted rank loads the compiled code instead of building it again).
+itself, its warm-up and its on-disk cache (the block compiled ahead of time
+and saved whole, compiled_artifact.py, beside inductor's cache under the cache
+dir: a restarted rank loads it without tracing or building it again).
 Must never decide what runs nor allocate KV memory: it runs the model over a
 step the model runner packed, with attention in place (paged_attention.py).
 
@@ -16,6 +17,7 @@ their time is in the matmuls and SDPA (benchmarks/step_profile.py: Python is
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -23,7 +25,8 @@ import time
 
 import torch
 import torch.fx.experimental._config
-from dpserve.engine import hf_compat, paged_attention_kernel
+from dpserve.engine import compiled_artifact, hf_compat, paged_attention_kernel
+from dpserve.engine.attention import DECODE_KWARG, DecodeStep
 from dpserve.engine.compile_cache import settle_vec_isa
 
 log = logging.getLogger(__name__)
@@ -91,14 +94,17 @@ class CompiledDecode:
     """The model over a decode-only step, its decoder blocks compiled (regional compilation).
 
     Every block of a model runs the same code on its own weights, so one trace
-    and one compile serve all of them (torch.compile's inlining of nn.Modules
-    makes weights and the per-layer caches inputs, not constants); the model's
-    outer forward (embedding, rotary tables, final norm, lm_head) stays eager.
-    Compiling whole models instead cost minutes of tracing at start on a
-    30-layer model. Eager steps must run under eager() (the blocks stay
-    compiled in the shared model object)."""
+    and one compile serve all of them (the block is an argument of the compiled
+    function: weights and per-layer caches are its inputs, not constants); the
+    model's outer forward (embedding, rotary tables, final norm, lm_head) stays
+    eager. Compiling whole models instead cost minutes of tracing at start on a
+    30-layer model. The block is compiled ahead of time and saved whole
+    (compiled_artifact.py): a restarted rank loads it without Dynamo. Each block's
+    forward dispatches: the compiled code for a step that carries the decode
+    keyword argument (attention.DECODE_KWARG), its own eager forward for every
+    other (prefill and mixed steps, generate())."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, block_size: int) -> None:
         cache_dir = compile_cache_dir()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
         # inductor's vector-ISA probe, ~3 s of every start: once per machine (compile_cache.py)
@@ -109,32 +115,106 @@ class CompiledDecode:
         # size) is no reason for a graph of its own: one graph per batch-size class, as warmed.
         torch.fx.experimental._config.use_duck_shape = False
         self.model = model
+        self.block_size = block_size
         self.attention = hf_compat.attention_modules(model)
-        blocks = hf_compat.decoder_layers(model)
-        if not blocks or not self.attention:
+        self.blocks = hf_compat.decoder_layers(model)
+        if not self.blocks or not self.attention:
             raise RuntimeError(f"{type(model).__name__}: no repeated decoder blocks with attention modules found")
-        for block in blocks:
-            block.compile(dynamic=True)
+        dtype = next(model.parameters()).dtype
+        self.path = compiled_artifact.artifact_path(cache_dir, model, self.blocks[0], dtype, block_size,
+                                                    self.attention_kernel, self.vec_isa)
+        self.fn = None  # the compiled run_block; None: every block runs eagerly
+        self.checked = False  # the compiled fn checks its own guards (torch.compile) or we do (AOT)
+        self._guards_ok = False  # this step's inputs passed the AOT function's guards (checked at block 0)
+        self.source = ""
+        for block in self.blocks:
+            block.forward = functools.partial(self._block_forward, block)
         self.warm_s = 0.0
 
     def bind_kv(self, kv) -> None:
         bind_kv(self.model, kv)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def step(self, slots: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor) -> DecodeStep:
+        return DecodeStep(slots, block_tables, lengths, self.block_size, self.attention_kernel)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """Logits [B, vocab] of every row."""
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=0)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=0,
+                         **{DECODE_KWARG: step})
         return out.logits[0]
 
+    def _block_forward(self, block: torch.nn.Module, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.fn is None or kwargs.get(DECODE_KWARG) is None:
+            return type(block).forward(block, hidden_states, **kwargs)
+        if self.checked:
+            return self.fn(block, hidden_states, kwargs)
+        if block is self.blocks[0]:  # every block of a step has the same shapes: its guards once a step
+            self._guards_ok = self.fn.guard_check(block, hidden_states, kwargs)
+            if not self._guards_ok:
+                log.warning("a decode step outside the compiled code's guards ran eagerly: %s",
+                            _guard_failure(self.fn, block, hidden_states, kwargs))
+        if not self._guards_ok:
+            return type(block).forward(block, hidden_states, **kwargs)
+        return self.fn.fn(block, hidden_states, kwargs)
+
     def warm(self, run_dummy) -> float:
-        """Compile (or load from the cache) by running `run_dummy(batch)` at WARM_BATCH_SIZES; seconds taken."""
+        """Load the saved block, or compile and save it, then run `run_dummy(batch)` at WARM_BATCH_SIZES
+        through it; seconds taken."""
         start = time.perf_counter()
+        with torch.inference_mode():
+            self.fn = compiled_artifact.load(self.path)
+        self.source = "loaded"
+        if self.fn is None:
+            self._compile(run_dummy)
         for batch in WARM_BATCH_SIZES:
             run_dummy(batch)
+        if not self.checked and not self._guards_ok:  # the artifact does not fit this model after all
+            compiled_artifact.discard(self.path)
+            self._fall_back("its guards refused the warm-up step")
+            for batch in WARM_BATCH_SIZES:
+                run_dummy(batch)
         self.warm_s = time.perf_counter() - start
-        log.info("compiled decode ready in %.1f s (cache %s, vector ISA probe: %s, attention: %s)", self.warm_s,
-                 os.environ["TORCHINDUCTOR_CACHE_DIR"], self.vec_isa,
-                 "C++ kernel" if self.attention_kernel else "PyTorch")
+        log.info("compiled decode ready in %.1f s (%s; cache %s, vector ISA probe: %s, attention: %s)", self.warm_s,
+                 self.source, self.path, self.vec_isa, "C++ kernel" if self.attention_kernel else "PyTorch")
         return self.warm_s
+
+    def _compile(self, run_dummy) -> None:
+        """Compile run_block ahead of time on the first block's inputs of an eager dummy step, and save it."""
+        example = []
+        hook = self.blocks[0].register_forward_pre_hook(
+            lambda mod, args, kwargs: example.append((mod, args[0], dict(kwargs))) if not example else None,
+            with_kwargs=True)
+        try:
+            run_dummy(WARM_BATCH_SIZES[0])
+        finally:
+            hook.remove()
+        try:
+            with torch.inference_mode():
+                self.fn = compiled_artifact.compile_block(example[0])
+        except Exception as exc:  # noqa: BLE001 - AOT compilation is young in torch; plain compile still works
+            self._fall_back(f"ahead-of-time compile failed: {type(exc).__name__}: {exc}")
+            return
+        self.source = "compiled"
+        try:
+            compiled_artifact.save(self.fn, self.path)
+            self.source = "compiled and saved"
+        except Exception as exc:  # noqa: BLE001 - unsaved, the next start compiles again
+            log.warning("compiled decode not saved to %s (%s: %s): the next start compiles again", self.path,
+                        type(exc).__name__, exc)
+
+    def _fall_back(self, why: str) -> None:
+        """torch.compile's own path (Dynamo at every start, inductor's cache): slower to start, same code."""
+        log.warning("compiled decode through torch.compile at every start: %s", why)
+        self.fn = torch.compile(compiled_artifact.run_block, dynamic=True)
+        self.checked = True
+        self.source = "torch.compile"
+
+
+def _guard_failure(fn, *args) -> str:
+    try:
+        return str(fn._artifacts.guard_manager.check_verbose(fn.prepare_f_locals(*args)).verbose_code_parts)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
+        return f"({type(exc).__name__})"
 
 
 def eager():

@@ -71,7 +71,7 @@ class ModelRunner:
         inductor's cache) by running dummy steps. Returns the seconds that took."""
         if self.device.type == "cuda":
             return self.enable_decode_graphs(CudaGraphBackend(), max_num_seqs)
-        compiled = CompiledDecode(self.model)
+        compiled = CompiledDecode(self.model, self.block_size)
         seconds = compiled.warm(lambda rows: self._dummy_decode(compiled, rows))
         self.compiled = compiled
         return seconds
@@ -102,9 +102,10 @@ class ModelRunner:
         what it writes there is finite, as the cache's invariant wants, and overwritten before it is read)."""
         zeros = torch.zeros(rows, dtype=torch.long, device=self.device)
         compiled.bind_kv(self.kv)
-        batch = DecodeBatch(zeros.view(rows, 1).expand(rows, 2).contiguous(), torch.ones(rows, dtype=torch.long, device=self.device))
-        with step_metadata(StepMetadata(self.kv, zeros, [], [], None, batch)):
-            compiled(zeros.view(1, rows), zeros.view(1, rows))
+        tables = zeros.view(rows, 1).expand(rows, 2).contiguous()
+        ones = torch.ones_like(zeros)
+        with step_metadata(StepMetadata(self.kv, zeros, [], [], None, DecodeBatch(tables, ones))):
+            compiled(zeros.view(1, rows), zeros.view(1, rows), compiled.step(zeros, tables, ones))
 
     @torch.inference_mode()
     def execute(
@@ -146,11 +147,14 @@ class ModelRunner:
         tables = [seq.block_table[:width] + [0] * (width - min(width, len(seq.block_table))) for seq in decodes]
         if len(decodes) == 1:
             self._pad_single_row(step, tables, lengths)
-        batch = DecodeBatch(self._long(tables), self._long(lengths))
         self.last_prompt_logits = []
         self.compiled.bind_kv(self.kv)
-        with step_metadata(StepMetadata(self.kv, self._long(step.slots), [], [], None, batch)):
-            logits = self.compiled(self._long(step.input_ids).unsqueeze(0), self._long(step.positions).unsqueeze(0))
+        slots, tables, lengths = self._long(step.slots), self._long(tables), self._long(lengths)
+        # The step also as step_metadata's global: the path a model whose layers do not pass the
+        # decode keyword argument on to attention falls back to (eagerly, still in place).
+        with step_metadata(StepMetadata(self.kv, slots, [], [], None, DecodeBatch(tables, lengths))):
+            logits = self.compiled(self._long(step.input_ids).unsqueeze(0), self._long(step.positions).unsqueeze(0),
+                                   self.compiled.step(slots, tables, lengths))
         if len(step.keep) != len(step.input_ids):  # a padding row, or a prompt's one-token chunk that is not its last
             logits = logits[self._long(step.keep)]
         return logits, step.sampled

@@ -9,11 +9,13 @@ engine here has the default block size, which the compiled code is specialized o
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 import torch
 from dpserve.engine import compiled as compiled_mod
+from dpserve.engine import compiled_artifact
 from dpserve.engine.common.config import EngineConfig
 from dpserve.engine.core import EngineCore
 
@@ -72,10 +74,21 @@ def test_compiled_decode_took_the_compiled_path(loaded_demo_model, compiled_engi
     calls = []
     real = compiled_mod.CompiledDecode.__call__
     monkeypatch.setattr(compiled_mod.CompiledDecode, "__call__",
-                        lambda self, ids, pos: calls.append(ids.shape[1]) or real(self, ids, pos))
+                        lambda self, ids, pos, step: calls.append(ids.shape[1]) or real(self, ids, pos, step))
     add(engine, request("a", random_prompt(1, 9), max_tokens=5, ignore_eos=True))
     Collector().run(engine)
     assert calls == [2, 2, 2, 2]  # a batch of one padded to two rows; the prefill step sampled the first token eagerly
+
+
+def test_a_restart_loads_the_saved_block(compiled_engine_factory, monkeypatch):
+    """The first engine compiled the block ahead of time and saved it; a later one (a restarted rank)
+    loads it without tracing, and one traced from other source is rebuilt, not served."""
+    first = compiled_engine_factory().runner.compiled
+    assert first.source in ("compiled and saved", "loaded") and os.path.exists(first.path)
+    assert compiled_engine_factory().runner.compiled.source == "loaded"
+    monkeypatch.setattr(compiled_artifact, "stale_sources", lambda fn: {"dpserve.engine.attention"})
+    rebuilt = compiled_engine_factory().runner.compiled
+    assert rebuilt.source == "compiled and saved"
 
 
 def test_chunked_prefill_beside_compiled_decodes(loaded_demo_model, compiled_engine_factory, reference):
