@@ -9,21 +9,21 @@ travels in LoadTables, so a reader never guesses it.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 from dpserve.engine.common.protocol import LoadDelta, RankLoad
 
 MAX_RANKS_PER_DELTA = 1024  # ~20 KiB of msgpack
 
 
-def runs_of(ranks: list[int]) -> list[tuple[int, int]]:
-    """Sorted ranks as (first, count) runs of consecutive ranks: 2-6 bytes a run
-    instead of up to 3 a rank (the ranks of a busy cluster change together)."""
-    runs: list[list[int]] = []
-    for rank in ranks:
-        if runs and runs[-1][0] + runs[-1][1] == rank:
-            runs[-1][1] += 1
-        else:
-            runs.append([rank, 1])
-    return [(first, count) for first, count in runs]
+def runs_of(ranks) -> list[tuple[int, int]]:
+    """Sorted ranks (a list or an array) as (first, count) runs of consecutive ranks:
+    2-6 bytes a run instead of up to 3 a rank (the ranks of a busy cluster change together)."""
+    r = np.asarray(ranks, np.int64)
+    if not len(r):
+        return []
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(r) != 1) + 1))
+    counts = np.diff(np.concatenate((starts, [len(r)])))
+    return list(zip(r[starts].tolist(), counts.tolist()))
 
 
 def expand(delta: LoadDelta, held: list[RankLoad | None]) -> list[RankLoad]:

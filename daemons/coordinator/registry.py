@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 from dpserve.daemons.coordinator.delta import MAX_RANKS_PER_DELTA, runs_of
 from dpserve.engine.common.protocol import (
     PROTOCOL_VERSION,
@@ -20,7 +21,7 @@ from dpserve.engine.common.protocol import (
     NodeLoad,
     RankLoad,
 )
-from dpserve.engine.rank.node_relay import row_of_report
+from dpserve.engine.rank.node_relay import ROW, incarnation_key, row_of_report
 
 PUBLISH_MIN_INTERVAL_S = 0.002
 # Under load every busy rank's entry changes every step, and each API server
@@ -45,7 +46,10 @@ def publish_interval(data_parallel_size: int) -> float:
     return min(PUBLISH_MAX_INTERVAL_S, max(PUBLISH_MIN_INTERVAL_S, data_parallel_size * PUBLISH_INTERVAL_PER_RANK_S))
 
 
-ZERO_ROW = (0,) * 11  # a LoadDelta row of a rank that reported nothing yet
+# A NodeLoad row as numpy reads it (node_relay.ROW): a drain's rows are one array.
+# The incarnation is compared as 3 u32s: a bytes comparison in numpy is ~10x slower.
+ROW_DTYPE = np.dtype([("rank", "<u4"), ("incarnation", "<u4", (3,)), ("load", "<i8", (11,))])
+assert ROW_DTYPE.itemsize == ROW.size
 
 
 def resync_interval(data_parallel_size: int) -> float:
@@ -68,7 +72,11 @@ class RankTable:
     """Every rank's registration and last load. Pure state: no sockets, testable alone.
 
     Invariant: a rank is alive only between its EngineReady and the next
-    RankDown (or a newer registration, or going stale).
+    RankDown (or a newer registration, or going stale). A rank's load and liveness
+    live in arrays indexed by rank (`loads`, `last_seen`, `accepted`, `node_of`,
+    `load_changed`), so that a drain of node messages is applied in a few numpy
+    steps, not a Python step a row (issue 30); its RankLoad entry gets the load
+    only when a LoadTable needs it (_sync).
     """
 
     def __init__(self, data_parallel_size: int, fingerprint: str, stale_after_s: float) -> None:
@@ -77,13 +85,16 @@ class RankTable:
         self.stale_after_s = stale_after_s
         self.silence_limit_s = silence_limit(stale_after_s, data_parallel_size)
         self.ranks: dict[int, RankLoad] = {}
-        self.last_seen: dict[int, float] = {}
+        size = max(0, data_parallel_size)
+        self.last_seen = np.full(size, -np.inf)  # when the rank was last heard (monotonic); -inf: never
+        self.loads = np.zeros((size, 11), np.int64)  # each rank's last load as a LoadDelta row
+        self.load_changed = np.zeros(size, bool)  # ranks whose load changed since the last publish
+        self.alive = np.zeros(size, bool)  # mirrors ranks[r].is_alive: the staleness scan reads it
+        self.node_of = np.full(size, -1, np.int64)  # the node a registered rank belongs to: only its relay speaks for it
+        self.accepted = np.zeros((size, 3), "<u4")  # incarnation_key of the incarnation whose reports count; 0s: none
         self.seq = 0
         self.dirty = True
-        self.changed: set[int] = set()  # ranks whose entry changed since the last publish
-        self.members: set[int] = set()  # of those, ranks whose membership changed (a LoadTable, not a LoadDelta)
-        self.rows: dict[int, tuple] = {}  # rank -> its last load as a LoadDelta row
-        self.unsynced: set[int] = set()  # ranks whose row is newer than their entry's fields
+        self.members: set[int] = set()  # ranks whose membership changed (a LoadTable, not a LoadDelta)
         self.accepting: dict[int, str] = {}  # rank -> the incarnation whose reports count (registering or alive)
         self.node_addresses: dict[int, str] = {}  # node_rank -> address, from NodeHello (for /status)
 
@@ -100,12 +111,14 @@ class RankTable:
             held is not None
             and held.is_alive
             and held.incarnation != msg.incarnation
-            and now - self.last_seen.get(msg.rank, 0.0) < self.stale_after_s
+            and now - self.last_seen[msg.rank] < self.stale_after_s
         ):
             return f"rank {msg.rank} is already served by a live engine (incarnation {held.incarnation})"
-        self.rows[msg.rank] = ZERO_ROW
-        self.accepting[msg.rank] = msg.incarnation
-        self.unsynced.discard(msg.rank)
+        self.loads[msg.rank] = 0
+        self.load_changed[msg.rank] = False
+        self.alive[msg.rank] = False
+        self.node_of[msg.rank] = msg.node_rank
+        self._accept(msg.rank, msg.incarnation)
         self.ranks[msg.rank] = RankLoad(
             msg.rank, msg.incarnation, is_alive=False, down_reason="registering",
             node_rank=msg.node_rank, host=msg.host, address=self.node_addresses.get(msg.node_rank, ""), since=time.time(),
@@ -115,17 +128,26 @@ class RankTable:
         return ""
 
     def _touch(self, rank: int) -> None:
-        self.changed.add(rank)
         self.members.add(rank)
         self.dirty = True
+
+    def _accept(self, rank: int, incarnation: str | None) -> None:
+        """Whose reports count for `rank` from now on (None: nobody's)."""
+        if incarnation is None:
+            self.accepting.pop(rank, None)
+            self.accepted[rank] = 0
+        else:
+            self.accepting[rank] = incarnation
+            self.accepted[rank] = np.frombuffer(incarnation_key(incarnation).ljust(12, b"\0"), "<u4")
 
     def ready(self, msg: EngineReady, now: float) -> bool:
         entry = self.ranks.get(msg.rank)
         if entry is None or entry.incarnation != msg.incarnation:
             return False
         entry.is_alive = True
+        self.alive[msg.rank] = True
         entry.down_reason = ""
-        self.accepting[msg.rank] = msg.incarnation
+        self._accept(msg.rank, msg.incarnation)
         entry.since = time.time()
         self.last_seen[msg.rank] = now
         self._touch(msg.rank)
@@ -140,55 +162,77 @@ class RankTable:
         it comes from an engine this table does not hold."""
         return not self._rows((row,), now)
 
-    def _rows(self, rows: list[tuple] | tuple, now: float, heard: bool = True) -> list[tuple]:
-        """Apply report rows; returns those of engines this table does not hold
-        (`heard`: the rank is heard from now; a relay's rows say nothing of when). A
-        changed load is kept as the row (a tuple comparison, no field copied: ~1 us,
-        issue 30) and written into the rank's entry only when a LoadTable needs it
-        (_sync): the hot loop of a busy cluster's intake."""
-        accepting, last_seen, held, unsynced, changed = self.accepting, self.last_seen, self.rows, self.unsynced, self.changed
-        unknown = []
+    def _rows(self, rows: list[tuple] | tuple, now: float) -> list[tuple]:
+        """Apply a rank's own report rows (they hear the rank now); returns those of
+        engines this table does not hold. A Python step a row: for ranks that report
+        directly (a few, or Ray actors); node relays' rows go through node_loads()."""
+        accepting, last_seen, loads, unknown = self.accepting, self.last_seen, self.loads, []
         for row in rows:
             rank = row[0]
             if accepting.get(rank) != row[1]:
                 unknown.append(row)  # not registered, another incarnation, or declared lost
                 continue
-            if heard:
-                last_seen[rank] = now
+            last_seen[rank] = now
             load = row[2:]
-            if held[rank] != load:  # (unchanged: a heartbeat, nothing to publish)
-                held[rank] = load
-                unsynced.add(rank)
-                changed.add(rank)  # its load only: a LoadDelta row
+            if tuple(loads[rank].tolist()) != load:  # (unchanged: a heartbeat, nothing to publish)
+                loads[rank] = load
+                self.load_changed[rank] = True  # its load only: a LoadDelta row
                 self.dirty = True
         return unknown
 
     def _sync(self, rank: int) -> RankLoad:
         """The rank's entry, with its last load row written in."""
         entry = self.ranks[rank]
-        if rank in self.unsynced:
-            self.unsynced.discard(rank)
-            (entry.num_running, entry.num_waiting, entry.num_waiting_prefill_tokens, entry.num_remaining_decode_tokens,
-             slot, entry.num_requests_finished, entry.num_requests_aborted, kv, entry.num_preemptions,
-             entry.num_prefix_queries, entry.num_prefix_hits) = self.rows[rank]
-            entry.slot_usage, entry.kv_usage = slot / 1000, kv / 1000
+        (entry.num_running, entry.num_waiting, entry.num_waiting_prefill_tokens, entry.num_remaining_decode_tokens,
+         slot, entry.num_requests_finished, entry.num_requests_aborted, kv, entry.num_preemptions,
+         entry.num_prefix_queries, entry.num_prefix_hits) = self.loads[rank].tolist()
+        entry.slot_usage, entry.kv_usage = slot / 1000, kv / 1000
         return entry
 
-    def node_load(self, msg: NodeLoad, now: float) -> list[tuple]:
-        """A node's aggregate: its fresh ranks are heard from (a rank of another node, or
-        one this table does not hold, is not), its changed loads applied. Returns the
-        rows of ranks this table does not hold (they must register again). A rank
-        counts as heard when its relay last heard it (`heard_ms_ago`), so a hung rank
-        and a dead node go stale on the rank's own clock, not one beat later."""
-        unknown = self._rows(msg.loads, now, heard=False) if msg.loads else []
-        last_seen, ranks, node, ago = self.last_seen, self.ranks, msg.node_rank, msg.heard_ms_ago
-        if len(ago) != len(msg.alive):
-            ago = [0] * len(msg.alive)  # a relay that sends no ages: heard just now
-        for rank, ms in zip(msg.alive, ago):  # the heartbeat: one dict write a rank
-            entry = ranks.get(rank)
-            # (never back: a registration or a rank's own report may be newer than the relay's news)
-            if entry is not None and entry.node_rank == node and (heard := now - ms / 1000) > last_seen[rank]:
-                last_seen[rank] = heard
+    def node_load(self, msg: NodeLoad, now: float) -> list[tuple[int, str]]:
+        """One node's aggregate (see node_loads)."""
+        return self.node_loads([msg], now)
+
+    def node_loads(self, msgs: list[NodeLoad], now: float) -> list[tuple[int, str]]:
+        """Nodes' aggregates, a drain of them at once: their changed loads applied, their
+        fresh ranks heard from. A node speaks only for the ranks registered on it: a
+        row counts only for a rank whose node and incarnation it names, a rank listed
+        alive only when registered on that node. Returns (rank, incarnation) of the
+        rows this table does not hold (they must register again). A rank counts as
+        heard when its relay last heard it (`heard_ms_ago`), so a hung rank and a dead
+        node go stale on the rank's own clock; a relay's rows say nothing of when.
+        A message whose packed fields do not parse is skipped whole."""
+        size = ROW.size
+        msgs = [m for m in msgs if not (len(m.loads) % size or len(m.alive) % 4 or len(m.heard_ms_ago) not in (0, len(m.alive)))]
+        rows = np.frombuffer(b"".join(m.loads for m in msgs), ROW_DTYPE)
+        unknown: list[tuple[int, str]] = []
+        if len(rows):
+            rank = rows["rank"].astype(np.int64)
+            node = np.repeat([m.node_rank for m in msgs], [len(m.loads) // size for m in msgs])
+            held = rank < self.size
+            at = np.where(held, rank, 0)
+            accepted, incarnation = self.accepted[at], rows["incarnation"]
+            on_node = self.node_of[at] == node
+            ok = held & on_node & (accepted == incarnation).all(axis=1) & accepted.any(axis=1)
+            if not ok.all():  # (a row for a rank of another node is dropped: no node asks another's ranks to register)
+                ask = ~ok & (on_node | ~held | (self.node_of[at] < 0))
+                unknown = [(int(r), i.tobytes().rstrip(b"\0").decode(errors="replace")) for r, i in zip(rank[ask], incarnation[ask])]
+            rank, load = rank[ok], rows["load"][ok]
+            moved = (self.loads[rank] != load).any(axis=1)  # (unchanged: a heartbeat, nothing to publish)
+            if moved.any():
+                self.loads[rank[moved]] = load[moved]
+                self.load_changed[rank[moved]] = True
+                self.dirty = True
+        alive = np.frombuffer(b"".join(m.alive for m in msgs), "<u4").astype(np.int64)
+        if len(alive):
+            ago = np.frombuffer(b"".join(m.heard_ms_ago or bytes(len(m.alive)) for m in msgs), "<u4")
+            node = np.repeat([m.node_rank for m in msgs], [len(m.alive) // 4 for m in msgs])
+            held = alive < self.size
+            at = np.where(held, alive, 0)
+            ok = held & (self.node_of[at] == node)
+            # the heartbeat; never back: a registration or a rank's own report may be newer than the relay's news
+            alive, heard = alive[ok], now - ago[ok] / 1000
+            self.last_seen[alive] = np.maximum(self.last_seen[alive], heard)
         return unknown
 
     def node_address(self, node_rank: int, address: str) -> None:
@@ -210,6 +254,7 @@ class RankTable:
         if not entry.is_alive and entry.down_reason != "registering":
             return False
         entry.is_alive = False
+        self.alive[rank] = False
         entry.down_reason = reason
         entry.since = time.time()
         self._zero(rank)
@@ -222,6 +267,7 @@ class RankTable:
         if entry is None or entry.down_reason == reason:
             return False
         entry.is_alive = False
+        self.alive[rank] = False
         entry.down_reason = reason
         entry.since = time.time()
         self._zero(rank)
@@ -229,16 +275,14 @@ class RankTable:
 
     def _zero(self, rank: int) -> None:
         """A rank out of routing holds no requests (its counters stay)."""
-        entry = self._sync(rank)
-        entry.num_running = entry.num_waiting = 0
-        self.rows[rank] = (0, 0, *self.rows[rank][2:])
-        self.accepting.pop(rank, None)
+        self.loads[rank, :2] = 0
+        self._sync(rank)
+        self._accept(rank, None)
         self._touch(rank)
 
     def expire(self, now: float) -> list[int]:
         """Ranks that stopped reporting: marked down, returned for the log."""
-        cutoff, ranks = now - self.silence_limit_s, self.ranks  # (every rank in `ranks` has a last_seen)
-        gone = [r for r, seen in self.last_seen.items() if seen < cutoff and ranks[r].is_alive]
+        gone = np.flatnonzero(self.alive & (self.last_seen < now - self.silence_limit_s)).tolist()
         for rank in gone:
             self.down(rank, f"no load report for {self.silence_limit_s:.1f} s")
         return gone
@@ -247,7 +291,7 @@ class RankTable:
         """Every rank in one table (tests and tools; publishing uses tables())."""
         self.seq += 1
         self.dirty = False
-        self.changed.clear()
+        self.load_changed[:] = False
         self.members.clear()
         return LoadTable(self.seq, self.size, [self._sync(r) for r in sorted(self.ranks)])
 
@@ -258,8 +302,11 @@ class RankTable:
         load alone changed as LoadDeltas of at most MAX_RANKS_PER_DELTA rows.
         Empty when nothing changed, unless `keepalive` (then an empty table)."""
         members = sorted(self.ranks) if full else sorted(self.members)
-        loads = [] if full else sorted(self.changed - self.members)
-        self.changed.clear()
+        changed = self.load_changed
+        if not full and members:
+            changed[members] = False  # their whole entry goes in a LoadTable
+        loads = np.empty(0, np.int64) if full else np.flatnonzero(changed)
+        changed[:] = False
         self.members.clear()
         self.dirty = False
         out: list[LoadTable | LoadDelta] = []
@@ -269,9 +316,9 @@ class RankTable:
         for i in range(0, len(loads), MAX_RANKS_PER_DELTA):
             self.seq += 1
             part = loads[i : i + MAX_RANKS_PER_DELTA]
-            rows = self.rows
-            out.append(LoadDelta(self.seq, self.size, runs_of(part), [rows[r] for r in part]))
+            out.append(LoadDelta(self.seq, self.size, runs_of(part), self.loads[part].tolist()))
         if (full or keepalive) and not out:
             self.seq += 1
             out.append(LoadTable(self.seq, self.size, []))  # nodes hear the head, even before any rank registered
         return out
+

@@ -21,6 +21,7 @@ handshakes.py; this module only moves messages between them and the sockets.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -79,6 +80,10 @@ RETIRED_PREFIX = "retired"  # a supervisor's RankDown whose reason says so retir
 # reporting every 100 ms (10,240 reports/s) a pass per report would be 20% of
 # a core. Waking at most this often lets reports gather into one pass.
 LOOP_MIN_INTERVAL_S = 0.002
+# Node messages wait and are applied together (a few numpy steps a batch, ~100 us
+# whatever its size), at most this long and never past a publish or an expiry scan:
+# at 4,096 ranks (82 ms between publishes) a batch is ~100 messages, not ~10.
+NODE_APPLY_MAX_S = 0.02
 ACCEPT_BACKLOG = 4096  # pending connections on the engines socket (Linux caps it at somaxconn)
 
 
@@ -122,6 +127,10 @@ class Coordinator:
         self.publish_interval_s = publish_interval(cfg.data_parallel_size)
         self.resync_interval_s = resync_interval(cfg.data_parallel_size)
         self.last_heartbeat = 0.0
+        self.nodes: list[NodeLoad] = []  # node messages not applied yet (_apply_nodes)
+        self.nodes_at = 0.0  # when the first of them was drained
+        self.node_apply_s = min(NODE_APPLY_MAX_S, self.publish_interval_s / 2)
+        self.last_apply = 0.0
         self.num_tables_published = 0
         self.tenants = TenantAccounts()  # tenant accounting (tenants.py): counted, forwarded, totals each second
         self.tenants_codec = Codec(TenantTotals)
@@ -144,7 +153,9 @@ class Coordinator:
             now = time.monotonic()
             if self.handshakes is not None:
                 self.handshakes.note(self.handshakes.monitor in ready, now)
-            # 2. Retire ranks that went quiet.
+            # 2. Apply the node messages that waited; retire ranks that went quiet.
+            if self.nodes and (now - self.last_apply >= self.node_apply_s or now - self.last_expire >= EXPIRE_EVERY_S):
+                self._apply_nodes(now)
             if now - self.last_expire >= EXPIRE_EVERY_S:
                 self.last_expire = now
                 for rank in self.table.expire(now):
@@ -173,30 +184,43 @@ class Coordinator:
         if full:
             self.last_full_publish = now
 
+    def _apply_nodes(self, now: float) -> None:
+        # Heard as of the batch's first drain: a rank seems at most node_apply_s older, never younger.
+        for rank, incarnation in self.table.node_loads(self.nodes, self.nodes_at):  # not held here: to the rank's own socket
+            self._ask_to_register(f"engine-{rank}-{incarnation}".encode(), now, f"rank {rank} is not registered here")
+        self.nodes = []
+        self.last_apply = now
+
     def _poll_timeout_ms(self) -> int:
+        """Until the next thing due, rounded up: rounded down, the last millisecond
+        before a publish was a busy loop of zero-timeout polls."""
         now = time.monotonic()
-        if self.table.dirty:
-            return max(0, int((self.publish_interval_s - (now - self.last_publish)) * 1000))
         until_full = min(self.resync_interval_s - (now - self.last_full_publish), PUBLISH_KEEPALIVE_S - (now - self.last_publish))
         until_expire = EXPIRE_EVERY_S - (now - self.last_expire)  # a silent cluster's last rank must expire on time too
-        return max(0, int(min(until_full, until_expire, self.cfg.heartbeat_interval_s) * 1000))
+        due = min(until_full, until_expire, self.cfg.heartbeat_interval_s)
+        if self.table.dirty:
+            due = min(due, self.publish_interval_s - (now - self.last_publish))
+        if self.nodes:
+            due = min(due, self.node_apply_s - (now - self.last_apply))
+        return max(0, math.ceil(due * 1000))
 
     def _drain(self) -> None:
         now = time.monotonic()
         decode, table = self.codec.decode, self.table
         recv, more = self.engines.recv, partial(self.engines.getsockopt, zmq.RCVMORE)
+        nodes = self.nodes
+        if not nodes:
+            self.nodes_at = now
         while True:
-            # Two recv() calls and getsockopt, not recv_multipart() (nor the `rcvmore`
+            # Two recv() calls and one getsockopt, not recv_multipart() (nor the `rcvmore`
             # attribute, a slow generic lookup): a third of the cost a message, which
             # matters at 10,000 reports a second. A ROUTER message is [identity, body];
             # a peer that sent more frames gets them dropped.
             try:
                 identity = recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            if not more():
-                continue
-            data = recv(zmq.NOBLOCK)
+                break
+            data = recv(zmq.NOBLOCK)  # (a ROUTER's identity frame always has a frame after it)
             if more():
                 while more():
                     recv(zmq.NOBLOCK)
@@ -206,8 +230,7 @@ class Coordinator:
             except (msgspec.DecodeError, msgspec.ValidationError):  # counted and logged (rate-limited), with its peer
                 msg = self.codec.decode_or_none(data, peer_name(identity))
             if type(msg) is NodeLoad:
-                for rank, incarnation, *_ in table.node_load(msg, now):  # a rank this table does not hold: to its own socket
-                    self._ask_to_register(f"engine-{rank}-{incarnation}".encode(), now, f"rank {rank} is not registered here")
+                nodes.append(msg)  # applied together, as arrays (_apply_nodes)
                 continue
             if type(msg) is LoadReport:
                 if not table.load(msg, now):

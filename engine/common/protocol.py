@@ -331,13 +331,15 @@ class NodeLoad(msgspec.Struct, tag="node_load", array_like=True):
     coordinator keeps and forwards a row untouched. Registration, readiness and
     deaths still go per rank. `heard_ms_ago[i]`: how long before sending the relay
     last heard `alive[i]`, so that staleness is judged from the rank's own last
-    report, not from its relay's last beat (empty: just now)."""
+    report, not from its relay's last beat (empty: just now). All three are packed
+    (engine/rank/node_relay.py: ROW, u32 lists), so the coordinator reads a drain of
+    them as arrays, with no Python step a row."""
 
     node_rank: int
     seq: int
-    alive: list[int]
-    loads: list[tuple[int, str, int, int, int, int, int, int, int, int, int, int, int]]
-    heard_ms_ago: list[int] = []
+    alive: bytes
+    loads: bytes
+    heard_ms_ago: bytes = b""
 
 
 class TenantUsage(msgspec.Struct, tag="tenant_usage", array_like=True):

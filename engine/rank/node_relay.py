@@ -16,6 +16,7 @@ every 100 ms cost it 5,120 messages/s instead of 40,960.
 from __future__ import annotations
 
 import math
+import struct
 
 import zmq
 from dpserve.engine.common.codec import Codec
@@ -27,6 +28,39 @@ from dpserve.engine.common.sockets import make_socket
 # 20-100 ms at 1,024-4,096 ranks, so a faster flush would not route sooner).
 NODE_FLUSH_S = 0.02
 RESYNC_EVERY = 10  # every rank's report, not only the changed ones, every this many intervals
+
+
+# A NodeLoad's rows travel packed (issue 30, third round): the coordinator reads a
+# whole drain of them as one array (numpy, no Python step a row). A row is the rank
+# (u32), its incarnation (ascii, at most 12 bytes, NUL-padded: dpserve's are 12 hex
+# digits) and the LoadDelta row as 11 int64; ranks and ages are u32 lists.
+ROW = struct.Struct("<I12s11q")
+U32 = struct.Struct("<I")
+
+
+def incarnation_key(incarnation: str) -> bytes:
+    """An incarnation as a packed row holds it (and as the coordinator compares it)."""
+    return incarnation.encode()[:12]
+
+
+def pack_rows(rows: list[tuple]) -> bytes:
+    """NodeLoad.loads from rows as row_of_report makes them."""
+    pack = ROW.pack
+    return b"".join(pack(r[0], incarnation_key(r[1]), *r[2:]) for r in rows)
+
+
+def unpack_rows(packed: bytes) -> list[tuple]:
+    """NodeLoad.loads back as (rank, incarnation, *LoadDelta row) tuples (tests, tools)."""
+    return [(r[0], r[1].rstrip(b"\0").decode(errors="replace"), *r[2:]) for r in ROW.iter_unpack(packed)]
+
+
+def pack_u32(values: list[int]) -> bytes:
+    return struct.pack(f"<{len(values)}I", *values)
+
+
+def unpack_u32(packed: bytes) -> list[int]:
+    """NodeLoad.alive or .heard_ms_ago as a list."""
+    return [v for (v,) in U32.iter_unpack(packed)]
 
 
 def row_of_report(r: LoadReport) -> tuple:
@@ -106,8 +140,8 @@ class NodeAggregator:
             self.sent[row[0]] = row
         self.changed.clear()
         self.last_flush = now
-        ago = [int((now - heard[r]) * 1000) for r in alive]
-        return NodeLoad(self.node_rank, self.seq, alive, loads, ago)
+        ago = [min(0xFFFFFFFF, int((now - heard[r]) * 1000)) for r in alive]
+        return NodeLoad(self.node_rank, self.seq, pack_u32(alive), pack_rows(loads), pack_u32(ago))
 
 
 class RelayLink:

@@ -16,9 +16,10 @@ from dpserve.engine.common.protocol import (
     LoadDelta,
     LoadReport,
     LoadTable,
+    NodeLoad,
     TableChannel,
 )
-from dpserve.engine.rank.node_relay import NodeAggregator
+from dpserve.engine.rank.node_relay import NodeAggregator, unpack_rows, unpack_u32
 
 WIRE, TABLE = Codec(CoordinatorInput), Codec(TableChannel)
 INTERVAL, STALE = 0.1, 1.5
@@ -88,15 +89,15 @@ def test_a_relay_sends_one_message_an_interval_with_only_the_changes():
     for rank in range(8, 16):
         relay.note(report(rank), 0.0)
     first = relay.flush(0.0)
-    assert first.alive == list(range(8, 16)) and [row[0] for row in first.loads] == list(range(8, 16))
+    assert unpack_u32(first.alive) == list(range(8, 16)) and [row[0] for row in unpack_rows(first.loads)] == list(range(8, 16))
     relay.note(report(9, running=3), 0.001)
     assert relay.flush(0.005) is None  # within the flush interval: held back
     change = relay.flush(0.021)
-    assert change.alive == [] and [row[:3] for row in change.loads] == [(9, "a", 3)]
+    assert change.alive == b"" and [row[:3] for row in unpack_rows(change.loads)] == [(9, "a", 3)]
     for rank in range(8, 16):
         relay.note(report(rank, running=3 if rank == 9 else 0), 0.05)
     beat = relay.flush(0.1)
-    assert beat.alive == list(range(8, 16)) and beat.loads == []  # a heartbeat: nothing changed
+    assert unpack_u32(beat.alive) == list(range(8, 16)) and beat.loads == b""  # a heartbeat: nothing changed
     assert relay.flush(0.15) is None
 
 
@@ -147,3 +148,29 @@ def test_delta_rows_name_their_ranks_in_runs_and_skip_ranks_not_held():
     assert delta.ranks == [1, 2]
     [entry] = expand(delta, held)  # rank 1 is not held yet: its LoadTable comes with the resync
     assert entry.rank == 2 and entry.num_running == 2 and entry.slot_usage == 0.002
+
+
+def test_a_node_speaks_only_for_its_own_ranks_and_a_malformed_message_is_skipped():
+    c = Cluster()
+    c.tick()
+    # a message whose packed rows are cut short changes nothing
+    ok = NodeAggregator(0, INTERVAL, silence_s=60.0)
+    ok.note(report(1, running=9), c.now)
+    good = ok.flush(c.now)
+    assert c.table.node_load(NodeLoad(0, 9, good.alive, good.loads[:-1], good.heard_ms_ago), c.now) == []
+    assert c.table.snapshot().ranks[1].num_running == 0
+    c.table.node_load(good, c.now)
+    assert c.table.snapshot().ranks[1].num_running == 9
+    # node 8's relay claims rank 17 (node 16's), with its right incarnation: neither its load nor its beat counts
+    spoof = NodeAggregator(8, INTERVAL, silence_s=60.0)
+    spoof.note(report(17, running=50), c.now)
+    msg = spoof.flush(c.now)
+    assert c.table.node_load(WIRE.decode(WIRE.encode(msg)), c.now) == []  # dropped, not asked to register
+    c.publish()
+    assert c.router.loads[17].num_running == 0
+    for _ in range(int(STALE / INTERVAL) + 2):  # rank 17's own node is silent: the spoofed beats do not keep it
+        c.now += INTERVAL
+        spoof.note(report(17, running=50), c.now)
+        c.table.node_load(spoof.flush(c.now) or msg, c.now)
+        c.table.expire(c.now)
+    assert not c.table.ranks[17].is_alive

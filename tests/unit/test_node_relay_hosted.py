@@ -22,7 +22,7 @@ from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.config import EngineProcessConfig
 from dpserve.engine.common.logs import setup_logging
 from dpserve.engine.common.protocol import PROTOCOL_VERSION, CoordinatorInput, EngineReady, EngineRegister, LoadReport, NodeLoad
-from dpserve.engine.rank.node_relay import RelayLink
+from dpserve.engine.rank.node_relay import RelayLink, pack_u32, unpack_rows, unpack_u32
 
 WIRE = Codec(CoordinatorInput)
 
@@ -60,7 +60,7 @@ def test_a_hung_rank_behind_a_beating_relay_goes_stale_on_its_own_clock():
 def test_the_relay_never_moves_a_ranks_last_report_back():
     table = RankTable(1, "fp", stale_after_s=1.0)
     table.register(EngineRegister(0, "b", "fp", 1, "h", 0, PROTOCOL_VERSION), 5.0)  # a new incarnation, just now
-    table.node_load(NodeLoad(0, 1, [0], [], [900]), 5.0)  # the relay last heard the old one 0.9 s ago
+    table.node_load(NodeLoad(0, 1, pack_u32([0]), b"", pack_u32([900])), 5.0)  # the relay last heard the old one 0.9 s ago
     assert table.last_seen[0] == 5.0
 
 
@@ -79,14 +79,15 @@ def test_the_hosted_load_relay_sends_its_ranks_reports_as_one_node_load(tmp_path
         links = [RelayLink(ctx, f"ipc://{tmp_path}/loads") for _ in range(2)]
         got: list[NodeLoad] = []
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not any(m.alive == [8, 9] for m in got):
+        while time.monotonic() < deadline and not any(unpack_u32(m.alive) == [8, 9] for m in got):
             for i, link in enumerate(links):
                 link.send(report(8 + i, running=i + 1))
             if head.poll(100):
                 got.append(WIRE.decode(head.recv_multipart()[1]))
-        beat = next(m for m in got if m.alive == [8, 9])
-        assert beat.node_rank == 8 and len(beat.heard_ms_ago) == 2 and max(beat.heard_ms_ago) < 500
-        rows = {row[0]: row for m in got for row in m.loads}
+        beat = next(m for m in got if unpack_u32(m.alive) == [8, 9])
+        ago = unpack_u32(beat.heard_ms_ago)
+        assert beat.node_rank == 8 and len(ago) == 2 and max(ago) < 500
+        rows = {row[0]: row for m in got for row in unpack_rows(m.loads)}
         assert rows[8][:3] == (8, "a", 1) and rows[9][:3] == (9, "a", 2)  # (rank, incarnation, num_running)
         assert relay.num_sent <= relay.num_reports  # one message for many reports, never more
     finally:
@@ -141,7 +142,7 @@ def test_under_changing_loads_the_heartbeat_rides_on_the_changes():
 
     relay = NodeAggregator(0, 0.25, silence_s=1.0)
     relay.note(report(0), 0.0)
-    assert relay.flush(0.0).alive == [0]
+    assert unpack_u32(relay.flush(0.0).alive) == [0]
     sent, now, change_at = [], 0.0, 0.1
     while now < 3.0:
         now = round(min(change_at, relay.next_due()), 6)
