@@ -126,6 +126,7 @@ class CompiledDecode:
         self.fn = None  # the compiled run_block; None: every block runs eagerly
         self.checked = False  # the compiled fn checks its own guards (torch.compile) or we do (AOT)
         self._guards_ok = False  # this step's inputs passed the AOT function's guards (checked at block 0)
+        self._warned = False
         self.source = ""
         for block in self.blocks:
             block.forward = functools.partial(self._block_forward, block)
@@ -150,8 +151,9 @@ class CompiledDecode:
             return self.fn(block, hidden_states, kwargs)
         if block is self.blocks[0]:  # every block of a step has the same shapes: its guards once a step
             self._guards_ok = self.fn.guard_check(block, hidden_states, kwargs)
-            if not self._guards_ok:
-                log.warning("a decode step outside the compiled code's guards ran eagerly: %s",
+            if not self._guards_ok and not self._warned:
+                self._warned = True
+                log.warning("decode steps outside the compiled code's guards run eagerly (said once): %s",
                             _guard_failure(self.fn, block, hidden_states, kwargs))
         if not self._guards_ok:
             return type(block).forward(block, hidden_states, **kwargs)
@@ -166,17 +168,27 @@ class CompiledDecode:
         self.source = "loaded"
         if self.fn is None:
             self._compile(run_dummy)
-        for batch in WARM_BATCH_SIZES:
-            run_dummy(batch)
-        if not self.checked and not self._guards_ok:  # the artifact does not fit this model after all
+        fits = self._run_warm(run_dummy)
+        if not fits and self.source == "loaded":  # the saved block does not fit after all
+            log.warning("the saved compiled decode %s refused the warm-up step: compiling again", self.path)
+            compiled_artifact.discard(self.path)
+            self.fn = None
+            self._compile(run_dummy)
+            fits = self._run_warm(run_dummy)
+        if not fits:
             compiled_artifact.discard(self.path)
             self._fall_back("its guards refused the warm-up step")
-            for batch in WARM_BATCH_SIZES:
-                run_dummy(batch)
+            self._run_warm(run_dummy)
         self.warm_s = time.perf_counter() - start
         log.info("compiled decode ready in %.1f s (%s; cache %s, vector ISA probe: %s, attention: %s)", self.warm_s,
                  self.source, self.path, self.vec_isa, "C++ kernel" if self.attention_kernel else "PyTorch")
         return self.warm_s
+
+    def _run_warm(self, run_dummy) -> bool:
+        """The warm-up steps through the compiled code; whether its guards let them in."""
+        for batch in WARM_BATCH_SIZES:
+            run_dummy(batch)
+        return self.checked or self._guards_ok
 
     def _compile(self, run_dummy) -> None:
         """Compile run_block ahead of time on the first block's inputs of an eager dummy step, and save it."""

@@ -56,6 +56,8 @@ def artifact_path(cache_dir: str, model: torch.nn.Module, block: torch.nn.Module
         "block_size": block_size,
         "kernel": use_kernel,
         "vec_isa": vec_isa,
+        # part of the global state the guards check: a rank with another share of the cores has its own
+        "num_threads": torch.get_num_threads(),
     }
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
     return os.path.join(cache_dir, "aot", f"decode-block-{key}.bin")

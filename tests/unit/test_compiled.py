@@ -149,3 +149,19 @@ def test_compile_cache_dir_under_the_cache_dir(monkeypatch, tmp_path):
     assert compiled_mod.compile_cache_dir() == str(tmp_path / "dpserve" / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere")
     assert compiled_mod.compile_cache_dir() == "/somewhere"
+
+
+def test_the_saved_block_is_per_thread_count_and_dtype(loaded_demo_model, tmp_path):
+    """The guards check the intra-op thread count (global state): ranks with another share of the
+    cores, or another dtype, keep artifacts of their own instead of refusing and replacing each other's."""
+    model = loaded_demo_model.model
+    block = compiled_mod.hf_compat.decoder_layers(model)[0]
+    before = torch.get_num_threads()
+    paths = set()
+    try:
+        for threads, dtype in ((1, torch.float32), (2, torch.float32), (1, torch.bfloat16)):
+            torch.set_num_threads(threads)
+            paths.add(compiled_artifact.artifact_path(str(tmp_path), model, block, dtype, 16, False, "recorded"))
+    finally:
+        torch.set_num_threads(before)
+    assert len(paths) == 3
