@@ -26,7 +26,9 @@ the realistic model (`dpserve demo-model --size small`) on one node, DP 1,
 --scheduling-policy priority (vllm: vLLM's engine in the rank, which sees
 `priority`). --hold N: --hold-waiting-per-rank; --hold -1 turns the frontend's
 hold off (--no-admission-hold: every request straight to a rank's FIFO), for the comparison.
---reserve S: --reserve-window-s (0: no places reserved by recent demand).
+--reserve S [S ...]: --reserve-window-s (0: no places reserved by recent demand); with several,
+one cluster each, in turn, --rounds times (e.g. `--reserve 5 0 --rounds 3`: the throughput
+cost of reservations measured back to back on one machine, with the mean tokens/s of each).
 """
 
 from __future__ import annotations
@@ -169,8 +171,17 @@ def ttfts(results: list[Result], tenant: str) -> list[float]:
 
 
 def delivered(results: list[Result], seconds: float) -> float:
-    """Tokens (prompt + completion) delivered per second of a phase's load."""
-    return sum(r.tokens for r in results if r.status == 200) / seconds
+    """Tokens (prompt + completion) delivered per second of a phase's load, within it (a
+    request's tokens spread evenly from its first token to its end: the drain after the
+    load stops, when reserved places no longer idle, is left out)."""
+    start = min((r.t0 for r in results), default=0.0)
+    return sum(r.tokens * overlap(r, start, start + seconds) for r in results if r.status == 200 and r.t_end) / seconds
+
+
+def overlap(r: Result, start: float, end: float) -> float:
+    """The part of `r`'s tokens delivered between start and end."""
+    span = max(r.t_end - r.t_first, 1e-6)
+    return max(0.0, min(r.t_end, end) - max(r.t_first, start)) / span
 
 
 def jain(xs: list[float]) -> float | None:
@@ -187,9 +198,7 @@ def windows_jain(results: list[Result], tenants: list[str], start: float, end: f
         for r in results:
             if r.status != 200 or not r.t_end or r.t_end <= t or r.t_first >= t + WINDOW_S:
                 continue
-            span = max(r.t_end - r.t_first, 1e-6)
-            overlap = min(r.t_end, t + WINDOW_S) - max(r.t_first, t)
-            got[r.tenant] += r.tokens * max(0.0, overlap) / span
+            got[r.tenant] += r.tokens * overlap(r, t, t + WINDOW_S)
         out.append(jain(list(got.values())))
         t += WINDOW_S
     return out
@@ -251,7 +260,7 @@ async def priority(url, model, args, slots: int, capacity: float) -> dict:
 # ----------------------------------------------------------------- clusters
 
 
-def start_cluster(args, tenants_file: str):
+def start_cluster(args, tenants_file: str, reserve: float):
     """(base url, model name, stop) of the cluster --engine asks for."""
     if args.engine == "sim":
         from benchmarks.simcluster import SimCluster
@@ -260,7 +269,7 @@ def start_cluster(args, tenants_file: str):
         c = SimCluster(args.ranks, num_api_servers=args.api_servers, ranks_per_process=args.ranks, report_interval_s=0.2,
                        decode_step_ms=step_ms, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, max_num_seqs=args.max_num_seqs,
                        api_options={"tenants_file": tenants_file, "admission_hold": args.hold >= 0, "api_server_count": args.api_servers,
-                                    "hold_waiting_per_rank": max(0, args.hold), "reserve_window_s": args.reserve})
+                                    "hold_waiting_per_rank": max(0, args.hold), "reserve_window_s": reserve})
         c.start()
         c.wait_routable(args.ranks, timeout=60)
         return c.url.removesuffix("/v1"), "sim", c.stop, step_ms / 1000
@@ -268,7 +277,7 @@ def start_cluster(args, tenants_file: str):
     from benchmarks.nodes import SERVED_MODEL, DpNode
 
     python = vllm_python(None) if args.engine == "vllm" else None
-    hold = ["--no-admission-hold"] if args.hold < 0 else ["--hold-waiting-per-rank", str(args.hold), "--reserve-window-s", str(args.reserve)]
+    hold = ["--no-admission-hold"] if args.hold < 0 else ["--hold-waiting-per-rank", str(args.hold), "--reserve-window-s", str(reserve)]
     extra = ["--api-key-file", tenants_file, *hold, "--scheduling-policy", "priority",
              "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048"] + (["--engine", "vllm"] if args.engine == "vllm" else [])
     node = DpNode(small_model_dir(None), dp=args.ranks, api=args.api_servers, extra=extra, python=python,
@@ -287,32 +296,59 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=12, help="answer tokens of the noisy and priority scenarios")
     p.add_argument("--hold", type=int, default=1, help="--hold-waiting-per-rank (-1: --no-admission-hold)")
-    p.add_argument("--reserve", type=float, default=5.0, help="--reserve-window-s (0: no reserved places)")
+    p.add_argument("--reserve", type=float, nargs="+", default=[5.0], help="--reserve-window-s (0: no reserved places); several: one cluster each, in turn")
+    p.add_argument("--rounds", type=int, default=1, help="run the --reserve values in turn this many times")
     p.add_argument("--phase-s", type=float, default=15.0)
     p.add_argument("--jain-s", type=float, default=30.0)
     p.add_argument("--ttft-log", default=None, help="append each quiet / interactive request's TTFT to this file")
     args, run = begin(p, argv)
+    runs = [run_once(args, run, reserve) for _ in range(args.rounds) for reserve in args.reserve]
+    if args.json:
+        print(json.dumps(run.info(runs=runs), indent=1))
+        return
+    for out in runs:
+        report(out)
+    if len(runs) > 1:
+        compare(runs)
+
+
+def run_once(args, run, reserve: float) -> dict:
+    """The scenarios of --only on one cluster with --reserve-window-s `reserve`."""
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
-        url, model, stop, step_s = start_cluster(args, TENANTS.write(tmp))
+        url, model, stop, step_s = start_cluster(args, TENANTS.write(tmp), reserve)
         try:
             slots = args.ranks * args.max_num_seqs
             capacity = slots / ((args.max_tokens + 1) * step_s)  # requests/s the batch places finish
-            out = {"engine": args.engine, "hold": args.hold, "reserve": args.reserve, "ranks": args.ranks, "slots": slots, "capacity_req_s": capacity}
+            out = {"engine": args.engine, "hold": args.hold, "reserve": reserve, "ranks": args.ranks, "slots": slots, "capacity_req_s": capacity}
             for name in args.only:
-                run.log(f"{name} ...")
+                run.log(f"{name} (reserve {reserve:g} s) ...")
                 fn = {"noisy": lambda: noisy(url, model, args, capacity), "jain": lambda: fair_tokens(url, model, args, slots),
                       "priority": lambda: priority(url, model, args, slots, capacity)}[name]
                 out[name] = asyncio.run(fn())
                 out[name]["loadavg"] = load_average()
         finally:
             stop()
-    report(out, run, args)
+    return out
 
 
-def report(out: dict, run, args) -> None:
-    if args.json:
-        print(json.dumps(run.info(**out), indent=1))
-        return
+def compare(runs: list[dict]) -> None:
+    """Several runs: each scenario's loaded tokens/s and ratio, mean by reserve window."""
+    rows = []
+    for name, key in (("noisy", "worst_ratio"), ("priority", "ratio")):
+        by: dict[float, list[dict]] = {}
+        for out in runs:
+            if name in out:
+                by.setdefault(out["reserve"], []).append(out[name])
+        for reserve, got in by.items():
+            tok = [g["loaded_tok_s"] for g in got]
+            ratios = [g[key] for g in got if g[key] is not None]
+            rows.append([name, f"{reserve:g}", str(len(got)), f"{sum(tok) / len(tok):.0f}", " ".join(f"{t:.0f}" for t in tok),
+                         " ".join(fmt(r, 2) for r in ratios)])
+    print("by reserve window (runs in turn):")
+    print(render(["scenario", "reserve s", "runs", "tok/s mean", "tok/s each", "TTFT ratio each"], rows))
+
+
+def report(out: dict) -> None:
     rows = []
     if "noisy" in out:
         n = out["noisy"]
