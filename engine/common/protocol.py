@@ -350,6 +350,7 @@ class TenantUsage(msgspec.Struct, tag="tenant_usage", array_like=True):
 
     origin: str  # the sending API server's incarnation
     usage: list[tuple[str, int, int, int, int]]  # (tenant, requests, tokens charged (net), tokens delivered, in flight now)
+    held: list[tuple[str, int]] = []  # (tenant, held at its frontend now; a tenant not named: 0): max_concurrent counts them, shares do not
 
 
 class TenantTotals(msgspec.Struct, tag="tenant_totals", array_like=True):

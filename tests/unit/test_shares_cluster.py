@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from dpserve.daemons.api.admission import Admission
 from dpserve.daemons.api.reserve import ALONE, HOLD, NOW, Reservations
 from dpserve.daemons.api.router import QueueFull
 from dpserve.daemons.api.tenants import Tenant
-from dpserve.daemons.api.tenants.limits import Limits
+from dpserve.daemons.api.tenants.limits import Limited, Limits
 from dpserve.daemons.api.tenants.sync import TenantSync
 from dpserve.daemons.coordinator.tenants import TenantAccounts
 from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.protocol import CoordinatorInput, TableChannel
 
-QUIET, FLOOD = Tenant("quiet"), Tenant("flood")
+QUIET, FLOOD, CAPPED = Tenant("quiet"), Tenant("flood"), Tenant("capped", max_concurrent=4)
 PLACES = 16  # the cluster's batch places: every server reserves and caps by the cluster's counts
 
 
@@ -40,7 +41,7 @@ def servers(n: int, clock: Clock, forward: bool = True):
             sync.apply(wire_out.decode(data))
 
     for i in range(n):
-        limits = Limits({t.name: t for t in (QUIET, FLOOD)}, clock)
+        limits = Limits({t.name: t for t in (QUIET, FLOOD, CAPPED)}, clock)
         sync = TenantSync(lambda limits=limits: limits, f"api-{i}", send if forward else lambda data: None)
         adm = Admission(1000, clock=clock, reserve=Reservations(5.0, lambda: PLACES, clock, headroom=1.0, min_headroom=1.0))
         sync.admission = adm
@@ -163,3 +164,26 @@ def test_peers_heard_from_count_as_senders_beyond_the_configured_number():
     assert res.check(0, "flood", 1) == HOLD  # 7 here + the peer's likely 7
     clock.now += 0.5
     assert res.check(0, "flood", 1) != HOLD
+
+
+def test_max_concurrent_counts_requests_held_at_another_servers_frontend():
+    """Held requests take no place (the shares leave them out) but are the tenant's
+    concurrent requests all the same; a release is reported though nothing else changed."""
+    async def main():
+        clock = Clock()
+        a, b = servers(2, clock)
+        limits, sync, adm = b
+        for _ in range(3):  # through b's gate, then held at its frontend (every rank full)
+            limits.admit(CAPPED)
+            adm.enqueue(CAPPED, CAPPED.priority, 20, lambda: 0)
+        sync.flush()
+        a[0].admit(CAPPED)  # the 4th of max_concurrent 4
+        with pytest.raises(Limited) as refused:
+            a[0].admit(CAPPED)
+        assert refused.value.limit == "max_concurrent"
+        account = a[2].reserve.accounts[(CAPPED.priority, CAPPED.name)]
+        assert account.num_remote == 0  # (held at b: no place taken)
+        assert adm.release() == 3  # b's ranks have room again
+        sync.flush()
+        assert account.num_remote == 3
+    asyncio.run(main())

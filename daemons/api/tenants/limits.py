@@ -69,7 +69,7 @@ class TenantState:
         rate = tenant.tokens_per_min / 60.0 if tenant.tokens_per_min else 0.0
         self.tokens = TokenBucket(rate, rate * TOKEN_BURST_S, now) if rate else None
         self.in_flight = 0
-        self.remote_in_flight: dict[str, tuple[int, float]] = {}  # origin -> (count, when heard)
+        self.remote_in_flight: dict[str, tuple[int, float]] = {}  # origin -> (count, when heard); held at its frontend included
         # figures for /metrics (counters since this process started)
         self.num_requests = 0
         self.num_limited: dict[str, int] = {}  # limit -> 429s

@@ -3,8 +3,9 @@
 Owns the report of what this API server's tenants used (a TenantUsage to the
 coordinator at most every FLUSH_S while they use anything, and every
 KEEPALIVE_S while they have requests in flight; in flight: not counting those
-held at this frontend, which take no place), and applying the others'
-reports, which the coordinator forwards, to this server's buckets and admission. No request
+held at this frontend, which take no place in the shares, and which are reported apart,
+for max_concurrent), and applying the others' reports, which the coordinator forwards,
+to this server's buckets and admission. No request
 ever waits on it: admission reads local state only, which these reports keep
 within one flush interval of the cluster's.
 """
@@ -31,6 +32,7 @@ class TenantSync:
         self.cluster: dict[str, tuple[float, float, int]] = {}  # tenant -> (tokens/s, requests/s, in flight), from the coordinator
         self.num_reports = 0
         self.admission = None  # this server's Admission (admission.py): its held requests, its cluster-wide shares
+        self.reported: dict[str, tuple[int, int]] = {}  # tenant -> (placed, held) as last reported, while either is nonzero
 
     def cluster_usage(self, tenant: str) -> float:
         """Recent delivered tokens/s of `tenant` across the cluster (refreshed every second)."""
@@ -38,16 +40,26 @@ class TenantSync:
         return got[0] if got is not None else 0.0
 
     def take_report(self, keepalive: bool = False) -> TenantUsage | None:
-        """What changed since the last report (and, on a keepalive, every tenant in flight)."""
-        usage = []
+        """What changed since the last report (a release from the held queue included: it
+        moves a request from held to placed), and, on a keepalive, every tenant in flight."""
+        usage, held_now = [], []
         stats = self.admission.stats if self.admission is not None else {}
+        reported = self.reported
         for name, st in self.limits_of().states.items():
-            if st.dirty or (keepalive and st.in_flight):
-                held = stats.get(name)  # (held here, they take no place: the others' shares count places)
-                usage.append((name, st.out_requests, st.out_charged, st.out_delivered, st.in_flight - (held.num_held if held else 0)))
+            held = stats.get(name)
+            num_held = held.num_held if held is not None else 0
+            counts = (st.in_flight - num_held, num_held)  # (held here take no place: the others' shares count places)
+            if st.dirty or (keepalive and st.in_flight) or reported.get(name, (0, 0)) != counts:
+                usage.append((name, st.out_requests, st.out_charged, st.out_delivered, counts[0]))
+                if num_held:
+                    held_now.append((name, num_held))
+                if counts == (0, 0):
+                    reported.pop(name, None)
+                else:
+                    reported[name] = counts
                 st.out_requests = st.out_charged = st.out_delivered = 0
                 st.dirty = False
-        return TenantUsage(self.origin, usage) if usage else None
+        return TenantUsage(self.origin, usage, held_now) if usage else None
 
     def flush(self, keepalive: bool = False) -> None:
         report = self.take_report(keepalive)
@@ -67,8 +79,9 @@ class TenantSync:
         if msg.origin == self.origin:
             return
         limits: Limits = self.limits_of()
+        held = dict(msg.held) if msg.held else {}
         for name, requests, charged, delivered, in_flight in msg.usage:
-            limits.remote(msg.origin, name, requests, charged, in_flight)
+            limits.remote(msg.origin, name, requests, charged, in_flight + held.get(name, 0))  # (max_concurrent counts held ones)
             st = limits.states.get(name) if self.admission is not None else None
             if st is not None:
                 self.admission.remote(msg.origin, st.tenant, in_flight, delivered)
