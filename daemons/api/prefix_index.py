@@ -197,7 +197,9 @@ class PrefixIndex:
         """`rank` was sent a prompt with these block keys."""
         gen = self.generation[rank]
         entries = self.entries
-        for key in keys:
+        # deepest first, so that a prompt's root is its most recently used block and the
+        # LRU drops a chain from its tail: what is left stays prefix-closed, as the search needs
+        for key in reversed(keys):
             holders = entries.get(key)
             if holders is None:
                 entries[key] = {rank: gen}

@@ -173,6 +173,8 @@ def test_index_is_bounded_least_recently_used_first():
     index.add(old, 0)
     index.add(new, 0)
     assert len(index.entries) == 8 and index.match(old) == {} and index.match(new) == {0: 8}
+    index.add(old[:2], 0)  # the LRU drops new's tail, never its root: what is left is a prefix
+    assert index.match(new) == {0: 6} and cheapest_holder(index.entries, new, 0, [0], index.generation, 64.0) == (0, 6)
 
 
 # ---------------------------------------------------------------- the router
