@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from dpserve.daemons.api.router import Router
-from dpserve.engine.common.protocol import EngineHello, LoadTable
+from dpserve.engine.common.protocol import GREET_NO_HELLO, EngineHello, LoadTable
 from dpserve.engine.common.sockets import peer_name
 
 GREET_AFTER_S = 1.0  # a rank alive in the table but unroutable here this long is asked to reconnect
@@ -125,7 +125,7 @@ class EnginePeers:
             if load is None or not load.is_alive or router.routable(rank):
                 self.unroutable.pop(rank, None)
                 continue
-            why = self.unreachable.get(rank) or f"no hello from incarnation {load.incarnation}"
+            why = self.unreachable.get(rank) or f"{GREET_NO_HELLO} {load.incarnation}"
             entry = self.unroutable.setdefault(rank, [now, why, now + GREET_AFTER_S, GREET_AFTER_S])
             entry[1] = why
             if (rank in at_once or now >= entry[2]) and self.greet_again is not None:

@@ -314,11 +314,15 @@ class PrefixRouted(msgspec.Struct, tag="prefix", array_like=True):
 class GreetAgain(msgspec.Struct, tag="greet_again", array_like=True):
     """API server -> coordinator -> rank: the API server at `address` cannot route to
     `rank` (its sends fail, or it never heard this incarnation's hello); the rank
-    reconnects its socket to that address and says hello on the fresh connection."""
+    reconnects its socket to that address and says hello on the fresh connection
+    (a reason starting with GREET_NO_HELLO, on a young connection: only says hello)."""
 
     rank: int
     address: str
     reason: str = ""
+
+
+GREET_NO_HELLO = "no hello from incarnation"  # GreetAgain.reason's start when only the hello is missing
 
 
 class NodeLoad(msgspec.Struct, tag="node_load", array_like=True):

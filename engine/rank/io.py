@@ -20,6 +20,7 @@ import zmq
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.protocol import (
+    GREET_NO_HELLO,
     AbortRequests,
     AddRequest,
     ApiServerList,
@@ -53,6 +54,12 @@ LOAD_REPORT_MIN_INTERVAL_S = 0.002  # at most one report per 2 ms while load cha
 REGISTER_RETRY_S = 2.0
 REGISTER_UNSENT_RETRY_S = 0.1  # a hello that found no connection to the head is tried again this soon
 REGREET_MIN_INTERVAL_S = 1.0  # a GreetAgain more often than this for one API server is ignored
+# A plea for want of a hello (GREET_NO_HELLO) on a connection made this
+# recently is answered with a hello, not a new connection: the hello was late (a busy API
+# server or rank), not lost to a stale pipe. Remaking it made a loaded cluster's start a
+# loop of pleas, reconnects and failed sends to the old identity (1,024 ranks x 8 API
+# servers: 70-100 s to routable, issue 30). A failed send still remakes the connection.
+FRESH_CONNECTION_S = 10.0
 
 # What on_coordinator() reports about a registration.
 WELCOMED = "welcomed"
@@ -113,6 +120,7 @@ class RankIO:
         self.api_addresses: list[str] = []
         self.monitors: dict[zmq.Socket, int] = {}  # monitor -> index of the API socket it watches
         self._reconnected: dict[int, float] = {}  # API socket index -> when GreetAgain last reconnected it
+        self._connected_at: dict[int, float] = {}  # API socket index -> when its connection was last made
         self._num_reconnects = 0
         self._index: dict[zmq.Socket, int] = {self.coordinator: COORDINATOR}
         self.owner: dict[str, int] = {}
@@ -196,6 +204,7 @@ class RankIO:
             monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if self.use_monitors else None
             sock.connect(address)
             index = len(self.api)
+            self._connected_at[index] = time.monotonic()
             if monitor is not None:
                 self.monitors[monitor] = index
             self._index[sock] = index
@@ -218,7 +227,8 @@ class RankIO:
         greeted again: the monitor sees the handshake, and a hello is queued at once
         for owners that poll no monitors. While requests of that API server are in
         flight here the link evidently works and a reconnect would drop their queued
-        outputs, so it is only greeted again. A plea repeated within
+        outputs, so it is only greeted again; so is one made within FRESH_CONNECTION_S
+        that lacks only our hello (it was late, not lost). A plea repeated within
         REGREET_MIN_INTERVAL_S is ignored (anyone on the coordinator's socket can plead)."""
         if address not in self.api_addresses:
             return
@@ -228,7 +238,8 @@ class RankIO:
             return
         self._reconnected[index] = now
         sock = self.api[index]
-        if index in self.owner.values():
+        late = reason.startswith(GREET_NO_HELLO) and now - self._connected_at.get(index, -math.inf) < FRESH_CONNECTION_S
+        if index in self.owner.values() or late:
             self.log.info("an api server cannot route to us; greeting it again", api_server=address, reason=reason)
             self.send_to(index, EngineHello(self.rank, self.incarnation))
             return
@@ -242,6 +253,7 @@ class RankIO:
         except zmq.ZMQError:
             pass  # not connected now: connect() below is the whole cure
         sock.connect(address)
+        self._connected_at[index] = now
         self.send_to(index, EngineHello(self.rank, self.incarnation))
 
     def greet_reconnections(self, monitor: zmq.Socket | None = None) -> None:
