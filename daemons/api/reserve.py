@@ -56,15 +56,16 @@ HOLD, TURN, NOW, ALONE = 0, 1, 2, 3
 class Demand:
     """One (class, tenant) account's recent demand at this API server."""
 
-    __slots__ = ("priority", "weight", "num_in_flight", "num_remote", "remote", "num_unreported", "unreported_t", "peak", "peak_t", "last_t", "is_held")
+    __slots__ = ("priority", "weight", "num_in_flight", "num_remote", "remote", "num_unreported", "unreported_t", "matched", "peak", "peak_t", "last_t", "is_held")
 
     def __init__(self, priority: int, weight: float, now: float) -> None:
         self.priority, self.weight = priority, max(weight, 1e-9)
         self.num_in_flight = 0  # sent from here and not ended
         self.num_remote = 0  # in flight from the other API servers (tenants/sync.py), their last word
         self.remote: dict[str, tuple[int, float]] = {}  # origin -> (count, when heard)
-        self.num_unreported = 0  # started here since the others' last report, or within REPORT_S
+        self.num_unreported = 0  # started here within REPORT_S of unreported_t: each peer is taken to have started as many
         self.unreported_t = now
+        self.matched: dict[str, int] = {}  # origin -> how many of those its reports since showed (or made moot)
         self.peak = 0.0  # the count's peak as of peak_t; it decays toward the count since
         self.peak_t = now
         self.last_t = now  # the last start or end
@@ -117,6 +118,7 @@ class Reservations:
         d.num_in_flight += 1
         if now - d.unreported_t > REPORT_S:  # (older sends are in the peers' view by now)
             d.num_unreported, d.unreported_t = 0, now
+            d.matched.clear()
         d.num_unreported += 1
         self._peak(d, now)
         d.last_t = now
@@ -138,12 +140,26 @@ class Reservations:
         d = self.accounts.get((priority, name))
         if d is None:  # (even at 0 in flight: it was active there just now, and its reservation holds here too)
             d = self.accounts[(priority, name)] = Demand(priority, weight, now)
+        old = d.remote.get(origin)
+        grown = count - (old[0] if old is not None else 0)
+        if now - d.unreported_t <= REPORT_S:  # a peer's report matches its likely sends by its growth
+            matched = d.matched.get(origin, 0)  # (not growing: it was not bursting, and none are likely)
+            d.matched[origin] = matched + grown if grown > 0 else max(matched, d.num_unreported)
         d.remote[origin] = (count, now)
         self.peers_heard[origin] = now
-        d.num_unreported, d.unreported_t = 0, now
         self._fresh_remote(d, now)
         self._peak(d, now)
         d.last_t = now
+
+    def _unseen(self, d: Demand, now: float) -> int:
+        """The peers' likely sends of account `d` not yet in their reports: as many as this
+        server's within REPORT_S, less what each one's reports have shown since. A report
+        made during a burst is stale on arrival (a peer that reported 8 went on to 14 while
+        this server, busy with its own burst, had not read it): it counts for what it shows."""
+        u = d.num_unreported
+        if not u or now - d.unreported_t > REPORT_S:
+            return 0
+        return u * self._num_peers(now) - sum(min(u, m) for m in d.matched.values())
 
     def _num_peers(self, now: float) -> int:
         """The other API servers likely to send too: configured, or heard within PEER_TTL_S."""
@@ -217,7 +233,7 @@ class Reservations:
             if len(active) == 1:
                 return ALONE
             total_weight, mine, num = 0.0, me.num_in_flight + me.num_remote, me.peak_at(now, self.window_s)
-            unseen = self._num_peers(now) * me.num_unreported if now - me.unreported_t <= REPORT_S else 0  # (the peers' likely sends)
+            unseen = self._unseen(me, now)
         for d in active.values():
             total_weight += d.weight
         places = self.places()

@@ -123,7 +123,9 @@ def test_until_the_peers_report_each_is_taken_to_have_sent_as_many_as_this_serve
     for _ in range(7):
         res.started(0, "flood", 1)
     assert res.check(0, "flood", 1) == HOLD  # 7 here + the peer's likely 7 since its last report
-    res.remote("api-1", 0, "flood", 1, 4)  # its report: it sent 4
+    res.remote("api-1", 0, "flood", 1, 4)  # its report: it sent 4 (made during its burst: it may have sent more since)
+    assert res.check(0, "flood", 1) == HOLD  # 7 + 4 + the 3 more likely
+    res.remote("api-1", 0, "flood", 1, 4)  # its next: still 4 (it stopped)
     assert res.check(0, "flood", 1) != HOLD  # 7 + 4 < 13
     res.started(0, "flood", 1)
     assert res.check(0, "flood", 1) == HOLD  # 8 + 4 + 1 unreported
