@@ -298,11 +298,15 @@ def ready(model: str, results: dict, rounds: int = 2) -> None:
     compiled decode, alternating, after one untimed compiled start that fills the compile cache.
     Beside the wall time, the engine rank's CPU seconds at ready (user + system): on a machine others
     load, the wall time is mostly their share, the CPU time what the start itself cost."""
-    starts: dict[str, list[float]] = {"eager": [], "compiled": []}
-    cpu: dict[str, list[float]] = {"eager": [], "compiled": []}
-    plan = [("compiled", False)] + [(kind, True) for _ in range(rounds) for kind in ("eager", "compiled")]
+    kinds = ("eager", "compiled", "dynamo")
+    starts: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu: dict[str, list[float]] = {kind: [] for kind in kinds}
+    plan = [("compiled", False), ("dynamo", False)] + [(kind, True) for _ in range(rounds) for kind in kinds]
     for kind, timed in plan:
-        node = DpNode(model, dp=1, api=1, extra=["--enforce-eager"] if kind == "eager" else [])
+        # dynamo: the compiled decode without its saved ahead-of-time block (DPSERVE_COMPILE_AOT=0:
+        # traced at every start, code from inductor's cache), as in the third round
+        node = DpNode(model, dp=1, api=1, extra=["--enforce-eager"] if kind == "eager" else [],
+                      env={"DPSERVE_COMPILE_AOT": "0"} if kind == "dynamo" else None)
         try:
             node.start(timeout=900)
             engine_cpu = _engine_cpu_s(node)
@@ -313,11 +317,13 @@ def ready(model: str, results: dict, rounds: int = 2) -> None:
             cpu[kind].append(round(engine_cpu, 2))
             print(f"ready: {kind:8s} {node.ready_s:5.1f} s  engine CPU {engine_cpu:5.1f} s  "
                   f"load {os.getloadavg()[0]:.1f}", flush=True)
-    ratio = statistics.median(starts["compiled"]) / statistics.median(starts["eager"])
-    cpu_ratio = statistics.median(cpu["compiled"]) / statistics.median(cpu["eager"])
-    results["ready"] = {**starts, "engine_cpu_s": cpu, "compiled_over_eager_median": round(ratio, 2),
-                        "engine_cpu_compiled_over_eager": round(cpu_ratio, 2)}
-    print(f"ready: compiled / eager (medians) {ratio:.2f}x wall, {cpu_ratio:.2f}x engine CPU", flush=True)
+    results["ready"] = {**starts, "engine_cpu_s": cpu}
+    for kind in ("compiled", "dynamo"):
+        ratio = statistics.median(starts[kind]) / statistics.median(starts["eager"])
+        cpu_ratio = statistics.median(cpu[kind]) / statistics.median(cpu["eager"])
+        results["ready"][f"{kind}_over_eager_median"] = round(ratio, 2)
+        results["ready"][f"engine_cpu_{kind}_over_eager"] = round(cpu_ratio, 2)
+        print(f"ready: {kind} / eager (medians) {ratio:.2f}x wall, {cpu_ratio:.2f}x engine CPU", flush=True)
 
 
 def _engine_cpu_s(node: DpNode) -> float:

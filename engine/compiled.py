@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 # Models at least this large compile their decode by default (see use_compiled_decode).
 COMPILE_MIN_PARAMS = 100_000_000
+# "0": skip the saved ahead-of-time block and compile through torch.compile at every start
+# (Dynamo traces, inductor's cache serves the code): the third round's path, for comparison.
+AOT_SWITCH = "DPSERVE_COMPILE_AOT"
 # Warm-up batch size: 2 (the symbolic code for every batch; the runner pads a batch of one to two rows,
 # since inductor would specialize batch 1 and compile it separately: ~half the start cost).
 WARM_BATCH_SIZES = (2,)
@@ -163,11 +166,14 @@ class CompiledDecode:
         """Load the saved block, or compile and save it, then run `run_dummy(batch)` at WARM_BATCH_SIZES
         through it; seconds taken."""
         start = time.perf_counter()
-        with torch.inference_mode():
-            self.fn = compiled_artifact.load(self.path)
-        self.source = "loaded"
-        if self.fn is None:
-            self._compile(run_dummy)
+        if os.environ.get(AOT_SWITCH, "1") == "0":
+            self._fall_back(f"{AOT_SWITCH}=0")
+        else:
+            with torch.inference_mode():
+                self.fn = compiled_artifact.load(self.path)
+            self.source = "loaded"
+            if self.fn is None:
+                self._compile(run_dummy)
         fits = self._run_warm(run_dummy)
         if not fits and self.source == "loaded":  # the saved block does not fit after all
             log.warning("the saved compiled decode %s refused the warm-up step: compiling again", self.path)

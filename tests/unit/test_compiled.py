@@ -91,6 +91,17 @@ def test_a_restart_loads_the_saved_block(compiled_engine_factory, monkeypatch):
     assert rebuilt.source == "compiled and saved"
 
 
+def test_torch_compile_path_without_the_saved_block(compiled_engine_factory, monkeypatch, reference):
+    """DPSERVE_COMPILE_AOT=0 (and any failure of the ahead-of-time path) compiles through torch.compile:
+    same answers."""
+    monkeypatch.setenv(compiled_mod.AOT_SWITCH, "0")
+    engine = compiled_engine_factory()
+    assert engine.runner.compiled.source == "torch.compile"
+    req = request("t", random_prompt(7, 11), max_tokens=9)
+    add(engine, req)
+    assert Collector().run(engine).tokens["t"] == reference(req.prompt_token_ids, 9)
+
+
 def test_chunked_prefill_beside_compiled_decodes(loaded_demo_model, compiled_engine_factory, reference):
     overrides = dict(max_num_batched_tokens=64, long_prefill_token_threshold=24)
     reqs = [request(f"s{i}", random_prompt(100 + i, n), max_tokens=30) for i, n in enumerate([12, 9, 20])]
