@@ -74,8 +74,16 @@ def compile_block(example: tuple) -> Callable:
 
 
 def save(compiled: Callable, path: str) -> None:
+    """Written whole, then renamed: the ranks of a node start together, and one must never load
+    another's half-written file (it would be taken as unusable, removed and rebuilt)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    compiled.save_compiled_function(path, external_data=_closure_data())
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        compiled.save_compiled_function(tmp, external_data=_closure_data())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def load(path: str) -> Callable | None:
