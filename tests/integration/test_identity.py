@@ -302,58 +302,6 @@ def test_readyz_names_unroutable_ranks(node):
     assert status == 200 and info["unroutable"] == {}, info
 
 
-def test_a_rank_asked_to_greet_again_reconnects_and_greets(tmp_path):
-    """RankIO on real sockets: GreetAgain for an API server it serves makes the rank
-    reconnect (a fresh connection) and say hello; a second plea within a second is
-    ignored; with a request of that API server in flight it only says hello again."""
-    import structlog
-    from dpserve.engine.common.protocol import GreetAgain
-    from dpserve.engine.rank.io import RankIO
-
-    ctx = zmq.Context()
-    api_address = f"ipc://{tmp_path}/api-0.engines"
-    api = ctx.socket(zmq.ROUTER)
-    api.setsockopt(zmq.LINGER, 0)
-    api.bind(api_address)
-    monitor = api.get_monitor_socket(zmq.EVENT_ACCEPTED)
-    io = RankIO(ctx, None, rank=0, incarnation="incA", fingerprint="f", node_rank=0,
-                coordinator_address=f"ipc://{tmp_path}/coordinator", log=structlog.get_logger(), watch=lambda sock: None,
-                watch_monitors=False)
-
-    def hellos(timeout_ms: int) -> list[bytes]:
-        got = []
-        while api.poll(timeout_ms):
-            identity, data = api.recv_multipart()
-            if isinstance(TO_API.decode(data), EngineHello):
-                got.append(identity)
-            timeout_ms = 200
-        return got
-
-    def accepted(timeout_ms: int) -> int:
-        n = 0
-        while monitor.poll(timeout_ms):
-            monitor.recv_multipart()
-            n += 1
-            timeout_ms = 200
-        return n
-
-    try:
-        io.connect_api_servers([api_address])
-        assert hellos(5000) == [b"0:incA"]
-        assert accepted(2000) == 1
-        io.on_coordinator(GreetAgain(0, api_address, "a send failed"))
-        assert b"0:incA:1" in hellos(5000)  # a fresh identity for the fresh connection
-        assert accepted(5000) == 1, "no fresh connection"
-        io.on_coordinator(GreetAgain(0, api_address, "again at once"))
-        assert hellos(500) == [] and accepted(300) == 0  # rate-limited
-        time.sleep(1.1)
-        io.owner["req-1"] = 0  # a request of this API server in flight: greet only
-        io.on_coordinator(GreetAgain(0, api_address, "busy link"))
-        assert hellos(5000) == [b"0:incA:1"] and accepted(500) == 0
-    finally:
-        ctx.destroy(linger=0)  # every socket, the monitors' pairs included
-
-
 @pytest.mark.slow
 def test_a_plea_through_the_coordinator_reaches_the_rank(node):
     """GreetAgain sent to the coordinator (as an API server that cannot route to rank 0

@@ -1,10 +1,15 @@
-"""A rank's answer to a plea (GreetAgain) on a young connection (issue 30): a missing
-hello is sent again on the same connection; a failed send still remakes it. Remaking a
-connection whose hello was only late turned a loaded cluster's start into a loop of
-pleas and reconnects."""
+"""A rank's answer to a plea (GreetAgain), on real sockets: RankIO against an API server's
+ROUTER. A plea reconnects the rank (a fresh identity) and it says hello; pleas are
+rate-limited; with a request of that API server in flight it only says hello again.
+On a young connection (issue 30) a missing hello is sent again on the same connection,
+while a failed send still remakes it: remaking a connection whose hello was only late
+turned a loaded cluster's start into a loop of pleas and reconnects."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import structlog
 import zmq
 from dpserve.engine.common.codec import Codec
@@ -14,41 +19,67 @@ from dpserve.engine.rank.io import RankIO
 TO_API = Codec(EngineToApi)
 
 
-def test_a_late_hello_is_sent_again_and_a_failed_send_remakes_the_connection(tmp_path):
-    ctx = zmq.Context()
-    address = f"ipc://{tmp_path}/api-0.engines"
-    api = ctx.socket(zmq.ROUTER)
-    api.setsockopt(zmq.LINGER, 0)
-    api.bind(address)
-    accepted = api.get_monitor_socket(zmq.EVENT_ACCEPTED)
-    io = RankIO(ctx, None, rank=0, incarnation="incA", fingerprint="f", node_rank=0,
-                coordinator_address=f"ipc://{tmp_path}/coordinator", log=structlog.get_logger(), watch=lambda sock: None,
-                watch_monitors=False)
+class Greeted:
+    """Rank 0's RankIO connected to one API server's ROUTER; counts the hellos and the
+    connections that server accepts."""
 
-    def hellos(timeout_ms: int) -> list[bytes]:
+    def __init__(self, tmp_path) -> None:
+        self.ctx = zmq.Context()
+        self.address = f"ipc://{tmp_path}/api-0.engines"
+        self.api = self.ctx.socket(zmq.ROUTER)
+        self.api.setsockopt(zmq.LINGER, 0)
+        self.api.bind(self.address)
+        self.accepted = self.api.get_monitor_socket(zmq.EVENT_ACCEPTED)
+        self.io = RankIO(self.ctx, None, rank=0, incarnation="incA", fingerprint="f", node_rank=0,
+                         coordinator_address=f"ipc://{tmp_path}/coordinator", log=structlog.get_logger(),
+                         watch=lambda sock: None, watch_monitors=False)
+
+    def hellos(self, timeout_ms: int) -> list[bytes]:
         got = []
-        while api.poll(timeout_ms):
-            identity, data = api.recv_multipart()
+        while self.api.poll(timeout_ms):
+            identity, data = self.api.recv_multipart()
             if isinstance(TO_API.decode(data), EngineHello):
                 got.append(identity)
             timeout_ms = 200
         return got
 
-    def connections(timeout_ms: int) -> int:
+    def connections(self, timeout_ms: int) -> int:
         n = 0
-        while accepted.poll(timeout_ms):
-            accepted.recv_multipart()
+        while self.accepted.poll(timeout_ms):
+            self.accepted.recv_multipart()
             n += 1
             timeout_ms = 200
         return n
 
+
+@pytest.fixture
+def greeted(tmp_path):
+    g = Greeted(tmp_path)
     try:
-        io.connect_api_servers([address])
-        assert hellos(5000) == [b"0:incA"] and connections(2000) == 1
-        io.on_coordinator(GreetAgain(0, address, f"{GREET_NO_HELLO} incA"))
-        assert hellos(5000) == [b"0:incA"] and connections(300) == 0  # the same connection, its hello again
-        io._reconnected.clear()  # (past the one-plea-a-second limit)
-        io.on_coordinator(GreetAgain(0, address, "a send failed: Host unreachable"))
-        assert hellos(5000) == [b"0:incA:1"] and connections(5000) == 1  # a fresh connection
+        g.io.connect_api_servers([g.address])
+        assert g.hellos(5000) == [b"0:incA"] and g.connections(2000) == 1
+        yield g
     finally:
-        ctx.destroy(linger=0)
+        g.ctx.destroy(linger=0)  # every socket, the monitors' pairs included
+
+
+def test_a_plea_reconnects_and_greets_at_most_once_a_second_and_only_greets_when_busy(greeted):
+    g = greeted
+    g.io.on_coordinator(GreetAgain(0, g.address, "a send failed"))
+    assert b"0:incA:1" in g.hellos(5000)  # a fresh identity for the fresh connection
+    assert g.connections(5000) == 1, "no fresh connection"
+    g.io.on_coordinator(GreetAgain(0, g.address, "again at once"))
+    assert g.hellos(500) == [] and g.connections(300) == 0  # rate-limited
+    time.sleep(1.1)
+    g.io.owner["req-1"] = 0  # a request of this API server in flight: greet only
+    g.io.on_coordinator(GreetAgain(0, g.address, "busy link"))
+    assert g.hellos(5000) == [b"0:incA:1"] and g.connections(500) == 0
+
+
+def test_a_late_hello_is_sent_again_and_a_failed_send_remakes_the_connection(greeted):
+    g = greeted
+    g.io.on_coordinator(GreetAgain(0, g.address, f"{GREET_NO_HELLO} incA"))
+    assert g.hellos(5000) == [b"0:incA"] and g.connections(300) == 0  # the same connection, its hello again
+    g.io._reconnected.clear()  # (past the one-plea-a-second limit)
+    g.io.on_coordinator(GreetAgain(0, g.address, "a send failed: Host unreachable"))
+    assert g.hellos(5000) == [b"0:incA:1"] and g.connections(5000) == 1  # a fresh connection
