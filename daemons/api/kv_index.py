@@ -24,6 +24,12 @@ from collections import deque
 from dpserve.daemons.api.prefix_index import BLOCK, keys_after, leading_holders
 from dpserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
 
+# Another API server's note of a send (Router.learn) arrives a few ms after the send, through the
+# coordinator. A rank that removed the key within this long may have removed it after that send:
+# the note is taken as stale rather than held against the removal for pending_ttl_s.
+PEER_NOTE_LATE_S = 2.0
+REMOVED_KEEP = 4096  # recently removed keys remembered per rank (the oldest go first)
+
 
 class _RankKV:
     """One rank's cached engine blocks, as filed: hash -> [base key, partial tokens, routing key or None].
@@ -34,7 +40,7 @@ class _RankKV:
     this block ends a routing block.
     """
 
-    __slots__ = ("incarnation", "seq", "synced", "nodes", "children", "keys")
+    __slots__ = ("incarnation", "seq", "synced", "nodes", "children", "keys", "removed")
 
     def __init__(self, incarnation: str) -> None:
         self.incarnation = incarnation
@@ -43,6 +49,14 @@ class _RankKV:
         self.nodes: dict = {}
         self.children: dict = {}  # engine hash -> the filed blocks whose parent it is
         self.keys: set[int] = set()  # the routing keys its events confirm
+        self.removed: dict[int, float] = {}  # routing key -> when its events removed it (REMOVED_KEEP newest)
+
+    def note_removed(self, key: int, now: float) -> None:
+        removed = self.removed
+        removed.pop(key, None)
+        removed[key] = now
+        if len(removed) > REMOVED_KEEP:
+            del removed[next(iter(removed))]
 
 
 class KVIndex:
@@ -201,6 +215,7 @@ class KVIndex:
                 key = keys[k - 1]
                 self._hold(key, rank)
                 state.keys.add(key)
+                state.removed.pop(key, None)
                 noted = self.notes.get(key)
                 if noted is not None and rank in noted:
                     self._unnote(key, rank)  # confirmed: the note has done its job
@@ -212,6 +227,7 @@ class KVIndex:
     def _drop(self, rank: int, state: _RankKV, hashes) -> None:
         """Unfile these blocks and everything filed under them (prefix-closed): one call an event."""
         nodes, children, notes, held = state.nodes, state.children, self.notes, state.keys
+        now = self.clock()
         stack = list(hashes)
         while stack:
             h = stack.pop()
@@ -223,15 +239,25 @@ class KVIndex:
                 continue
             key = node[2]
             held.discard(key)
+            state.note_removed(key, now)
             if rank not in notes.get(key, ()):
                 self._unhold(key, rank)
 
     # ------------------------------------------------------------ notes and lookups
 
-    def expect(self, keys: list[int], rank: int) -> None:
-        """This API server sent `rank` a prompt with these keys: count them held until the
-        rank's events confirm them, or for pending_ttl_s. Also ends the notes that expired."""
+    def expect(self, keys: list[int], rank: int, peer: bool = False) -> None:
+        """This API server (or, `peer`, another one) sent `rank` a prompt with these keys: count
+        them held until the rank's events confirm them, or for pending_ttl_s. Also ends the
+        notes that expired.
+
+        A peer's note comes late: the rank's events may have confirmed a key already (a note
+        for it would never be confirmed, and would outlive the key's removal), or removed it
+        since (the note would bring it back). Such keys are not noted."""
         now = self.clock()
+        state = self.ranks[rank] if peer else None
+        if state is not None:
+            confirmed, removed = state.keys, state.removed
+            keys = [k for k in keys if k not in confirmed and (k not in removed or now - removed[k] >= PEER_NOTE_LATE_S)]
         expiring = self.expiring
         while expiring and expiring[0][0] <= now:
             _, r, old = expiring.popleft()

@@ -261,7 +261,7 @@ class Router:
         index = self.kv if self.kv is not None and self.kv.ranks_seen else None
         for rank, keys in msg.routed:
             if 0 <= rank < self.size:
-                index.expect(keys, rank) if index is not None else self.prefix.add(keys, rank)
+                index.expect(keys, rank, peer=True) if index is not None else self.prefix.add(keys, rank)
 
     def engine_hello(self, rank: int, incarnation: str) -> bool:
         """Returns True when this hello replaces another incarnation (its requests are lost)."""

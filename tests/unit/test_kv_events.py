@@ -169,6 +169,34 @@ def test_a_sent_prompt_counts_until_its_events_confirm_it_or_its_note_expires():
     assert index.match(chain_keys(b, ROUTING)) == {} and not index.notes
 
 
+def test_a_peers_late_note_never_outlives_what_the_events_say():
+    """Another API server's note of a send arrives after the rank's events: for a key they
+    confirmed already it is not kept (it would never be confirmed, and would hold the key
+    past its removal for pending_ttl_s), nor for a key they removed just before; later it is."""
+    now = [100.0]
+    index = KVIndex(2, pending_ttl_s=30.0, clock=lambda: now[0])
+    a = prompt_of([0, 1])
+    keys = chain_keys(a, ROUTING)
+    rank = Rank(1, 64, "x")
+    rank.serve(a)
+    index.apply(rank.log.take_batch(1, "x"))
+    index.expect(keys, 1, peer=True)  # the peer sent it before the events came: they confirm it
+    assert not index.notes
+    rank.serve(list(range(500, 500 + 64 * 16)))  # evicted
+    index.apply(rank.log.take_batch(1, "x"))
+    assert index.match(keys) == {}
+    now[0] += 0.5
+    index.expect(keys, 1, peer=True)  # a note from before the removal, arriving after it
+    assert index.match(keys) == {} and not index.notes
+    index.expect(keys, 1)  # this API server's own send is fresh: noted
+    assert index.match(keys) == {1: 1}
+    index.notes.clear()
+    index.entries.clear()
+    now[0] += 2.0
+    index.expect(keys, 1, peer=True)  # long after the removal: a new send, noted
+    assert index.match(keys) == {1: 1}
+
+
 def test_router_on_events_goes_where_the_prefix_is_and_leaves_when_it_is_evicted():
     from dpserve.daemons.api.router import Router
     from dpserve.engine.common.protocol import LoadTable, RankLoad
