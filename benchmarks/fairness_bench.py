@@ -222,17 +222,39 @@ def log_ttfts(args, scenario: str, phases: dict[str, list[Result]], *tenants: st
 async def noisy(url, model, args, capacity: float) -> dict:
     share = capacity / 4
     rate, drain = share / 2, args.phase_s
-    alone = await phase(url, model, args.phase_s, drain, open_loops=[("t1", rate, args.max_tokens)])
-    loaded = await phase(url, model, args.phase_s, drain, open_loops=[("t0", 10 * share, args.max_tokens)]
-                         + [(t, rate, args.max_tokens) for t in ("t1", "t2", "t3")])
-    log_ttfts(args, "noisy", {"alone": alone, "loaded": loaded}, "t1", "t2", "t3")
+    quiet = ("t1", "t2", "t3")
+    alone, loaded, pairs = [], [], []
+    for _ in range(args.pairs):  # alone and loaded alternate: a drift in the machine's load hits both
+        a = await phase(url, model, args.alone_s or args.phase_s, drain, open_loops=[("t1", rate, args.max_tokens)])
+        b = await phase(url, model, args.phase_s, drain, open_loops=[("t0", 10 * share, args.max_tokens)]
+                        + [(t, rate, args.max_tokens) for t in quiet])
+        alone += a
+        loaded += b
+        pairs.append((ttfts(a, "t1"), [x for t in quiet for x in ttfts(b, t)], delivered(b, args.phase_s)))
+    log_ttfts(args, "noisy", {"alone": alone, "loaded": loaded}, *quiet)
     base = p99(ttfts(alone, "t1"))
-    rows = {t: p99(ttfts(loaded, t)) for t in ("t1", "t2", "t3")}
+    rows = {t: p99(ttfts(loaded, t)) for t in quiet}
+    pooled = [x for t in quiet for x in ttfts(loaded, t)]
     return {"share_req_s": share, "quiet_rate": rate, "alone_p99_s": base, "loaded_p99_s": rows,
             "worst_ratio": max(v / base for v in rows.values()) if base and all(rows.values()) else None,
-            "loaded_tok_s": delivered(loaded, args.phase_s),
+            **spread(ttfts(alone, "t1"), pooled, pairs),
+            "loaded_tok_s": sum(p[2] for p in pairs) / len(pairs),
             "noisy_sent": sum(r.tenant == "t0" for r in loaded), "noisy_429": sum(r.tenant == "t0" and r.status == 429 for r in loaded),
             "quiet_not_200": sum(r.tenant != "t0" and r.status != 200 for r in loaded)}
+
+
+def spread(base: list[float], under: list[float], pairs: list[tuple[list[float], list[float], float]]) -> dict:
+    """The pooled ratio of p99s, with the sample counts, p50 / p90 of each side, each pair's
+    ratio, and a bootstrap 90% interval of the pooled ratio (resampling both sides)."""
+    if not base or not under:
+        return {"pooled_ratio": None}
+    rng = random.Random(28)
+    boots = sorted(p99(rng.choices(under, k=len(under))) / p99(rng.choices(base, k=len(base))) for _ in range(500))
+    q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))]  # noqa: E731
+    return {"pooled_ratio": p99(under) / p99(base), "n_base": len(base), "n_under": len(under),
+            "base_p50_p90_p99": [q(base, 0.5), q(base, 0.9), p99(base)], "under_p50_p90_p99": [q(under, 0.5), q(under, 0.9), p99(under)],
+            "pair_ratios": [p99(u) / p99(b) if b and u else None for b, u, _ in pairs], "pair_tok_s": [t for _, _, t in pairs],
+            "ratio_ci90": [boots[25], boots[474]]}
 
 
 async def fair_tokens(url, model, args, slots: int) -> dict:
@@ -248,19 +270,29 @@ async def fair_tokens(url, model, args, slots: int) -> dict:
 
 async def priority(url, model, args, slots: int, capacity: float) -> dict:
     rate = capacity / 8
-    alone = await phase(url, model, args.phase_s, args.phase_s, open_loops=[("interactive", rate, args.max_tokens)])
-    loaded = await phase(url, model, args.phase_s, args.phase_s, open_loops=[("interactive", rate, args.max_tokens)],
-                         closed_loops=[("bulk", 3 * slots, args.max_tokens)])
+    alone, loaded, pairs = [], [], []
+    for _ in range(args.pairs):  # alone and loaded alternate: a drift in the machine's load hits both
+        a = await phase(url, model, args.alone_s or args.phase_s, args.phase_s, open_loops=[("interactive", rate, args.max_tokens)])
+        b = await phase(url, model, args.phase_s, args.phase_s, open_loops=[("interactive", rate, args.max_tokens)],
+                        closed_loops=[("bulk", 3 * slots, args.max_tokens)])
+        alone += a
+        loaded += b
+        pairs.append((ttfts(a, "interactive"), ttfts(b, "interactive"), delivered(b, args.phase_s)))
     base, under = p99(ttfts(alone, "interactive")), p99(ttfts(loaded, "interactive"))
     log_ttfts(args, "priority", {"alone": alone, "loaded": loaded}, "interactive")
     return {"rate": rate, "unloaded_p99_s": base, "flooded_p99_s": under, "ratio": under / base if base and under else None,
-            "bulk_served": sum(r.tenant == "bulk" and r.status == 200 for r in loaded), "loaded_tok_s": delivered(loaded, args.phase_s)}
+            **spread(ttfts(alone, "interactive"), ttfts(loaded, "interactive"), pairs),
+            "bulk_served": sum(r.tenant == "bulk" and r.status == 200 for r in loaded), "loaded_tok_s": sum(p[2] for p in pairs) / len(pairs)}
 
 
 # ----------------------------------------------------------------- clusters
 
 
-def start_cluster(args, tenants_file: str, reserve: float):
+def env_of(spec: str) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in spec.split(",") if "=" in kv)
+
+
+def start_cluster(args, tenants_file: str, reserve: float, env: dict[str, str]):
     """(base url, model name, stop) of the cluster --engine asks for."""
     if args.engine == "sim":
         from benchmarks.simcluster import SimCluster
@@ -281,7 +313,7 @@ def start_cluster(args, tenants_file: str, reserve: float):
     extra = ["--api-key-file", tenants_file, *hold, "--scheduling-policy", "priority",
              "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048"] + (["--engine", "vllm"] if args.engine == "vllm" else [])
     node = DpNode(small_model_dir(None), dp=args.ranks, api=args.api_servers, extra=extra, python=python,
-                  env={"DPSERVE_ENFORCE_EAGER": "1"} if args.engine == "native" else None)
+                  env={**({"DPSERVE_ENFORCE_EAGER": "1"} if args.engine == "native" else {}), **env})
     node.spawn()
     node.wait_ready(600)
     return node.url, SERVED_MODEL, node.stop, (DECODE_BASE_MS + DECODE_PER_SEQ_MS * args.max_num_seqs) / 1000
@@ -298,11 +330,15 @@ def main(argv=None) -> None:
     p.add_argument("--hold", type=int, default=1, help="--hold-waiting-per-rank (-1: --no-admission-hold)")
     p.add_argument("--reserve", type=float, nargs="+", default=[5.0], help="--reserve-window-s (0: no reserved places); several: one cluster each, in turn")
     p.add_argument("--rounds", type=int, default=1, help="run the --reserve values in turn this many times")
+    p.add_argument("--env", nargs="+", default=["-"], help="environments for the node's processes, one cluster each, in turn "
+                   "(\"K=V,K=V\"; \"-\": none), e.g. the levers' switches for an A/B within one run")
     p.add_argument("--phase-s", type=float, default=15.0)
     p.add_argument("--jain-s", type=float, default=30.0)
+    p.add_argument("--pairs", type=int, default=1, help="noisy / priority: alone and loaded phases, alternated, this many times (pooled)")
+    p.add_argument("--alone-s", type=float, default=0.0, help="an alone phase's length (default --phase-s)")
     p.add_argument("--ttft-log", default=None, help="append each quiet / interactive request's TTFT to this file")
     args, run = begin(p, argv)
-    runs = [run_once(args, run, reserve) for _ in range(args.rounds) for reserve in args.reserve]
+    runs = [run_once(args, run, reserve, env) for _ in range(args.rounds) for reserve in args.reserve for env in args.env]
     if args.json:
         print(json.dumps(run.info(runs=runs), indent=1))
         return
@@ -312,14 +348,15 @@ def main(argv=None) -> None:
         compare(runs)
 
 
-def run_once(args, run, reserve: float) -> dict:
-    """The scenarios of --only on one cluster with --reserve-window-s `reserve`."""
+def run_once(args, run, reserve: float, env: str) -> dict:
+    """The scenarios of --only on one cluster with --reserve-window-s `reserve` and the
+    environment `env` ("K=V,K=V" or "-") for its processes."""
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
-        url, model, stop, step_s = start_cluster(args, TENANTS.write(tmp), reserve)
+        url, model, stop, step_s = start_cluster(args, TENANTS.write(tmp), reserve, env_of(env))
         try:
             slots = args.ranks * args.max_num_seqs
             capacity = slots / ((args.max_tokens + 1) * step_s)  # requests/s the batch places finish
-            out = {"engine": args.engine, "hold": args.hold, "reserve": reserve, "ranks": args.ranks, "slots": slots, "capacity_req_s": capacity}
+            out = {"engine": args.engine, "hold": args.hold, "reserve": reserve, "env": env, "ranks": args.ranks, "slots": slots, "capacity_req_s": capacity}
             for name in args.only:
                 run.log(f"{name} (reserve {reserve:g} s) ...")
                 fn = {"noisy": lambda: noisy(url, model, args, capacity), "jain": lambda: fair_tokens(url, model, args, slots),
@@ -338,14 +375,25 @@ def compare(runs: list[dict]) -> None:
         by: dict[float, list[dict]] = {}
         for out in runs:
             if name in out:
-                by.setdefault(out["reserve"], []).append(out[name])
-        for reserve, got in by.items():
+                by.setdefault((out["reserve"], out.get("env", "-")), []).append(out[name])
+        for (reserve, env), got in by.items():
             tok = [g["loaded_tok_s"] for g in got]
             ratios = [g[key] for g in got if g[key] is not None]
-            rows.append([name, f"{reserve:g}", str(len(got)), f"{sum(tok) / len(tok):.0f}", " ".join(f"{t:.0f}" for t in tok),
-                         " ".join(fmt(r, 2) for r in ratios)])
-    print("by reserve window (runs in turn):")
-    print(render(["scenario", "reserve s", "runs", "tok/s mean", "tok/s each", "TTFT ratio each"], rows))
+            pooled = [g["pooled_ratio"] for g in got if g.get("pooled_ratio") is not None]
+            rows.append([name, f"{reserve:g}", env, str(len(got)), f"{sum(tok) / len(tok):.0f}", " ".join(f"{t:.0f}" for t in tok),
+                         " ".join(fmt(r, 2) for r in ratios), " ".join(fmt(r, 2) for r in pooled)])
+    print("by reserve window and environment (runs in turn):")
+    print(render(["scenario", "reserve s", "env", "runs", "tok/s mean", "tok/s each", "TTFT ratio each", "pooled each"], rows))
+
+
+def pooled_row(name: str, x: dict, asked: str) -> list[str]:
+    if x.get("pooled_ratio") is None:
+        return [name, "-", asked, "no samples"]
+    ci = x["ratio_ci90"]
+    return [name, fmt(x["pooled_ratio"], 2), asked,
+            f"n {x['n_base']} / {x['n_under']}; p50/p90/p99 {' '.join(fmt(v, 3) for v in x['base_p50_p90_p99'])} s vs "
+            f"{' '.join(fmt(v, 3) for v in x['under_p50_p90_p99'])} s; 90% CI {fmt(ci[0], 2)}-{fmt(ci[1], 2)}; "
+            f"pairs {' '.join(fmt(r, 2) for r in x['pair_ratios'])}; tok/s {' '.join(f'{t:.0f}' for t in x['pair_tok_s'])}"]
 
 
 def report(out: dict) -> None:
@@ -355,6 +403,7 @@ def report(out: dict) -> None:
         rows.append(["noisy: quiet TTFT p99 / alone", fmt(n["worst_ratio"], 2), "<= 1.2",
                      f"alone {fmt(n['alone_p99_s'], 3)} s, loaded {', '.join(fmt(v, 3) for v in n['loaded_p99_s'].values())}; "
                      f"noisy 429 {n['noisy_429']}/{n['noisy_sent']}, quiet errors {n['quiet_not_200']}; {n['loaded_tok_s']:.0f} tok/s"])
+        rows.append(pooled_row("noisy: pooled quiet p99 / alone p99", n, "<= 1.2"))
     if "jain" in out:
         j = out["jain"]
         rows.append(["jain: min over 10 s windows", fmt(j["min"], 3), ">= 0.95",
@@ -363,7 +412,8 @@ def report(out: dict) -> None:
         q = out["priority"]
         rows.append(["priority: interactive TTFT p99 / unloaded", fmt(q["ratio"], 2), "<= 1.1",
                      f"unloaded {fmt(q['unloaded_p99_s'], 3)} s, flooded {fmt(q['flooded_p99_s'], 3)} s; bulk served {q['bulk_served']}; {q['loaded_tok_s']:.0f} tok/s"])
-    print(f"engine {out['engine']}, hold {out['hold']}, reserve {out['reserve']:g} s, {out['ranks']} ranks, {out['slots']} places, "
+        rows.append(pooled_row("priority: pooled, spread", q, "<= 1.1"))
+    print(f"engine {out['engine']}, hold {out['hold']}, reserve {out['reserve']:g} s, env {out.get('env') or '-'}, {out['ranks']} ranks, {out['slots']} places, "
           f"capacity ~{out['capacity_req_s']:.1f} req/s; load {load_average()}")
     print(render(["target", "figure", "asked", "detail"], rows))
 

@@ -7,6 +7,8 @@ turns a schedule into a forward.
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from bisect import bisect_right
 from collections import deque
@@ -20,6 +22,9 @@ from dpserve.engine.sequence import Sequence, SequenceStatus
 # to decode into, so a newcomer is not admitted only to be preempted at once.
 ADMIT_WATERMARK = 0.01
 POLICIES = SCHEDULING_POLICIES  # vLLM's --scheduling-policy: fcfs, or priority (lower `priority` first, then arrival)
+# Priority policy: a waiting request more urgent than some running one gets the next step without
+# the less urgent ones (issue 28; DPSERVE_ISOLATE_URGENT=0 turns it off, for benchmarks' A/B).
+ISOLATE_URGENT = os.environ.get("DPSERVE_ISOLATE_URGENT", "1") != "0"
 
 
 def _order(seq: Sequence) -> tuple[int, float]:
@@ -55,7 +60,11 @@ class Scheduler(QueueCounts):
     enough blocks preempts running ones of a strictly lower priority (larger
     number), last first, when that makes room (vLLM v0's priority preemption:
     a waiting request never displaces one of its own priority, so there is no
-    ping-pong).
+    ping-pong). Urgent steps: when the most urgent waiting sequence is more
+    urgent than some running one, that step leaves out the running sequences
+    less urgent than it (they keep their slots and blocks), so its prefill
+    neither waits behind nor shares a step with bulk work; never two such
+    steps in a row, so the bulk loses at most every other step.
 
     Prefix caching (when the block manager has it on): on admission a
     sequence attaches the cached blocks that hold the leading full blocks of
@@ -79,12 +88,15 @@ class Scheduler(QueueCounts):
         long_prefill_token_threshold: int = 0,
         chunked_prefill: bool = True,
         policy: str = "fcfs",
+        isolate_urgent: bool = ISOLATE_URGENT,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.is_priority = policy == "priority"
+        self.isolate_urgent = isolate_urgent and self.is_priority
+        self.was_isolated = False  # the last step left out less urgent running sequences (urgent steps)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
@@ -158,14 +170,30 @@ class Scheduler(QueueCounts):
     def schedule(self) -> list[tuple[Sequence, int]]:
         """This step's (sequence, new tokens) pairs; block tables already cover them."""
         scheduled: dict[str, tuple[Sequence, int]] = {}
-        preempted, decoding, prefilling = self._schedule_running(scheduled)
+        urgent = self._urgent()
+        preempted, decoding, prefilling = self._schedule_running(scheduled, urgent)
         if not preempted:
             self._schedule_waiting(scheduled, decoding, prefilling)
+        self.was_isolated = urgent < math.inf
+        if self.was_isolated and not scheduled:  # (the urgent one did not fit after all: a plain step)
+            self.was_isolated = False
+            preempted, decoding, prefilling = self._schedule_running(scheduled, math.inf)
+            if not preempted:
+                self._schedule_waiting(scheduled, decoding, prefilling)
         return list(scheduled.values())
 
-    def _schedule_running(self, scheduled: dict[str, tuple[Sequence, int]]) -> tuple[bool, bool, bool]:
+    def _urgent(self) -> float:
+        """Urgent steps: the most urgent waiting priority when it is more urgent than some running
+        sequence's (this step leaves the less urgent out), else inf; never two steps in a row."""
+        if not self.isolate_urgent or self.was_isolated or not self.waiting or not self.running:
+            return math.inf
+        head = self.waiting[0].params.priority
+        return head if any(s.params.priority > head for s in self.running) else math.inf
+
+    def _schedule_running(self, scheduled: dict[str, tuple[Sequence, int]], urgent: float = math.inf) -> tuple[bool, bool, bool]:
         """1-2. Running sequences: decodes first, then prefill chunks, oldest first (under the
-        priority policy, in priority order). Returns (preempted, decoding, prefilling)."""
+        priority policy, in priority order), less urgent than `urgent` left out (urgent steps).
+        Returns (preempted, decoding, prefilling)."""
         budget = self.max_num_batched_tokens
         preempted = decoding = prefilling = False
         chunks = [s for s in self.running if s.is_prefilling]
@@ -174,8 +202,8 @@ class Scheduler(QueueCounts):
         for seq in [s for s in self.running if not s.is_prefilling] + chunks:
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.request_id in self.paused:
-                continue  # preempted earlier in this loop, or paused (keeps its slot and blocks)
+            if seq.status is not SequenceStatus.RUNNING or seq.request_id in self.paused or seq.params.priority > urgent:
+                continue  # preempted earlier in this loop, paused or left out (keeps its slot and blocks)
             n = self._chunk(seq, budget, decoding, prefilling)
             if n == 0:
                 continue

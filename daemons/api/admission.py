@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable
 
+import msgspec
 from dpserve.daemons.api.reserve import HOLD, NOW, Reservations
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, Router
 from dpserve.daemons.api.tenants import Tenant
@@ -36,6 +38,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 HELD_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATE_TAU_S = 5.0  # the release rate behind Retry-After: an exponential average over about this long
+# Priority policy with reservations: a request under its share goes to the engine as more urgent
+# than over-share work of its class (DPSERVE_SHARE_URGENCY=0 turns it off, for benchmarks' A/B).
+SHARE_URGENCY = os.environ.get("DPSERVE_SHARE_URGENCY", "1") != "0"
 
 
 class HoldRefused(Exception):
@@ -167,6 +172,16 @@ class Admission:
         if state.held is not None:
             self.finished(state.held, state.prompt_tokens + state.num_output_tokens)
             state.held = None
+
+    def urgency(self, add, go: int):
+        """The AddRequest to send: under the priority policy with reservations, its engine priority
+        is 2 x its class + 0 when it goes under its share (NOW, ALONE), + 1 otherwise (over it:
+        held, or a free place in fair order). Classes keep their order; within one, the engine
+        runs (and preempts for) a quiet tenant's request before a flood's (issue 28)."""
+        if not (SHARE_URGENCY and self.in_flight is not None and self.reserve is not None) or abs(add.params.priority) >= 2**61:
+            return add  # (a priority near int64's bounds, which vLLM's engine takes, is sent as it came)
+        params = msgspec.structs.replace(add.params, priority=2 * add.params.priority + (go < NOW))
+        return msgspec.structs.replace(add, params=params)
 
     def may_pass(self, tenant: Tenant, priority: int) -> int:
         """With reservations: whether a new request may try a rank now (under its account's

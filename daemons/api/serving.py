@@ -406,16 +406,16 @@ class ServingBase:
         raise ApiError(503, first.message + waited, type=first.type, code=first.code, headers=first.headers)
 
     async def _admit(self, state: RequestState, add: AddRequest, pinned: int | None) -> int:
-        """Send now, or, while every rank is full (QueueFull at the hold threshold) or others
-        are held, wait in the tenant's held queue for a release in fair order (admission.py).
-        A pinned request never waits there: its rank was chosen by the client. Under
-        --scheduling-policy priority, neither does one more urgent than a held request:
-        it goes where it starts soonest, and the engine preempts less urgent work for it."""
+        """Send now, or, while every rank is full (QueueFull at the hold threshold) or others are held,
+        wait in the tenant's held queue for a release in fair order (admission.py). A pinned request never
+        waits there (the client chose its rank); under --scheduling-policy priority, neither does one more
+        urgent than a held request: it goes where it starts soonest; the engine preempts for it (urgency)."""
         admission = self.admission
         if admission is None or pinned is not None:
             return self._send_once(state, add, pinned)
         priority = add.params.priority
         go = (HOLD if admission.num_held else ALONE) if admission.reserve is None else admission.may_pass(state.tenant, priority)
+        add = admission.urgency(add, go)
         if go:  # (under its reservation, NOW: the rank with the fewest running + waiting, which a fcfs rank serves first)
             try:
                 return admission.started(state, priority, self._send_once(state, add, soonest_rank(self.router) if go == NOW else None))

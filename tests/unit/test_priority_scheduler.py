@@ -71,7 +71,7 @@ def test_equal_keys_keep_the_order_they_were_added():
 
 
 def test_a_higher_priority_takes_the_slot_of_the_latest_lowest_one():
-    sched = Scheduler(2, 100, BlockManager(64, 4), policy="priority")
+    sched = Scheduler(2, 100, BlockManager(64, 4), policy="priority", isolate_urgent=False)  # (mixed steps)
     sched.add(seq("low-old", 8, 5, 0.0, max_tokens=50))
     sched.add(seq("low-new", 8, 5, 1.0, max_tokens=50))
     run_step(sched)
@@ -92,7 +92,7 @@ def test_a_higher_priority_takes_the_slot_of_the_latest_lowest_one():
 
 
 def test_a_higher_priority_preempts_for_kv_blocks():
-    sched = Scheduler(8, 100, BlockManager(12, 4), policy="priority")  # 48 tokens of KV
+    sched = Scheduler(8, 100, BlockManager(12, 4), policy="priority", isolate_urgent=False)  # 48 tokens of KV; mixed steps
     sched.add(seq("low-a", 20, 1, 0.0, max_tokens=30))
     sched.add(seq("low-b", 20, 1, 1.0, max_tokens=30))
     run_step(sched)
@@ -132,7 +132,7 @@ def test_kv_pressure_of_running_ones_preempts_the_lowest_priority_not_the_newest
 
 def test_prefill_chunks_go_in_priority_order():
     def chunks(policy: str) -> dict[str, int]:
-        sched = Scheduler(8, 12, BlockManager(64, 4), long_prefill_token_threshold=10, policy=policy)
+        sched = Scheduler(8, 12, BlockManager(64, 4), long_prefill_token_threshold=10, policy=policy, isolate_urgent=False)
         sched.add(seq("d", 2, 0, 0.0, max_tokens=50))
         run_step(sched)  # d decodes from now on, so prefill chunks are at most 10
         sched.add(seq("low", 100, 1, 1.0))
@@ -158,3 +158,27 @@ def test_a_paused_running_one_is_preempted_for_a_higher_one_and_waits():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="fcfs, priority"):
         Scheduler(1, 10, BlockManager(4, 4), policy="lifo")
+
+
+def test_urgent_step_leaves_the_less_urgent_out_never_twice_in_a_row():
+    """A waiting request more urgent than running ones gets a step without them (its prefill
+    neither shares a step with bulk decodes nor waits behind them); the bulk then gets the
+    next step back, even if another urgent one arrives, so it loses at most every other step."""
+    sched = Scheduler(8, 100, BlockManager(64, 4), policy="priority")
+    for i in range(3):
+        sched.add(seq(f"bulk{i}", 8, 1, float(i), max_tokens=50))
+    run_step(sched)
+    sched.add(seq("quiet", 8, 0, 5.0, max_tokens=50))
+    assert run_step(sched) == {"quiet": 8}
+    sched.add(seq("quiet2", 8, 0, 6.0, max_tokens=50))
+    assert run_step(sched) == {"bulk0": 1, "bulk1": 1, "bulk2": 1, "quiet": 1, "quiet2": 8}
+    sched.add(seq("quiet3", 8, 0, 7.0, max_tokens=50))
+    assert run_step(sched) == {"quiet": 1, "quiet2": 1, "quiet3": 8}  # equally urgent ones stay in
+    assert sched.num_preemptions == 0 and len(sched.running) == 6
+    sched.add(seq("same", 8, 1, 8.0, max_tokens=50))  # not more urgent than any running one: a plain step
+    assert len(run_step(sched)) == 7
+    plain = Scheduler(8, 100, BlockManager(64, 4), policy="priority", isolate_urgent=False)
+    for s in (seq("bulk", 8, 1, 0.0, max_tokens=50), seq("quiet", 8, 0, 1.0, max_tokens=50)):
+        plain.add(s)
+        last = run_step(plain)
+    assert last == {"bulk": 1, "quiet": 8}

@@ -68,3 +68,28 @@ def test_quiet_accounts_of_a_class_lend_each_other_their_free_reserved_places():
     assert res.check(0, "c", 1) == NOW  # the class's quiet use 1 + 9 < its reservation min(2 x 16 / 3, 4 + 16 / 3 + 2)
     res.started(0, "c", 1)  # 10: the pool is used up
     assert res.check(0, "c", 1) == TURN
+
+
+def test_under_its_share_a_request_goes_to_the_engine_before_over_share_work_of_its_class():
+    """Priority policy with reservations: engine priority 2 x class (+1 over its share), so a quiet
+    tenant's request runs (and preempts) before a flood's of its class, and classes keep their order."""
+    import asyncio
+
+    from dpserve.daemons.api.admission import Admission
+    from dpserve.engine.common.protocol import AddRequest, SamplingParams
+
+    def add(priority: int) -> AddRequest:
+        return AddRequest("r", [1, 2], SamplingParams(max_tokens=4, priority=priority), 0.0)
+
+    async def main():
+        clock = Clock()
+        adm = Admission(10, clock=clock, by_class=True, reserve=Reservations(5.0, lambda: 8, clock))
+        seen = {(p, go): adm.urgency(add(p), go).params.priority for p in (-1, 0, 1) for go in (HOLD, TURN, NOW, ALONE)}
+        assert seen[(0, NOW)] == seen[(0, ALONE)] == 0 and seen[(0, TURN)] == seen[(0, HOLD)] == 1
+        assert seen[(-1, HOLD)] < seen[(0, NOW)] and seen[(0, HOLD)] < seen[(1, NOW)]  # classes first
+        assert seen[(-1, NOW)] < 0 and seen[(0, NOW)] >= 0  # (only negative ones are routed as urgent, as before)
+        plain = add(0)
+        assert Admission(10, clock=clock, reserve=Reservations(5.0, lambda: 8, clock)).urgency(plain, TURN) is plain  # fcfs
+        assert Admission(10, clock=clock, by_class=True).urgency(plain, TURN) is plain  # no reservations
+        assert plain.params.priority == 0  # never changed in place (a retried send starts from the class)
+    asyncio.run(main())
