@@ -28,16 +28,27 @@ PACK_ROWS_HINT = 16
 _PACKED: dict[int, torch.Tensor] = {}
 
 
-@torch.library.custom_op("dpserve::linear", mutates_args=())
+# dpserve::linear, defined and implemented through torch.library directly, not @custom_op: the
+# compiled decode calls it 7 times a block (210 a step on a 30-layer model), and custom_op's Python
+# wrappers (dynamo-disable, alias checks, autograd) cost ~8 us a call, a direct CPU kernel ~2 us
+# (benchmarks/RESULTS.md, issue 26 fifth round). Inference only: no autograd formula.
+_LIB = torch.library.Library("dpserve", "FRAGMENT")
+_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias), on weight's packed copy when it has one."""
     packed = _PACKED.get(weight.data_ptr())
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return _LINEAR_POINTWISE(x, packed, bias, "none", [], "")
 
 
-@packed_linear.register_fake
+_LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+_LIB.impl("linear", packed_linear, "CPU")  # PackedLinear is only ever given to CPU layers
+
+
+@torch.library.register_fake("dpserve::linear", lib=_LIB)
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
