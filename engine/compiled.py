@@ -141,10 +141,11 @@ class CompiledDecode:
     def step(self, slots: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor) -> DecodeStep:
         return DecodeStep(slots, block_tables, lengths, self.block_size, self.attention_kernel)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: DecodeStep) -> torch.Tensor:
-        """Logits [B, vocab] of every row."""
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=0,
-                         **{DECODE_KWARG: step})
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: DecodeStep,
+                 keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, vocab] of every row, or of the rows `keep` names, in its order."""
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                         logits_to_keep=0 if keep is None else keep, **{DECODE_KWARG: step})
         return out.logits[0]
 
     def _block_forward(self, block: torch.nn.Module, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:

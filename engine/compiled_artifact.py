@@ -61,6 +61,7 @@ def artifact_path(cache_dir: str, model: torch.nn.Module, block: torch.nn.Module
         "config": config.to_json_string() if config is not None else repr(model),
         "dtype": str(dtype),
         "block_size": block_size,
+        "compile_config": [COMPILE_DYNAMO, COMPILE_INDUCTOR],
         "kernel": use_kernel,
         "vec_isa": vec_isa,
         # part of the global state the guards check: a rank with another share of the cores has its own

@@ -24,6 +24,10 @@ from dpserve.engine.sequence import Sequence
 # when sharing one would pad more than this many (row x position) cells; one
 # more call per layer costs about as much as attending over these.
 DECODE_PAD_CELLS = 8192
+# A step with decodes and at most this many prefill tokens runs through the compiled decode, each
+# prompt token as a row of its own (one query against its sequence's cache, as a decode): a new
+# request's chunks then cost the streams beside it a compiled step, not an eager one (issue 26).
+COMPILED_MAX_PREFILL_TOKENS = 64
 
 
 def group_decodes(lengths: list[int], pad_cells: int = DECODE_PAD_CELLS) -> list[tuple[int, int]]:
@@ -114,8 +118,8 @@ class ModelRunner:
         decodes = sorted((s for s, n in scheduled if n == 1), key=lambda s: s.num_computed_tokens)
         prefills = [(s, n) for s, n in scheduled if n > 1]
         step = _PackedStep()
-        if self.compiled is not None and decodes and not prefills:
-            return self._execute_compiled(decodes, step)
+        if self.compiled is not None and decodes and self._compiled_can_take(prefills):
+            return self._execute_compiled(decodes, prefills, step)
         if self.graphs is not None and decodes and not prefills:
             width = -(-(decodes[-1].num_computed_tokens + 1) // self.block_size)
             if self.graphs.can_run(len(decodes), width):
@@ -139,24 +143,46 @@ class ModelRunner:
             return None, []
         return logits, step.sampled
 
-    def _execute_compiled(self, decodes: list[Sequence], step: _PackedStep) -> tuple[torch.Tensor, list[Sequence]]:
-        """A decode-only step through the compiled forward, attention reading the cache in place."""
+    def _compiled_can_take(self, prefills: list[tuple[Sequence, int]]) -> bool:
+        """Whether the step's prefill chunks may run as rows of the compiled decode: few tokens,
+        and no prompt logprobs (those want every chunk position's logits)."""
+        return (sum(n for _, n in prefills) <= COMPILED_MAX_PREFILL_TOKENS
+                and all(seq.prompt_logprobs is None for seq, _ in prefills))
+
+    def _execute_compiled(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]],
+                          step: _PackedStep) -> tuple[torch.Tensor, list[Sequence]]:
+        """A step through the compiled forward, attention reading the cache in place: the decodes,
+        then each prefill chunk's tokens as rows of their own (position p attends to its sequence's
+        first p + 1 cached positions; every row's key and value are written before any row attends)."""
         lengths = self._pack_decode_rows(decodes, step)
+        tables = [seq.block_table for seq in decodes]
+        bs = self.block_size
+        for seq, n in prefills:
+            first = seq.num_computed_tokens
+            for pos in range(first, first + n):
+                step.input_ids.append(seq.token_ids[pos])
+                step.positions.append(pos)
+                step.slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+                lengths.append(pos + 1)
+                tables.append(seq.block_table)
+            if first + n == seq.num_tokens:
+                step.keep.append(len(step.input_ids) - 1)
+                step.sampled.append(seq)
         # At least 2 blocks: a width of 1 would be a specialization of its own (another compile).
-        width = max(2, -(-lengths[-1] // self.block_size))
-        tables = [seq.block_table[:width] + [0] * (width - min(width, len(seq.block_table))) for seq in decodes]
-        if len(decodes) == 1:
+        width = max(2, -(-max(lengths) // bs))
+        tables = [table[:width] + [0] * (width - min(width, len(table))) for table in tables]
+        if len(lengths) == 1:
             self._pad_single_row(step, tables, lengths)
         self.last_prompt_logits = []
         self.compiled.bind_kv(self.kv)
         slots, tables, lengths = self._long(step.slots), self._long(tables), self._long(lengths)
+        # a padding row, or a prompt token whose logits nobody samples: the lm_head skips it
+        keep = self._long(step.keep) if len(step.keep) != len(step.input_ids) else None
         # The step also as step_metadata's global: the path a model whose layers do not pass the
         # decode keyword argument on to attention falls back to (eagerly, still in place).
         with step_metadata(StepMetadata(self.kv, slots, [], [], None, DecodeBatch(tables, lengths))):
             logits = self.compiled(self._long(step.input_ids).unsqueeze(0), self._long(step.positions).unsqueeze(0),
-                                   self.compiled.step(slots, tables, lengths))
-        if len(step.keep) != len(step.input_ids):  # a padding row, or a prompt's one-token chunk that is not its last
-            logits = logits[self._long(step.keep)]
+                                   self.compiled.step(slots, tables, lengths), keep)
         return logits, step.sampled
 
     def _execute_graphs(self, decodes: list[Sequence], step: _PackedStep, width: int) -> tuple[torch.Tensor, list[Sequence]]:

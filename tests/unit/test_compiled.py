@@ -69,15 +69,30 @@ def test_compiled_decode_equals_eager_and_generate(loaded_demo_model, compiled_e
 
 
 def test_compiled_decode_took_the_compiled_path(loaded_demo_model, compiled_engine_factory, monkeypatch):
-    """Decode-only steps go through CompiledDecode; steps with a prefill chunk stay eager."""
+    """Steps with decodes go through CompiledDecode, a small prefill chunk beside them as rows of its own;
+    a step of prefills alone stays eager."""
     engine = compiled_engine_factory()
     calls = []
     real = compiled_mod.CompiledDecode.__call__
-    monkeypatch.setattr(compiled_mod.CompiledDecode, "__call__",
-                        lambda self, ids, pos, step: calls.append(ids.shape[1]) or real(self, ids, pos, step))
+    monkeypatch.setattr(compiled_mod.CompiledDecode, "__call__", lambda self, ids, pos, step, keep=None:
+                        calls.append((ids.shape[1], None if keep is None else keep.tolist()))
+                        or real(self, ids, pos, step, keep))
     add(engine, request("a", random_prompt(1, 9), max_tokens=5, ignore_eos=True))
-    Collector().run(engine)
-    assert calls == [2, 2, 2, 2]  # a batch of one padded to two rows; the prefill step sampled the first token eagerly
+    out = Collector()
+    out.feed(engine.step())  # the prompt alone: eager
+    out.feed(engine.step())
+    add(engine, request("b", random_prompt(2, 7), max_tokens=2, ignore_eos=True))
+    out.run(engine)
+    # a batch of one padded to two rows (the padding's logits skipped); a's decode beside b's 7 prompt tokens
+    # (only the last one's logits kept); then both decode, then a alone
+    assert calls == [(2, [0]), (8, [0, 7]), (2, None), (2, [0])]
+    alone = request("b", random_prompt(2, 7), max_tokens=2, ignore_eos=True)
+    assert out.tokens["b"] == Collector().run(_alone(engine, alone)).tokens["b"]
+
+
+def _alone(engine, req):
+    add(engine, req)
+    return engine
 
 
 def test_a_restart_loads_the_saved_block(compiled_engine_factory, monkeypatch):
