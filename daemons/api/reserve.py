@@ -38,6 +38,7 @@ priority policy (serving.py): the one-tenant plain path never gets here.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 
@@ -47,6 +48,11 @@ REPORT_S = 0.3  # the others' reports come this often at most (tenants/sync.py F
 REMOTE_TTL_S = 3.0  # another API server's count, unheard this long, is dropped (tenants/limits.py's)
 PEER_TTL_S = 300.0  # another API server heard from within this long is counted a peer (it may burst too)
 LINGER_WINDOWS = 12  # an idle account of a class more urgent than an active one stays active this many windows
+# While other accounts are active, an account's cap is at most this many times its weighted share
+# (0: no such cap; the cap is then what the others' reservations leave). Fewer places for a flood
+# make each step shorter, so a quiet request waits less for the step in flight, at the cost of
+# the flood's tokens/s (benchmarks/fairness_bench.py measures both; DPSERVE_CAP_SHARE_X sets it).
+CAP_SHARE_X = float(os.environ.get("DPSERVE_CAP_SHARE_X", "0"))
 
 # at its cap / may take a free place in fair order / under its reservation: at once, to where it
 # starts soonest (a rank with a free batch place, not a full one's waiting place) / alone: no cap
@@ -252,11 +258,11 @@ class Reservations:
                 g[3] += 1
         h, h_min = self.headroom, self.min_headroom
         others = sum(min(g[0], g[1] + max(h_min, h * g[3])) for g in groups.values())
-        if mine + unseen >= places - others:
+        share = places * max(weight, 1e-9) / total_weight
+        if mine + unseen >= (places - others if not CAP_SHARE_X else min(places - others, max(1.0, CAP_SHARE_X * share))):
             return HOLD
         if me is not None and me.is_held:
             return TURN  # behind its own held requests
-        share = places * max(weight, 1e-9) / total_weight
         g = groups.get(priority, (0.0, 0.0, 0.0, 0))
         pool = min(g[0] + share, g[1] + min(share, num) + max(h_min, h * (g[3] + 1)))  # its class's quiet accounts' reservation
         return NOW if mine < min(share, num + max(h_min, h)) or g[2] + mine < pool else TURN

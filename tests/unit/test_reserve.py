@@ -93,3 +93,24 @@ def test_under_its_share_a_request_goes_to_the_engine_before_over_share_work_of_
         assert Admission(10, clock=clock, by_class=True).urgency(plain, TURN) is plain  # no reservations
         assert plain.params.priority == 0  # never changed in place (a retried send starts from the class)
     asyncio.run(main())
+
+
+def test_with_a_cap_at_its_share_a_flood_holds_no_more_than_its_share_while_others_are_active(monkeypatch):
+    """DPSERVE_CAP_SHARE_X = x: an account's cap is at most x times its weighted share among the
+    active accounts (shorter steps for the quiet ones), and none when it is alone."""
+    import dpserve.daemons.api.reserve as reserve
+
+    def flood_cap(x: float) -> int:
+        monkeypatch.setattr(reserve, "CAP_SHARE_X", x)
+        res = Reservations(5.0, lambda: 16, Clock(), headroom=1.0, min_headroom=1.0)
+        assert res.check(0, "flood", 1) == ALONE
+        res.started(0, "quiet", 1)  # 2 of 16 reserved for it: 1 + 1 headroom
+        n = 0
+        while res.check(0, "flood", 1) != HOLD:
+            res.started(0, "flood", 1)
+            n += 1
+        return n
+
+    assert flood_cap(0.0) == 14  # what the quiet one's reservation leaves
+    assert flood_cap(1.0) == 8  # its share of 16 between two
+    assert flood_cap(0.5) == 4
