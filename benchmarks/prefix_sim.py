@@ -38,7 +38,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import msgspec  # noqa: E402
-from dpserve.daemons.api.router import Router  # noqa: E402
+from dpserve.daemons.api.router import CACHE_WEIGHT, Router  # noqa: E402
 from dpserve.engine.common.protocol import LoadTable, PrefixRouted, RankLoad  # noqa: E402
 from dpserve.engine.kv_events import KVEventBatch, KVEventLog, KVSnapshot  # noqa: E402
 from dpserve.engine.testing.sim_cache import SimCache, SimCacheRank, SimRequest, SimSpeeds, chain_hashes  # noqa: E402
@@ -58,7 +58,8 @@ def workload(args, seed: int) -> list[tuple[float, list[int], int, int]]:
     A share --direct-share of the requests reaches a random rank by another
     path than these routers (a pin through an API server that shares nothing,
     a migrated request, an external load balancer): only the ranks' KV events
-    and load reports tell the routers of them.
+    and load reports tell the routers of them. A share --hot-share goes to one
+    tenant that is always active: its prefix must be held by more ranks than one.
     """
     rng = random.Random(seed)
     prefixes = [[rng.randrange(VOCAB) for _ in range(args.prefix_tokens)] for _ in range(args.tenants)]
@@ -69,6 +70,8 @@ def workload(args, seed: int) -> list[tuple[float, list[int], int, int]]:
         if args.prefix_tokens:
             start = int(i / args.requests * args.cycles * args.tenants)
             tenant = (start + rng.randrange(active)) % args.tenants
+            if args.hot_share and rng.random() < args.hot_share:
+                tenant = 0  # the hot tenant: always active, more questions than one rank serves
             prompt = prefixes[tenant] + [rng.randrange(VOCAB) for _ in range(args.question_tokens)]
         else:
             prompt = [rng.randrange(VOCAB) for _ in range(args.unshared_tokens)]
@@ -189,19 +192,24 @@ class Sim:
             self.start_step(rank)
 
     def oracle_pick(self, router: Router, req: SimRequest) -> int:
-        """The exact policy's cost model on what each cache truly holds now."""
-        best, best_cost, best_cached = -1, None, 0
+        """The exact policy's cost model on what each cache truly holds now: a cached token is
+        worth cache_weight load tokens, shared among the ranks that hold as much (at least 1)."""
+        held = []
         for r, sim in enumerate(self.ranks):
-            key = router._key[r]
-            if key is None:
-                continue
             # what the cache holds, or what a prompt sent there is computing (the rank waits for it)
             hits = sim.cache.num_hits(req.hashes)
             coming = self.inflight[r]
             while hits < len(req.hashes) and req.hashes[hits] in coming:
                 hits += 1
-            cached = hits * BLOCK_SIZE // 64 * 64  # in routing blocks, as the router credits
-            cost = (key - cached * self.args.cache_weight, key)
+            held.append(hits * BLOCK_SIZE // 64 * 64)  # in routing blocks, as the router credits
+        weight = self.args.cache_weight or CACHE_WEIGHT
+        best, best_cost, best_cached = -1, None, 0
+        for r, cached in enumerate(held):
+            key = router._key[r]
+            if key is None:
+                continue
+            holders = sum(1 for c in held if c >= cached) if cached else 1
+            cost = (key - cached * max(1.0, weight / holders), key)
             if best_cost is None or cost < best_cost:
                 best, best_cost, best_cached = r, cost, cached
         router._pending_credit = best_cached  # as the exact policy's pick does
@@ -295,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--direct-share", type=float, default=0.0,
                     help="share of requests sent to a random rank by another path (pins elsewhere, migration): routers see only events")
+    ap.add_argument("--hot-share", type=float, default=0.0,
+                    help="share of requests from one always-active tenant (a prefix too hot for one rank)")
     ap.add_argument("--cache-tokens", type=int, default=16384, help="each rank's KV cache")
     ap.add_argument("--cache-spread", type=float, default=0.0,
                     help="caches of different sizes: even ranks hold cache-tokens x (1 - F), odd ranks x (1 + F)")
@@ -313,8 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--table-interval-s", type=float, default=0.05)
     ap.add_argument("--event-delay-s", type=float, default=0.002)
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--cache-weight", type=float, default=4.0,
-                    help="approximate, exact and oracle: load tokens a cached prompt token is worth (the router's cost model)")
+    ap.add_argument("--cache-weight", type=float, default=None,
+                    help="approximate, exact and oracle: load tokens a cached prompt token held by one rank is worth "
+                         "(by k ranks: max(1, weight / k)); default: the router's, CACHE_WEIGHT")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", action="store_true")
     return ap

@@ -138,11 +138,19 @@ def _wider(get, keys: list[int], size: int, floor: int, depth: int) -> int:
 
 
 def cheapest_holder(entries: dict[int, dict[int, int]], keys: list[int], best: int, scores: list, gen: list[int],
-                    block: float) -> tuple[int, int]:
+                    block: int, weight: float = 1.0) -> tuple[int, int]:
     """The rank for a prompt with these block keys, and how many leading blocks it holds: `best`
     (the lowest score among the candidates), or a rank holding a deeper prefix whose score less
-    depth x `block` is lower (ties: best, then the deeper rank). scores[rank]: None for no
+    its credit is lower (ties: best, then the deeper rank). scores[rank]: None for no
     candidate; entries hold {rank: generation}, and a rank's stale entries are skipped.
+
+    The credit of a rank holding `depth` blocks that k ranks hold: depth x `block` x
+    max(1, weight / k). A prefix only one rank holds is worth `weight` load tokens a token
+    (a copy elsewhere costs that prefill, and under eviction pressure the prefixes it
+    evicts: below ~8 the hit rate collapses when the cluster is loaded, prefix_sim.py); a
+    prefix every rank holds already has its copies, so load decides among them (with the
+    full weight, a rank that lost a hot system prompt would idle until the others were
+    weight x its length busier).
 
     Holders are prefix-closed, so the sets shrink with depth and an equal count is the same
     set. From the deepest held block down, a set is read only where the count grows (binary
@@ -157,8 +165,9 @@ def cheapest_holder(entries: dict[int, dict[int, int]], keys: list[int], best: i
     win, win_cost, win_depth, floor, seen = best, None, 0, 1, set()
     while depth >= floor:
         holders = entries[keys[depth - 1]]
+        credit = block * (weight / len(holders) if len(holders) < weight else 1.0)
         if holders.get(best, -1) == best_gen:  # best's own depth: nothing shallower can beat it
-            return (best, depth) if win_cost is None or best_score - depth * block <= win_cost else (win, win_depth)
+            return (best, depth) if win_cost is None or best_score - depth * credit <= win_cost else (win, win_depth)
         for rank, g in holders.items():
             if g != gen[rank] or rank in seen:
                 continue
@@ -166,11 +175,11 @@ def cheapest_holder(entries: dict[int, dict[int, int]], keys: list[int], best: i
             score = scores[rank] if 0 <= rank < n else None
             if score is None:
                 continue  # not eligible here, down, or at its queue limit
-            cost = score - depth * block
+            cost = score - depth * credit
             if win_cost is None or cost < win_cost:
                 win, win_cost, win_depth = rank, cost, depth
         if win_cost is not None:  # (one depth of margin for the float division)
-            floor = max(floor, math.ceil((best_score - win_cost) / block) - 1)
+            floor = max(floor, math.ceil((best_score - win_cost) / (block * max(weight, 1.0))) - 1)
         depth = _wider(get, keys, len(holders), floor, depth)
     # best holds nothing at `floor` or deeper: at floor > 1 the winner costs less by floor's
     # definition; at floor 1, best holds nothing, and its score alone is its cost

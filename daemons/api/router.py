@@ -28,7 +28,7 @@ from dpserve.daemons.api.prefix_index import BLOCK, PrefixIndex, chain_keys, che
 from dpserve.engine.common.protocol import LoadTable, PrefixRouted, RankLoad
 
 QUEUE_WAITING_WEIGHT = 4  # vLLM's `4 x waiting + running`
-EXACT_CACHE_WEIGHT = 4.0  # on KV events: a cached prompt token is worth 4 load tokens (RESULTS: prefix_sim's sweep)
+CACHE_WEIGHT = 8.0  # a cached prompt token held by one rank is worth 8 load tokens; by k ranks, max(1, 8 / k)
 # cache-aware: the tokens policy's score, less the prompt tokens a rank probably holds (prefix_index.py)
 POLICIES = ("tokens", "queue", "round-robin", "cache-aware")
 
@@ -146,7 +146,7 @@ class Router:
         # under cache-aware unless kv_events is False; the approximate index above decides
         # only until the first rank's events arrive (engines without them: never)
         self.kv = KVIndex(size) if policy == "cache-aware" and kv_events is not False else None
-        self.cache_weight = cache_weight  # load tokens a cached prompt token is worth; None: 1, or 4 on events
+        self.cache_weight = cache_weight  # load tokens a cached token one rank alone holds is worth; None: CACHE_WEIGHT
         self._pending_credit = 0  # prompt tokens the last pick's rank holds (exact): not load there
         self._pending_keys: list[int] | None = None  # the last pick's prompt, recorded on its send
         # Sharing with the other API servers (through the coordinator): what this one
@@ -354,9 +354,10 @@ class Router:
         by one every pick). Raises NoRankAvailable or QueueFull.
 
         cache-aware, given the prompt: a rank that probably holds the first d
-        blocks of it scores d x BLOCK tokens less (prefill it need not do), so
-        a conversation returns to its rank while that rank is not busier than
-        another by more than what its cache saves; the pin still wins.
+        blocks of it scores d x BLOCK x max(1, CACHE_WEIGHT / k) tokens less, k
+        the ranks holding as much (prefix_index.cheapest_holder), so a
+        conversation returns to its rank while that rank is not busier than
+        another by more than what its cache is worth; the pin still wins.
         """
         keys = None
         index = self.prefix
@@ -383,8 +384,9 @@ class Router:
         i = bisect_left(bucket, start)
         best = self.eligible[bucket[i] if i < len(bucket) else bucket[0]]
         if keys:
-            block, weight = (index.block, EXACT_CACHE_WEIGHT) if index is self.kv else (BLOCK, 1.0)
-            best, depth = cheapest_holder(index.entries, keys, best, self._key, index.generation, block * (self.cache_weight or weight))
+            block = index.block if index is self.kv else BLOCK
+            best, depth = cheapest_holder(index.entries, keys, best, self._key, index.generation, block,
+                                          self.cache_weight or CACHE_WEIGHT)
             if index is self.kv:
                 self._pending_credit = depth * block
         return best
