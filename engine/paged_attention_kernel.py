@@ -50,8 +50,12 @@ SOURCE = r"""
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -60,6 +64,82 @@ inline float to_float(T x) { return static_cast<float>(x); }
 
 constexpr int64_t LANES = 16;
 
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
+}
+
+#ifdef __AVX512F__
+// bfloat16 -> float is a 16-bit shift: 16 of them per instruction (the generic conversion is scalar).
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t D) {
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+  }
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), acc1);
+  }
+  for (; d + 16 <= D; d += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc0);
+  float tail = 0.f;
+  for (; d < D; ++d) tail += a[d] * b[d];
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + tail;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), r = x - n ln 2, |r| <= ln2 / 2,
+// p the degree-6 Taylor polynomial (relative error ~1e-7, about an ulp).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[0..n) = softmax(s[0..n)), in place.
+inline void softmax(float* s, int64_t n) {
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+  if (i < n) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, (__mmask16)((1u << (n - i)) - 1), s + i));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+    _mm512_storeu_ps(s + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (i < n) {
+    const __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m)));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+  for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+  if (i < n) {
+    const __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(s + i, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv));
+  }
+}
+#else
 // sum(a[d] * b[d]) over D: LANES independent partial sums (one vector register), then a tree.
 inline float dot(const float* a, const float* b, int64_t D) {
   float part[LANES] = {0.f};
@@ -73,16 +153,24 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return part[0];
 }
 
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t D) {
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
+inline void softmax(float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < n; ++i) s[i] *= inv;
 }
+#endif
 
 // One row (sequence): scores of all H = KVH * G query heads over positions [first, last), then the
 // softmax-weighted sum of values. q, out: [H, D] contiguous; a slot's K/V row, [KVH, D], at kc + slot * KVH * D.
 // A row of the cache is read once, whole and in order (a block's slots are contiguous), and each KV
-// head's part is converted to float once for its G query heads (grouped-query attention).
+// head's part is converted to float once for its G query heads (grouped-query attention). Scores are
+// kept per head ([H, n]), so each head's softmax runs over contiguous memory.
 template <typename T>
 void attend(const T* q, T* out, const T* kc, const T* vc, const int64_t* table, int64_t first, int64_t last,
             int64_t bs, int64_t KVH, int64_t G, int64_t D, float scale, std::vector<float>& buf) {
@@ -95,39 +183,27 @@ void attend(const T* q, T* out, const T* kc, const T* vc, const int64_t* table, 
   float* qf = buf.data();
   float* acc = qf + H * D;
   float* row = acc + H * D;
-  float* scores = row + D;  // [n, H]
+  float* scores = row + D;  // [H, n]
   for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(q[i]) * scale;
   for (int64_t t = first; t < last;) {  // block by block: t .. end share table[t / bs]
     const int64_t base = table[t / bs] * bs, end = std::min(last, (t / bs + 1) * bs);
     for (; t < end; ++t) {
       const T* k = kc + (base + t % bs) * stride;
-      float* s = scores + (t - first) * H;
       for (int64_t h = 0; h < KVH; ++h) {
         load_row(k + h * D, row, D);
-        for (int64_t g = 0; g < G; ++g) s[h * G + g] = dot(qf + (h * G + g) * D, row, D);
+        for (int64_t g = 0; g < G; ++g) scores[(h * G + g) * n + (t - first)] = dot(qf + (h * G + g) * D, row, D);
       }
     }
   }
-  for (int64_t j = 0; j < H; ++j) {
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, scores[i * H + j]);
-    float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float e = std::exp(scores[i * H + j] - m);
-      scores[i * H + j] = e;
-      sum += e;
-    }
-    for (int64_t i = 0; i < n; ++i) scores[i * H + j] /= sum;
-  }
+  for (int64_t j = 0; j < H; ++j) softmax(scores + j * n, n);
   for (int64_t t = first; t < last;) {
     const int64_t base = table[t / bs] * bs, end = std::min(last, (t / bs + 1) * bs);
     for (; t < end; ++t) {
       const T* v = vc + (base + t % bs) * stride;
-      const float* p = scores + (t - first) * H;
       for (int64_t h = 0; h < KVH; ++h) {
         load_row(v + h * D, row, D);
         for (int64_t g = 0; g < G; ++g) {
-          const float w = p[h * G + g];
+          const float w = scores[(h * G + g) * n + (t - first)];
           float* a = acc + (h * G + g) * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) a[d] += w * row[d];
