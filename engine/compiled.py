@@ -112,7 +112,7 @@ class CompiledDecode:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
         # inductor's vector-ISA probe, ~3 s of every start: once per machine (compile_cache.py)
         self.vec_isa = settle_vec_isa(cache_dir)
-        # attention's C++ kernel when DPSERVE_CPU_ATTENTION_KERNEL=1 (built once per machine); else PyTorch's
+        # attention's C++ kernel (built once per machine) unless DPSERVE_CPU_ATTENTION_KERNEL=0; else PyTorch's
         self.attention_kernel = paged_attention_kernel.load(cache_dir)
         # Without duck sizing, a batch that happens to equal the context width (or any other
         # size) is no reason for a graph of its own: one graph per batch-size class, as warmed.

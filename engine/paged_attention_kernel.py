@@ -18,10 +18,11 @@ compiler and the CPU flags (compile_cache.machine_key: it is built with
 or ninja, or if the build fails, load() says so once in the log and returns False:
 callers keep the pure-PyTorch path. Must never allocate KV memory nor decide what runs.
 
-Off unless DPSERVE_CPU_ATTENTION_KERNEL=1: 2x faster than the compiled PyTorch
-attention alone (batch 64), it is 15% faster per decode step at batch 16, 6% slower at
-batch 64 and no faster served at 16 clients (RESULTS, issue 26 second round), while its
-first start on a machine builds it (10-50 s) and needs a compiler and ninja.
+On by default where it builds; DPSERVE_CPU_ATTENTION_KERNEL=0 keeps the PyTorch path.
+With its AVX-512 paths (fifth round) one call is 3-4x inductor's code for the PyTorch
+attention (batch 8 x 128 positions, bf16: 133 vs 394-603 us), and a decode step of 16
+rows 15-20% faster (RESULTS, issue 26 fifth round). Its first start on a machine
+builds it (~25 s here); later starts load the built library.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 LIBRARY = "dpserve_kernels"
 NAME = "dpserve_paged_attention"  # the built library's file name
-# Set to 1 to build and use the kernel (off by default: it does not pay served yet, see above).
+# Set to 0 to keep decode attention on the pure-PyTorch path (the kernel is on by default).
 ENV_SWITCH = "DPSERVE_CPU_ATTENTION_KERNEL"
 
 SOURCE = r"""
@@ -289,8 +290,8 @@ def load(cache_dir: str | None = None) -> bool:
 
 
 def _load(cache_dir: str | None) -> bool:
-    if os.environ.get(ENV_SWITCH, "0") != "1":
-        log.info("decode attention on the pure-PyTorch path (%s=1 builds the C++ kernel)", ENV_SWITCH)
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        log.info("decode attention on the pure-PyTorch path (%s=0)", ENV_SWITCH)
         return False
     if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
         log.warning("no C++ compiler on PATH: decode attention stays on the pure-PyTorch path")

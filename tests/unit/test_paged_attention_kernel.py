@@ -105,11 +105,9 @@ def test_kernel_rejects_a_length_past_its_table(built):
 
 
 def test_fallbacks_keep_the_pytorch_path(monkeypatch, tmp_path, caplog):
-    monkeypatch.delenv(kernel.ENV_SWITCH, raising=False)
-    assert kernel._load(str(tmp_path)) is False  # off by default
     monkeypatch.setenv(kernel.ENV_SWITCH, "0")
     assert kernel._load(str(tmp_path)) is False
-    monkeypatch.setenv(kernel.ENV_SWITCH, "1")
+    monkeypatch.delenv(kernel.ENV_SWITCH, raising=False)  # on by default: wants a compiler
     monkeypatch.setattr(kernel.shutil, "which", lambda name: None)
     assert kernel._load(str(tmp_path)) is False
     assert "no C++ compiler" in caplog.text
