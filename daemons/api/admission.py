@@ -175,12 +175,12 @@ class Admission:
 
     def urgency(self, add, go: int):
         """The AddRequest to send: under the priority policy with reservations, its engine priority
-        is 2 x its class + 0 when it goes under its share (NOW, ALONE), + 1 otherwise (over it:
-        held, or a free place in fair order). Classes keep their order; within one, the engine
-        runs (and preempts for) a quiet tenant's request before a flood's (issue 28)."""
+        is 2 x its class + 0 when it goes under its share (NOW), + 1 otherwise (held, a free place in
+        fair order, or alone: past its share once another comes). Classes keep their order; within
+        one, the engine runs (and preempts for) a quiet or new tenant's request before a flood's."""
         if not (SHARE_URGENCY and self.in_flight is not None and self.reserve is not None) or abs(add.params.priority) >= 2**61:
             return add  # (a priority near int64's bounds, which vLLM's engine takes, is sent as it came)
-        params = msgspec.structs.replace(add.params, priority=2 * add.params.priority + (go < NOW))
+        params = msgspec.structs.replace(add.params, priority=2 * add.params.priority + (go != NOW))
         return msgspec.structs.replace(add, params=params)
 
     def may_pass(self, tenant: Tenant, priority: int) -> int:

@@ -85,7 +85,8 @@ def test_under_its_share_a_request_goes_to_the_engine_before_over_share_work_of_
         clock = Clock()
         adm = Admission(10, clock=clock, by_class=True, reserve=Reservations(5.0, lambda: 8, clock))
         seen = {(p, go): adm.urgency(add(p), go).params.priority for p in (-1, 0, 1) for go in (HOLD, TURN, NOW, ALONE)}
-        assert seen[(0, NOW)] == seen[(0, ALONE)] == 0 and seen[(0, TURN)] == seen[(0, HOLD)] == 1
+        assert seen[(0, NOW)] == 0 and seen[(0, TURN)] == seen[(0, HOLD)] == 1
+        assert seen[(0, ALONE)] == 1  # a flood that was alone: a newcomer's request preempts it at a full rank
         assert seen[(-1, HOLD)] < seen[(0, NOW)] and seen[(0, HOLD)] < seen[(1, NOW)]  # classes first
         assert seen[(-1, NOW)] < 0 and seen[(0, NOW)] >= 0  # (only negative ones are routed as urgent, as before)
         plain = add(0)
