@@ -34,6 +34,7 @@ cost of reservations measured back to back on one machine, with the mean tokens/
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -53,6 +54,7 @@ from benchmarks.common import begin, fmt, load_average, parser, render, vllm_pyt
 PREFILL_TOKENS_PER_S = 245.0  # the realistic model, eager, 1 thread (benchmarks/prefix_sim.py)
 DECODE_BASE_MS, DECODE_PER_SEQ_MS = 215.0, 5.3
 WINDOW_S = 10.0
+_PHASES = itertools.count()
 PROMPT = [1000 + i for i in range(8)]  # 8 token ids: the answers' sizes, not the prompt, set a request's cost
 
 
@@ -120,7 +122,7 @@ async def request(http: aiohttp.ClientSession, url: str, model: str, tenant: str
 
 
 async def open_loop(http, url, model, tenant: str, rate: float, max_tokens: int, until: float, out: list, tasks: list) -> None:
-    rng = random.Random(hash(tenant))
+    rng = random.Random(f"{tenant}/{next(_PHASES)}")  # (each phase its own arrivals: --pairs pools independent ones)
     while True:
         await asyncio.sleep(rng.expovariate(rate))
         if time.monotonic() >= until:
@@ -130,7 +132,7 @@ async def open_loop(http, url, model, tenant: str, rate: float, max_tokens: int,
 
 
 async def closed_loop(http, url, model, tenant: str, clients: int, max_tokens: int, until: float, out: list) -> None:
-    rng = random.Random(hash(tenant) + 1)
+    rng = random.Random(f"{tenant}/closed/{next(_PHASES)}")
 
     async def client():
         while time.monotonic() < until:
@@ -350,7 +352,10 @@ def main(argv=None) -> None:
 
 def run_once(args, run, reserve: float, env: str) -> dict:
     """The scenarios of --only on one cluster with --reserve-window-s `reserve` and the
-    environment `env` ("K=V,K=V" or "-") for its processes."""
+    environment `env` ("K=V,K=V" or "-") for its processes. Every cluster gets the same
+    arrivals (the phases' seeds restart): the settings compared see one load."""
+    global _PHASES
+    _PHASES = itertools.count()
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
         url, model, stop, step_s = start_cluster(args, TENANTS.write(tmp), reserve, env_of(env))
         try:
