@@ -49,8 +49,15 @@ def test_packed_linears_compile_with_the_weights_as_inputs():
         torch.testing.assert_close(got.float(), _plain(model, x).float(), rtol=3e-2, atol=3e-2)
 
 
-def test_only_bf16_linears_on_cpu_are_packed(monkeypatch):
-    assert cpu_linear.pack_linears(_model(torch.float32), torch.float32, torch.device("cpu")) == 0
+def test_float32_linears_are_packed_and_equal_the_plain_ones():
+    model = _model(torch.float32, bias=True)
+    assert cpu_linear.pack_linears(model, torch.float32, torch.device("cpu")) == 2
+    x = torch.randn(1, 5, 64)
+    torch.testing.assert_close(model(x), _plain(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_only_bf16_and_fp32_linears_on_cpu_are_packed(monkeypatch):
+    assert cpu_linear.pack_linears(_model(torch.float16), torch.float16, torch.device("cpu")) == 0
     assert cpu_linear.pack_linears(_model(torch.bfloat16), torch.bfloat16, torch.device("meta")) == 0
     model = _model(torch.bfloat16)
 
