@@ -20,9 +20,8 @@ from __future__ import annotations
 import msgspec
 from dpserve.engine.kv_events import KVEventBatch, KVSnapshot, KVSnapshotRequest
 
-# Raised when a message's wire form changes incompatibly, so that a node of the other
-# version is refused at registration, by name, instead of sending what the head cannot
-# decode (2: NodeLoad's rows, ranks and ages packed as bytes, issue 30).
+# Raised when a message's wire form changes incompatibly: a node of the other version is refused
+# at registration, by name, not left sending what the head cannot decode (2: NodeLoad packed, issue 30).
 PROTOCOL_VERSION = 2
 
 # Finish reasons as they appear in OpenAI responses, plus the internal one
