@@ -163,9 +163,10 @@ def cheapest_holder(entries: dict[int, dict[int, int]], keys: list[int], best: i
     get, n = entries.get, len(scores)
     best_gen, best_score = gen[best], scores[best]
     win, win_cost, win_depth, floor, seen = best, None, 0, 1, set()
+    most = block * max(1.0, weight)  # the largest credit a block can earn (the floor's bound)
     while depth >= floor:
         holders = entries[keys[depth - 1]]
-        credit = block * (weight / len(holders) if len(holders) < weight else 1.0)
+        credit = block * max(1.0, weight / len(holders))
         if holders.get(best, -1) == best_gen:  # best's own depth: nothing shallower can beat it
             return (best, depth) if win_cost is None or best_score - depth * credit <= win_cost else (win, win_depth)
         for rank, g in holders.items():
@@ -179,7 +180,7 @@ def cheapest_holder(entries: dict[int, dict[int, int]], keys: list[int], best: i
             if win_cost is None or cost < win_cost:
                 win, win_cost, win_depth = rank, cost, depth
         if win_cost is not None:  # (one depth of margin for the float division)
-            floor = max(floor, math.ceil((best_score - win_cost) / (block * max(weight, 1.0))) - 1)
+            floor = max(floor, math.ceil((best_score - win_cost) / most) - 1)
         depth = _wider(get, keys, len(holders), floor, depth)
     # best holds nothing at `floor` or deeper: at floor > 1 the winner costs less by floor's
     # definition; at floor 1, best holds nothing, and its score alone is its cost
