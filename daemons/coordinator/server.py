@@ -37,6 +37,7 @@ from dpserve.daemons.coordinator.registry import (
     RankTable,
     publish_interval,
     resync_interval,
+    wake_interval,
 )
 from dpserve.daemons.coordinator.routing import routes_to
 from dpserve.daemons.coordinator.tenants import TenantAccounts
@@ -76,12 +77,6 @@ from dpserve.engine.common.sockets import make_socket, peer_name
 GREET_LOG_EVERY_S = 10.0
 QUIET_REASONS = ("engine shut down", "drained")  # stops that were asked for: news, not trouble
 RETIRED_PREFIX = "retired"  # a supervisor's RankDown whose reason says so retires the rank (dpserve retire)
-# One pass of the loop costs ~20 us before any message is read; at 1,024 ranks
-# reporting every 100 ms (10,240 reports/s) a pass per report would be 20% of
-# a core. Waking at most this often lets reports gather into one pass; in big
-# clusters at most every 1/16 of the publish interval (5 ms at 4,096 ranks, where
-# 5,120 node messages a second woke it 500 times: ~2% of a core in wake-ups alone).
-LOOP_MIN_INTERVAL_S = 0.002
 # Node messages wait and are applied together (a few numpy steps a batch, ~100 us
 # whatever its size), at most this long and never past a publish or an expiry scan:
 # at 4,096 ranks (82 ms between publishes) a batch is ~100 messages, not ~10.
@@ -132,7 +127,9 @@ class Coordinator:
         self.nodes: list[NodeLoad] = []  # node messages not applied yet (_apply_nodes)
         self.nodes_at = 0.0  # when the first of them was drained
         self.node_apply_s = min(NODE_APPLY_MAX_S, self.publish_interval_s / 2)
-        self.loop_min_interval_s = max(LOOP_MIN_INTERVAL_S, self.publish_interval_s / 16)
+        # One pass of the loop costs ~20 us before any message is read: waking at most
+        # this often lets messages gather into one pass (registry.wake_interval).
+        self.loop_min_interval_s = wake_interval(cfg.data_parallel_size)
         self.last_apply = 0.0
         self.num_tables_published = 0
         self.tenants = TenantAccounts()  # tenant accounting (tenants.py): counted, forwarded, totals each second
