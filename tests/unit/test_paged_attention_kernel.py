@@ -11,7 +11,10 @@ without a C++ compiler (where the engine keeps the PyTorch path).
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -138,3 +141,43 @@ def test_eager_decode_groups_through_the_kernel(built, monkeypatch):
         with attention.step_metadata(StepMetadata(kv, slots, [group], [])):
             outs.append(attention.paged_attention(layer, query, key, value, None, scaling=D**-0.5)[0])
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+# The kernel is built with -march=native, so a machine tests only the vector path its CPU takes. This
+# builds the next path down as well (AVX-512 -> its AVX2 code, AVX2 -> the generic code), in a
+# subprocess (a process registers the op's namespace once), and checks it against the PyTorch path.
+VARIANT_CHECK = r"""
+import sys, torch
+from dpserve.engine import paged_attention_kernel as kernel
+from dpserve.engine.paged_attention import paged_decode
+kernel.build_and_register(sys.argv[1], ("-march=native", sys.argv[2]))
+gen = torch.Generator().manual_seed(0)
+BS = 16
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-2)):
+    for kvh, group, dim, lengths in ((3, 3, 64, [1, 7, 16, 17, 100]), (2, 4, 40, [3, 33]), (1, 1, 24, [9])):
+        width = max(-(-n // BS) for n in lengths)
+        blocks = len(lengths) * width + 2
+        k = torch.randn(blocks * BS, kvh, dim, generator=gen).to(dtype)
+        v = torch.randn(blocks * BS, kvh, dim, generator=gen).to(dtype)
+        q = (torch.randn(len(lengths), kvh * group, dim, generator=gen) * 3).to(dtype)
+        tables = torch.randperm(blocks, generator=gen)[: len(lengths) * width].view(len(lengths), width)
+        for window in (None, 5):
+            args = (q, k, v, tables, torch.tensor(lengths), BS, dim**-0.5, window)
+            torch.testing.assert_close(kernel.paged_decode(*args).float(), paged_decode(*args).float(), atol=tol, rtol=tol)
+print("variant ok")
+"""
+
+
+def test_the_next_vector_path_down_matches(tmp_path):
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    flags = open("/proc/cpuinfo", encoding="utf-8").read().split() if os.path.exists("/proc/cpuinfo") else []
+    if "avx512f" in flags:
+        variant = "-mno-avx512f"  # the AVX2 + FMA code
+    elif "avx2" in flags:
+        variant = "-mno-avx2"  # the generic code
+    else:
+        pytest.skip("not an x86 CPU with AVX2: -march=native already builds the generic code")
+    proc = subprocess.run([sys.executable, "-c", VARIANT_CHECK, str(tmp_path), variant], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0 and "variant ok" in proc.stdout, proc.stderr[-3000:]
