@@ -13,6 +13,7 @@ import numpy as np
 from dpserve.engine.common.protocol import LoadDelta, RankLoad
 
 MAX_RANKS_PER_DELTA = 1024  # ~20 KiB of msgpack
+ROW_WIDTH = 11  # ints a rank in LoadDelta.loads
 
 
 def runs_of(ranks) -> list[tuple[int, int]]:
@@ -32,7 +33,8 @@ def expand(delta: LoadDelta, held: list[RankLoad | None]) -> list[RankLoad]:
     comes with the next resync)."""
     out = []
     replace, size = msgspec.structs.replace, len(held)
-    for rank, row in zip(delta.ranks, delta.loads):
+    rows = zip(*[iter(delta.loads)] * ROW_WIDTH)  # the flat list, ROW_WIDTH at a time
+    for rank, row in zip(delta.ranks, rows):
         if not 0 <= rank < size or (old := held[rank]) is None:
             continue
         run, wait, prefill, decode, slot, fin, abort, kv, pre, pq, ph = row

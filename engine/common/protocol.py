@@ -21,8 +21,8 @@ import msgspec
 from dpserve.engine.kv_events import KVEventBatch, KVSnapshot, KVSnapshotRequest
 
 # Raised when a message's wire form changes incompatibly: a node of the other version is refused
-# at registration, by name, not left sending what the head cannot decode (2: NodeLoad packed, issue 30).
-PROTOCOL_VERSION = 2
+# at registration, by name, not left sending what the head cannot decode (2: NodeLoad packed; 3: LoadDelta flat).
+PROTOCOL_VERSION = 3
 
 # Finish reasons as they appear in OpenAI responses, plus the internal one
 # that the API server turns into an error.
@@ -410,7 +410,7 @@ class LoadDelta(msgspec.Struct, tag="delta", array_like=True):
     """Coordinator -> API servers: the load of ranks that changed while their membership
     (incarnation, liveness, node, address) did not: a LoadTable's entry in ~1/3 of
     the bytes (issue 30). `runs` names the ranks as (first rank, count) runs of
-    consecutive ranks, in order; `loads[i]` is the i-th named rank's (num_running,
+    consecutive ranks, in order; `loads[11i:11i+11]` the i-th named rank's (num_running,
     num_waiting, num_waiting_prefill_tokens, num_remaining_decode_tokens,
     slot_usage permille, num_requests_finished, num_requests_aborted, kv_usage
     permille, num_preemptions, num_prefix_queries, num_prefix_hits). It shares
@@ -419,7 +419,7 @@ class LoadDelta(msgspec.Struct, tag="delta", array_like=True):
     seq: int
     data_parallel_size: int
     runs: list[tuple[int, int]]
-    loads: list[tuple[int, int, int, int, int, int, int, int, int, int, int]]
+    loads: list[int]  # flat, 11 ints a rank: no list a row to build (tolist) or decode
 
     @property
     def ranks(self) -> list[int]:

@@ -143,11 +143,11 @@ def test_a_restarted_node_registers_again_and_its_old_rows_do_not_count():
 
 def test_delta_rows_name_their_ranks_in_runs_and_skip_ranks_not_held():
     assert runs_of([0, 1, 2, 5, 7, 8]) == [(0, 3), (5, 1), (7, 2)]
-    delta = LoadDelta(3, 4, [(1, 2)], [(1,) * 11, (2,) * 11])
+    delta = LoadDelta(3, 4, [(1, 2)], [1] * 11 + [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
     held = [None, None, Cluster().router.loads[2], None]
     assert delta.ranks == [1, 2]
     [entry] = expand(delta, held)  # rank 1 is not held yet: its LoadTable comes with the resync
-    assert entry.rank == 2 and entry.num_running == 2 and entry.slot_usage == 0.002
+    assert entry.rank == 2 and entry.num_running == 2 and entry.slot_usage == 0.006 and entry.num_prefix_hits == 12
 
 
 def test_a_node_speaks_only_for_its_own_ranks_and_a_malformed_message_is_skipped():
