@@ -94,3 +94,26 @@ def _write_json(path: str, data: dict) -> None:
             os.unlink(tmp)
         except OSError:
             pass
+
+
+def build_library(directory: str, name: str, source: str, march: tuple[str, ...] = ("-march=native",)) -> None:
+    """Build a C++ operator library from `source` in `directory` (unless built there already from the same
+    source) with torch.utils.cpp_extension and load it into this process (its TORCH_LIBRARY registers the
+    ops). Raises when it cannot be built (no ninja, a compiler error): callers keep their PyTorch path."""
+    from torch.utils import cpp_extension
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.cpp")
+    built = os.path.join(directory, f"{name}.so")
+    same = os.path.exists(path) and open(path, encoding="utf-8").read() == source
+    if same and os.path.exists(built) and os.path.getmtime(built) >= os.path.getmtime(path):
+        torch.ops.load_library(built)  # a restart: no ninja run (cpp_extension.load would check the build)
+        return
+    if not same:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    cpp_extension.load(name=name, sources=[path], build_directory=directory,
+                       extra_cflags=["-O3", *march, "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)

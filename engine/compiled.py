@@ -25,7 +25,7 @@ import time
 
 import torch
 import torch.fx.experimental._config
-from dpserve.engine import compiled_artifact, hf_compat, paged_attention_kernel
+from dpserve.engine import compiled_artifact, cpu_linear, hf_compat, paged_attention_kernel
 from dpserve.engine.attention import DECODE_KWARG, DecodeStep
 from dpserve.engine.compile_cache import settle_vec_isa
 
@@ -119,6 +119,8 @@ class CompiledDecode:
         torch.fx.experimental._config.use_duck_shape = False
         self.model = model
         self.block_size = block_size
+        # q/k/v and gate/up as one GEMM each in the compiled code (packed CPU linears only)
+        self.fused_groups = cpu_linear.fuse_groups(model)
         self.attention = hf_compat.attention_modules(model)
         self.blocks = hf_compat.decoder_layers(model)
         if not self.blocks or not self.attention:
@@ -224,7 +226,7 @@ class CompiledDecode:
     def _fall_back(self, why: str) -> None:
         """torch.compile's own path (Dynamo at every start, inductor's cache): slower to start, same code."""
         log.warning("compiled decode through torch.compile at every start: %s", why)
-        self.fn = torch.compile(compiled_artifact.run_block, dynamic=True)
+        self.fn = torch.compile(compiled_artifact.run_block, dynamic=True, options=compiled_artifact.PASSES)
         self.checked = True
         self.source = "torch.compile"
 

@@ -24,10 +24,12 @@ import sys
 from collections.abc import Callable
 
 import torch
+from dpserve.engine import cpu_linear  # noqa: F401 - registers dpserve::linear_cat, which the pass looks for
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when what run_block or the artifact's key mean changes
+FORMAT = 3  # bump when what run_block or the artifact's key mean changes
 
 
 # Less Python per block call (the block runs 30 times a step): the block's float attributes (norm eps,
@@ -35,6 +37,32 @@ FORMAT = 2  # bump when what run_block or the artifact's key mean changes
 # pre-graph code boxes into a tensor each call; and no size/stride assertion per tensor per call.
 COMPILE_DYNAMO = {"specialize_float": True}
 COMPILE_INDUCTOR = {"size_asserts": False}
+
+
+class DedupeLinearCat(CustomGraphPass):
+    """Inductor's post-grad pass for the compiled decode: the members of a group each trace the same
+    linear_cat call (same input, same weights); keep the first, point the others' users at it."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        target = torch.ops.dpserve.linear_cat.default
+        first: dict[tuple, torch.fx.Node] = {}
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not target:
+                continue
+            x, weights, biases = node.args
+            key = (x, tuple(weights), tuple(biases))
+            if key in first:
+                node.replace_all_uses_with(first[key])
+                graph.erase_node(node)
+            else:
+                first[key] = node
+
+    def uuid(self) -> str:
+        return "dpserve-dedupe-linear-cat-1"
+
+
+# inductor options of every compile of the block (the AOT one and torch.compile's fallback, compiled.py)
+PASSES = {"post_grad_custom_pre_pass": DedupeLinearCat()}
 
 
 def run_block(block: torch.nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -58,6 +86,8 @@ def artifact_path(cache_dir: str, model: torch.nn.Module, block: torch.nn.Module
         "python": sys.version,
         "machine": machine_key(),
         "block": f"{type(block).__module__}.{type(block).__qualname__}",
+        # plain, packed or grouped (cpu_linear): which op each projection traces to
+        "linears": sorted({type(m).__name__ for m in block.modules() if isinstance(m, torch.nn.Linear)}),
         "config": config.to_json_string() if config is not None else repr(model),
         "dtype": str(dtype),
         "block_size": block_size,
@@ -79,7 +109,7 @@ def compile_block(example: tuple) -> Callable:
     """run_block compiled ahead of time for `example` = (block, hidden_states, kwargs) (inductor,
     symbolic sizes, one graph); its guards check every later call's inputs."""
     with torch._dynamo.config.patch(COMPILE_DYNAMO), torch._inductor.config.patch(COMPILE_INDUCTOR):
-        return torch.compile(run_block, fullgraph=True, dynamic=True).aot_compile((example, {}))
+        return torch.compile(run_block, fullgraph=True, dynamic=True, options=PASSES).aot_compile((example, {}))
 
 
 def save(compiled: Callable, path: str) -> None:

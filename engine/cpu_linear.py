@@ -15,6 +15,7 @@ Must never change what the model computes beyond the dtype's rounding.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +40,16 @@ _LIB = torch.library.Library("dpserve", "FRAGMENT")
 _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
+# The data_ptr() of bf16 weights that bf16_gemv's kernel multiplies (CPUs where oneDNN cannot pack bf16).
+_GEMV: set[int] = set()
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias), on weight's packed copy when it has one."""
+    """F.linear(x, weight, bias), on weight's packed copy when it has one (or through the bf16 kernel)."""
     packed = _PACKED.get(weight.data_ptr())
     if packed is None:
+        if weight.data_ptr() in _GEMV:
+            return torch.ops.dpserve_gemv.bf16_linear(x, weight, bias)
         return F.linear(x, weight, bias)
     return _LINEAR_POINTWISE(x, packed, bias, "none", [], "")
 
@@ -63,16 +70,111 @@ class PackedLinear(torch.nn.Linear):
         return torch.ops.dpserve.linear(x, self.weight, self.bias)
 
 
+# Projections that read the same input run as one GEMM in the compiled decode, as vLLM's merged qkv and
+# gate_up layers do: at batch 1 a decode step is 210 small GEMMs over 30 layers, and 120 wider ones
+# read the same bytes with fewer calls (benchmarks/RESULTS.md, issue 26 sixth round).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+# a group's first weight's data_ptr() -> (the group's packed weight, its concatenated bias or None)
+_GROUPS: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+_LIB.define("linear_cat(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
+
+
+def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    """torch.cat([F.linear(x, w, b) for each member], -1), in one GEMM on the group's packed weight."""
+    found = _GROUPS.get(weights[0].data_ptr())
+    if found is None:
+        return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)
+    return _LINEAR_POINTWISE(x, found[0], found[1], "none", [], "")
+
+
+_LIB.impl("linear_cat", linear_cat, "CPU")
+
+
+@torch.library.register_fake("dpserve::linear_cat", lib=_LIB)
+def _(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
+class GroupedLinear(torch.nn.Linear):
+    """A member of a fused group. Traced (the compiled decode), each member calls the group's one op and
+    takes its own columns, and compiled_artifact.DedupeLinearCat leaves one call in the compiled graph. Eager (prefill
+    chunks, at least 64 rows), a plain linear on its own weight: its packed copy made way for the group's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            weights, biases, lo, hi = self.dpserve_group
+            return torch.ops.dpserve.linear_cat(x, weights, biases)[..., lo:hi]
+        return F.linear(x, self.weight, self.bias)
+
+
+# Set to 0 to keep every projection its own GEMM in the compiled decode.
+FUSE_SWITCH = "DPSERVE_FUSE_LINEARS"
+
+
+def fuse_groups(model: torch.nn.Module) -> int:
+    """Replace the packed copies of each FUSED_GROUPS group of packed linears (same input size, all or none
+    with a bias) by one packed copy of their concatenated weights, for the compiled decode; how many groups.
+    Memory stays as it was: the group's copy holds what the members' copies held."""
+    if os.environ.get(FUSE_SWITCH, "1") == "0":
+        return 0
+    fused = 0
+    for parent in list(model.modules()):
+        for names in FUSED_GROUPS:
+            members = [getattr(parent, name, None) for name in names]
+            if not all(type(m) is PackedLinear and m.weight.data_ptr() in _PACKED for m in members):
+                continue
+            if len({m.in_features for m in members}) != 1 or len({m.bias is None for m in members}) != 1:
+                continue
+            weights = [m.weight for m in members]
+            biases = [m.bias for m in members]
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), PACK_ROWS_HINT)
+            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            lo = 0
+            for m in members:
+                _PACKED.pop(m.weight.data_ptr(), None)
+                m.__class__ = GroupedLinear
+                m.dpserve_group = (weights, biases, lo, lo + m.out_features)
+                lo += m.out_features
+            _GROUPS[weights[0].data_ptr()] = (packed, bias)
+            fused += 1
+    return fused
+
+
 def pack_linears(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """Give every nn.Linear of the model a packed copy where that is sound; how many."""
     if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return 0
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == dtype]
-    if not linears or not _packs_correctly(linears[0]):
+    if not linears:
         return 0
+    if not _packs_correctly(linears[0]):
+        return _use_bf16_kernel(linears) if dtype == torch.bfloat16 else 0
     for module in linears:
         _PACKED[module.weight.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS_HINT)
         module.__class__ = PackedLinear
+    return len(linears)
+
+
+def _use_bf16_kernel(linears: list[torch.nn.Linear]) -> int:
+    """bf16 linears through bf16_gemv's kernel where oneDNN cannot pack them (no native bf16): 1.3-4x
+    PyTorch's bf16 linear there, at every batch size measured (RESULTS, issue 26 sixth round)."""
+    from dpserve.engine import bf16_gemv
+
+    module = linears[0]
+    if not bf16_gemv.load():
+        return 0
+    x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    got = torch.ops.dpserve_gemv.bf16_linear(x, module.weight.detach(), None if module.bias is None else module.bias.detach())
+    want = F.linear(x.float(), module.weight.float(), None if module.bias is None else module.bias.float())
+    if not torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2):
+        log.warning("bf16 linears stay on PyTorch's path: the kernel's result differs on this CPU")
+        return 0
+    for module in linears:
+        _GEMV.add(module.weight.data_ptr())
+        module.__class__ = PackedLinear
+    log.info("bf16 linears through the bf16 kernel (no native bf16 on this CPU): %d layers", len(linears))
     return len(linears)
 
 

@@ -408,28 +408,10 @@ def build_and_register(directory: str, march: tuple[str, ...] = ("-march=native"
     """Build SOURCE in `directory` (unless built there already) and register the op in this process.
     `march` picks the vector paths: the engine's native build; the tests also build the paths this
     CPU would not take (e.g. "-mno-avx512f": the AVX2 code on an AVX-512 machine)."""
-    from torch.utils import cpp_extension
+    from dpserve.engine.compile_cache import build_library
 
-    os.makedirs(directory, exist_ok=True)
-    source = os.path.join(directory, "paged_attention.cpp")
-    built = os.path.join(directory, f"{NAME}.so")
-    same = os.path.exists(source) and open(source, encoding="utf-8").read() == SOURCE
-    if same and os.path.exists(built) and os.path.getmtime(built) >= os.path.getmtime(source):
-        torch.ops.load_library(built)  # a restart: no ninja run (cpp_extension.load would check the build)
-    else:
-        if not same:
-            _write(source, SOURCE)
-        cpp_extension.load(name=NAME, sources=[source], build_directory=directory,
-                           extra_cflags=["-O3", *march, "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+    build_library(directory, NAME, SOURCE, march)
     _register_fake()
-
-
-def _write(path: str, text: str) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _register_fake() -> None:
