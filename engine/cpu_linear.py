@@ -14,6 +14,7 @@ Must never change what the model computes beyond the dtype's rounding.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -139,7 +140,18 @@ def fuse_groups(model: torch.nn.Module) -> int:
                 lo += m.out_features
             _GROUPS[weights[0].data_ptr()] = (packed, bias)
             fused += 1
+    if fused:
+        _return_freed_memory()
     return fused
+
+
+def _return_freed_memory() -> None:
+    """The members' packed copies were freed into glibc's heap, which keeps them: ~200 MB of RSS on the
+    135M model in fp32 until trimmed (the KV budget was sized before, and the RSS is what operators see)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def pack_linears(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> int:
