@@ -20,8 +20,6 @@ change what a layer computes beyond float accumulation order.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 
 import torch
@@ -164,25 +162,13 @@ def load(cache_dir: str | None = None) -> bool:
 
 
 def _load(cache_dir: str | None) -> bool:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        log.info("bf16 linears on PyTorch's path (%s=0)", ENV_SWITCH)
-        return False
-    if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
-        log.warning("no C++ compiler on PATH: bf16 linears stay on PyTorch's path")
-        return False
-    if hasattr(torch.ops.dpserve_gemv, "bf16_linear"):
-        return True
-    from dpserve.engine.compile_cache import build_library, machine_key
-    from dpserve.engine.compiled import compile_cache_dir
+    from dpserve.engine.compile_cache import load_op_library
 
-    directory = os.path.join(cache_dir or compile_cache_dir(), "kernels", machine_key()[:16])
-    try:
-        build_library(directory, NAME, SOURCE)
-    except Exception as exc:  # a missing ninja, a failed build: PyTorch's linear still serves
-        lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        log.warning("the bf16 linear kernel could not be built in %s (%s): bf16 linears stay on PyTorch's path",
-                    directory, lines[-1].strip())
+    registered = hasattr(torch.ops.dpserve_gemv, "bf16_linear")
+    if not load_op_library(NAME, SOURCE, ENV_SWITCH, "bf16 linears stay on PyTorch's path", cache_dir, registered):
         return False
+    if registered:
+        return True
 
     @torch.library.register_fake("dpserve_gemv::bf16_linear")
     def _(x, weight, bias):

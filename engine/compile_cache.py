@@ -117,3 +117,32 @@ def build_library(directory: str, name: str, source: str, march: tuple[str, ...]
     cpp_extension.load(name=name, sources=[path], build_directory=directory,
                        extra_cflags=["-O3", *march, "-fopenmp"], extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
+
+
+def load_op_library(name: str, source: str, switch: str, fallback: str, cache_dir: str | None,
+                    registered: bool = False) -> bool:
+    """Build `source` once per machine (under the compile cache, keyed by machine_key: -march=native)
+    and load it; False, logged, where it cannot be had: switched off (`switch`=0), no C++ compiler or
+    ninja, a failed build. `fallback` says what runs instead; `registered`: its ops are in this process
+    already (a test's load under another cache dir), nothing to build."""
+    if os.environ.get(switch, "1") == "0":
+        log.info("%s (%s=0)", fallback, switch)
+        return False
+    if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
+        log.warning("no C++ compiler on PATH: %s", fallback)
+        return False
+    if registered:
+        return True
+    if cache_dir is None:
+        from dpserve.engine.compiled import compile_cache_dir
+
+        cache_dir = compile_cache_dir()
+    directory = os.path.join(cache_dir, "kernels", machine_key()[:16])
+    try:
+        build_library(directory, name, source)
+    except Exception as exc:  # noqa: BLE001 - a missing ninja, a failed build: the caller's PyTorch path serves
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        why = next((line for line in lines if "error" in line.lower()), lines[-1])
+        log.warning("%s could not be built in %s (%s): %s", name, directory, why.strip(), fallback)
+        return False
+    return True

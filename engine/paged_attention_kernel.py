@@ -29,8 +29,6 @@ builds it (~25 s here); later starts load the built library.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 
 import torch
@@ -364,12 +362,6 @@ def loaded() -> bool:
     return _state.get("loaded", False)
 
 
-def build_dir(cache_dir: str) -> str:
-    from dpserve.engine.compile_cache import machine_key
-
-    return os.path.join(cache_dir, "kernels", machine_key()[:16])
-
-
 def load(cache_dir: str | None = None) -> bool:
     """Build (once per machine) and register the kernel; False, logged once, when it cannot be had."""
     with _lock:
@@ -380,27 +372,14 @@ def load(cache_dir: str | None = None) -> bool:
 
 
 def _load(cache_dir: str | None) -> bool:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        log.info("decode attention on the pure-PyTorch path (%s=0)", ENV_SWITCH)
-        return False
-    if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
-        log.warning("no C++ compiler on PATH: decode attention stays on the pure-PyTorch path")
-        return False
-    if hasattr(getattr(torch.ops, LIBRARY), "paged_decode"):
-        return True  # registered already (a test's load under another cache dir)
-    if cache_dir is None:
-        from dpserve.engine.compiled import compile_cache_dir
+    from dpserve.engine.compile_cache import load_op_library
 
-        cache_dir = compile_cache_dir()
-    directory = build_dir(cache_dir)
-    try:
-        build_and_register(directory)
-    except Exception as exc:  # a missing ninja, a failed build: the PyTorch path still serves
-        lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        why = next((line for line in lines if "error" in line.lower()), lines[-1])
-        log.warning("the C++ paged-attention kernel could not be built in %s (%s): decode attention stays "
-                    "on the pure-PyTorch path", directory, why.strip())
+    registered = hasattr(getattr(torch.ops, LIBRARY), "paged_decode")
+    if not load_op_library(NAME, SOURCE, ENV_SWITCH, "decode attention stays on the pure-PyTorch path", cache_dir,
+                           registered):
         return False
+    if not registered:
+        _register_fake()
     return True
 
 

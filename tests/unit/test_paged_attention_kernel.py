@@ -111,7 +111,7 @@ def test_fallbacks_keep_the_pytorch_path(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv(kernel.ENV_SWITCH, "0")
     assert kernel._load(str(tmp_path)) is False
     monkeypatch.delenv(kernel.ENV_SWITCH, raising=False)  # on by default: wants a compiler
-    monkeypatch.setattr(kernel.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     assert kernel._load(str(tmp_path)) is False
     assert "no C++ compiler" in caplog.text
     assert not any(tmp_path.iterdir())  # nothing was built
