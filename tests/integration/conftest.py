@@ -4,6 +4,7 @@ when the module ends, so it does not sit on the 2 cores through later suites).""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,12 @@ from tests.server import DpServer
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 256
 MAX_BODY = 65536
+
+# One OpenMP thread per rank in the servers these tests start (they inherit it; the supervisor leaves an
+# operator's OMP_NUM_THREADS alone): a DP 1 node's rank now takes every core (plan.rank_threads), and
+# the demo model's matrices gain nothing from more threads, while on a busy 2-core CI machine OpenMP
+# barriers across contended cores made forwards up to 100x slower (tests/unit/conftest.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="module")

