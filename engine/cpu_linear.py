@@ -51,13 +51,12 @@ _GEMV_ROWS = 0
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias), on weight's packed copy when it has one (or through gemv's kernel)."""
-    packed = _PACKED.get(weight.data_ptr())
-    if packed is None:
-        if weight.data_ptr() in _GEMV:
-            return torch.ops.dpserve_gemv.linear(x, [weight], [bias])
-        return F.linear(x, weight, bias)
-    if x.numel() <= _GEMV_ROWS * weight.shape[1]:
+    ptr = weight.data_ptr()
+    if ptr in _GEMV or x.numel() <= _GEMV_ROWS * weight.shape[1]:
         return torch.ops.dpserve_gemv.linear(x, [weight], [bias])
+    packed = _PACKED.get(ptr)
+    if packed is None:
+        return F.linear(x, weight, bias)  # a fused group's member (its packed copy made way for the group's)
     return _LINEAR_POINTWISE(x, packed, bias, "none", [], "")
 
 
@@ -110,13 +109,14 @@ def _(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | 
 class GroupedLinear(torch.nn.Linear):
     """A member of a fused group. Traced (the compiled decode), each member calls the group's one op and
     takes its own columns, and compiled_artifact.DedupeLinearCat leaves one call in the compiled graph. Eager (prefill
-    chunks, at least 64 rows), a plain linear on its own weight: its packed copy made way for the group's."""
+    chunks), its own weight through packed_linear: gemv's kernel where it takes the layer or the rows, else a
+    plain linear (its packed copy made way for the group's)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             weights, biases, lo, hi = self.dpserve_group
             return torch.ops.dpserve.linear_cat(x, weights, biases)[..., lo:hi]
-        return F.linear(x, self.weight, self.bias)
+        return packed_linear(x, self.weight, self.bias)
 
 
 # Set to 0 to keep every projection its own GEMM in the compiled decode.
@@ -180,6 +180,7 @@ def pack_linears(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
         return _use_bf16_kernel(linears) if dtype == torch.bfloat16 else 0
     for module in linears:
         _PACKED[module.weight.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), PACK_ROWS_HINT)
+        _GEMV.discard(module.weight.data_ptr())  # an earlier model's, freed (tests load several)
         module.__class__ = PackedLinear
     if dtype == torch.float32:
         _use_float32_kernel(linears[0])
@@ -208,6 +209,7 @@ def _use_bf16_kernel(linears: list[torch.nn.Linear]) -> int:
         return 0
     for module in linears:
         _GEMV.add(module.weight.data_ptr())
+        _PACKED.pop(module.weight.data_ptr(), None)  # an earlier model's, freed (tests load several)
         module.__class__ = PackedLinear
     log.info("bf16 linears through the gemv kernel (no native bf16 on this CPU): %d layers", len(linears))
     return len(linears)

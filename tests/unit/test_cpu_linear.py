@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dpserve.engine import gemv, cpu_linear
+from dpserve.engine import cpu_linear, gemv
 from dpserve.engine.loader import fast_bf16
 
 needs_bf16 = pytest.mark.skipif(not fast_bf16(torch.device("cpu")), reason="the CPU has no native bfloat16")

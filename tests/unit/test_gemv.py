@@ -120,3 +120,27 @@ def test_float32_decode_rows_take_the_kernel_and_larger_batches_onednn(kernel, m
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), plain(x), rtol=1e-5, atol=1e-5)
     assert calls == [1, 2]
+
+
+@pytest.mark.skipif(fast_bf16(torch.device("cpu")), reason="oneDNN packs bf16 on this CPU: the kernel is not used")
+def test_bf16_groups_on_the_kernel_fuse_without_a_copy(kernel):
+    """bf16 q/k/v and gate/up on the kernel fuse as one call on the members' own weights (no concatenated
+    copy); compiled, one linear_cat a group; eager (prefill), each member still on the kernel."""
+    from dpserve.engine.compiled_artifact import PASSES
+
+    from tests.unit.test_cpu_linear import _Block, _linear_cat_calls
+
+    torch.manual_seed(2)
+    block = _Block(bias=True).bfloat16().requires_grad_(False)
+    with torch.inference_mode():
+        x = torch.randn(1, 3, 64).bfloat16()
+        want = block(x).float()
+    assert cpu_linear.pack_linears(block, torch.bfloat16, torch.device("cpu")) == 6
+    assert cpu_linear.fuse_groups(block) == 2
+    assert cpu_linear._GROUPS[block.attn.q_proj.weight.data_ptr()] == (None, None)
+    fn = torch.compile(lambda b, x: b(x), dynamic=True, fullgraph=True, options=PASSES)
+    with torch.inference_mode():
+        eager = block(x)
+        torch.testing.assert_close(eager.float(), want, rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(fn(block, x).float(), want, rtol=3e-2, atol=3e-2)
+        assert _linear_cat_calls(fn, block, x) == 2
