@@ -125,7 +125,7 @@ def configure_threads(device: torch.device, local_rank: int = 0) -> list[int] | 
     this rank's own cores (cpu_bind); returns the cores it pinned itself to, if any.
 
     OMP_NUM_THREADS wins when set (the supervisor splits the node's cores
-    between ranks, one core per API server set aside). Otherwise torch's
+    between ranks: plan.rank_threads). Otherwise torch's
     default (all physical cores of the machine) is capped by the affinity
     mask, so a pinned or cgroup-limited rank does not oversubscribe its cores.
     """

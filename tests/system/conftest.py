@@ -151,6 +151,8 @@ def head_env() -> str:
         "DPSERVE_SHUTDOWN_TIMEOUT=12",
         # A deliberate warning at every API-server start, for the journal test.
         "DPSERVE_FAULT_API_STARTUP_DELAY_S=0.1",
+        # The node's only rank would take every core (plan.rank_threads) of a host the test suite shares.
+        "OMP_NUM_THREADS=1",
         "",
     ])
 
