@@ -26,6 +26,7 @@ LB_MODES = ("internal", "hybrid", "external", "global")
 ROLES = ("serve", "head", "worker")
 RESTART_POLICIES = ("always", "on-failure", "never")
 API_SERVER_LAUNCH = ("prefork", "exec")
+RANK_LINKS = ("direct", "node")
 DP_BACKENDS = ("mp", "ray")
 RAY_PLACEMENTS = ("spread", "strict-spread", "pack", "strict-pack")
 # vLLM's names; the parsers are daemons/api/tools/parsers.py's and daemons/api/reasoning.py's
@@ -151,6 +152,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     api_server_startup_timeout_base_s: float = 30.0
     api_server_startup_timeout_per_server_s: float = 5.0
     api_server_launch: str = "prefork"  # fork API servers from a pre-imported launcher, or exec each
+    # how this node's ranks reach the API servers: a connection each, or one per node per API
+    # server through the node's hop (engine/rank/node_hop.py; for clusters of hundreds of ranks)
+    rank_links: str = "direct"
     restart_policy: str = "always"
     restart_backoff_initial_s: float = 0.5
     restart_backoff_max_s: float = 30.0
@@ -256,6 +260,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.api_server_launch not in API_SERVER_LAUNCH:
             raise ValueError(f"--api-server-launch must be one of {', '.join(API_SERVER_LAUNCH)}")
+        if self.rank_links not in RANK_LINKS:
+            raise ValueError(f"--rank-links must be one of {', '.join(RANK_LINKS)}")
         if self.restart_policy not in RESTART_POLICIES:
             raise ValueError(f"--restart-policy must be one of {', '.join(RESTART_POLICIES)}")
         if self.probe_interval_s <= 0 or self.probe_timeout_s <= 0 or self.probe_failure_threshold < 1:

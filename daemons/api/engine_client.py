@@ -17,7 +17,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
-from dpserve.daemons.api.engine_peers import EnginePeers
+from dpserve.daemons.api.engine_peers import EnginePeers, Route, route_name
 from dpserve.daemons.api.migration import Migrator
 from dpserve.daemons.api.request_state import RequestState
 from dpserve.daemons.api.router import Router
@@ -42,7 +42,7 @@ from dpserve.engine.common.protocol import (
     TenantTotals,
     TenantUsage,
 )
-from dpserve.engine.common.sockets import make_socket, peer_name
+from dpserve.engine.common.sockets import make_socket
 from dpserve.engine.kv_events import KVEventBatch, KVSnapshot, KVSnapshotRequest
 
 ACCEPT_BACKLOG = 4096  # pending rank connections (ZeroMQ's default 100 overflowed when 1,024 ranks connect at once)
@@ -133,10 +133,10 @@ class EngineClient:
         future, which a NOBLOCK send resolves at once. Reading it here is what
         turns a lost send into an error instead of a request that waits forever.
         """
-        identity = self.peers.identities[rank]
-        if identity is None:
+        route = self.peers.identities[rank]
+        if route is None:
             raise zmq.ZMQError(zmq.EHOSTUNREACH)
-        sent = self.engines.send_multipart([identity, data], zmq.NOBLOCK)
+        sent = self.engines.send_multipart([*route, data], zmq.NOBLOCK)
         if sent.done():
             try:
                 sent.result()
@@ -234,11 +234,14 @@ class EngineClient:
                 except zmq.ZMQError:
                     pass
 
-    def _accept(self, rank: int, incarnation: str, peer: bytes) -> None:
+    def _accept(self, rank: int, incarnation: str, peer: Route) -> None:
         self.peers.bind(rank, peer)
         if self.router.engine_hello(rank, incarnation):
             self.lose_rank(rank, f"engine rank {rank} restarted")
-        self.log.info("engine connected", rank=rank, incarnation=incarnation)
+        if len(peer) > 1:  # through its node's hop (--rank-links node)
+            self.log.info("engine connected", rank=rank, incarnation=incarnation, via=route_name(peer[:-1]))
+        else:
+            self.log.info("engine connected", rank=rank, incarnation=incarnation)
         self.notify_routes()
         if self.router.kv is not None:
             self._ask_kv_snapshot(rank)  # and its KV events from then on (kv_index.py)
@@ -317,23 +320,25 @@ class EngineClient:
         while True:
             frames = await self.engines.recv_multipart(copy=False)
             while True:
+                # The route: the rank's identity, or its node hop's and its own (--rank-links node).
+                route = (frames[0].bytes,) if len(frames) == 2 else tuple(f.bytes for f in frames[:-1])
                 try:
-                    self._handle_engine_message(frames[0].bytes, frames[-1], requests)
+                    self._handle_engine_message(route, frames[-1], requests)
                 except Exception:  # a peer's message must never end the reader (and with it every request)
-                    self.peers.stray(frames[0].bytes, "a message that could not be applied")
-                    self.log.exception("engine message could not be applied", peer=peer_name(frames[0].bytes))
+                    self.peers.stray(route, "a message that could not be applied")
+                    self.log.exception("engine message could not be applied", peer=route_name(route))
                 try:
                     frames = now.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
 
-    def _handle_engine_message(self, peer: bytes, data, requests: dict[str, RequestState]) -> None:
+    def _handle_engine_message(self, peer: Route, data, requests: dict[str, RequestState]) -> None:
         """Apply one message from an engine (outputs, hello, death) to the requests;
         what a peer says about a rank counts only from that rank's connection."""
         try:
             msg = self._in_codec.decode(data.buffer)
         except (msgspec.DecodeError, msgspec.ValidationError):  # counted and logged (rate-limited), with its peer
-            msg = self._in_codec.decode_or_none(data.buffer, peer_name(peer))
+            msg = self._in_codec.decode_or_none(data.buffer, route_name(peer))
         if type(msg) is EngineOutputs:
             if not self.peers.outputs_from(peer, msg.rank):
                 return

@@ -8,6 +8,11 @@ never trusts a peer's word about a rank other than the peer's own identity:
 a rank connects as "{rank}:{incarnation}" (":{n}" added when it remade the
 connection on a GreetAgain), and ZeroMQ (no ROUTER_HANDOVER) never gives an
 identity in use to a second connection.
+
+A peer is a route: the frames before a message's body. A rank connected directly
+is one frame, its identity; a rank behind its node's hop (`--rank-links node`,
+engine/rank/node_hop.py) is two, the hop's identity ("node-{node_rank}-...") and
+the rank's, and the hop speaks only for ranks of the node the table names for them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from collections.abc import Callable
 from dpserve.daemons.api.router import Router
 from dpserve.engine.common.protocol import GREET_NO_HELLO, EngineHello, LoadTable
 from dpserve.engine.common.sockets import peer_name
+from dpserve.engine.rank.node_hop import node_of
+
+Route = tuple[bytes, ...]  # the frames that reach a rank: (identity,) or (node hop, identity)
 
 GREET_AFTER_S = 1.0  # a rank alive in the table but unroutable here this long is asked to reconnect
 GREET_BACKOFF_MAX_S = 30.0
@@ -25,7 +33,7 @@ STRAY_LOG_EVERY_S = 10.0
 
 
 class EnginePeers:
-    """Invariants: `identities[rank]` is the identity whose hello this API server accepted
+    """Invariants: `identities[rank]` is the route whose hello this API server accepted
     for the rank's current incarnation, or None; `peer_rank` is its inverse. `unroutable`
     holds the eligible ranks alive in the table that are not routable here, as
     [since, why, next plea at, backoff]."""
@@ -33,9 +41,9 @@ class EnginePeers:
     def __init__(self, router: Router, log) -> None:
         self.router = router
         self.log = log
-        self.identities: list[bytes | None] = [None] * router.size
-        self.peer_rank: dict[bytes, int] = {}
-        self._heard: dict[tuple[int, str], bytes] = {}  # hellos of incarnations the table has not named yet
+        self.identities: list[Route | None] = [None] * router.size
+        self.peer_rank: dict[Route, int] = {}
+        self._heard: dict[tuple[int, str], Route] = {}  # hellos of incarnations the table has not named yet
         self.contested: set[int] = set()  # ranks a second connection said hello for: probe the first
         self.unroutable: dict[int, list] = {}
         self.unreachable: dict[int, str] = {}  # rank -> why its last send failed
@@ -46,15 +54,26 @@ class EnginePeers:
 
     @staticmethod
     def speaks_for(peer: bytes, rank: int, incarnation: str) -> bool:
-        """Whether `peer` is named as a connection of that rank's incarnation."""
+        """Whether the identity `peer` is named as a connection of that rank's incarnation."""
         base = f"{rank}:{incarnation}".encode()
         return peer == base or (peer.startswith(base + b":") and peer[len(base) + 1:].isdigit())
 
-    def hello(self, peer: bytes, msg: EngineHello) -> bool:
+    def route_speaks_for(self, route: Route, rank: int, incarnation: str) -> bool:
+        """Whether `route` is that rank's incarnation's: its identity frame names it and, through
+        a node's hop, the hop is of the node the table names for the rank."""
+        if not self.speaks_for(route[-1], rank, incarnation):
+            return False
+        if len(route) == 1:
+            return True
+        load = self.router.loads[rank]
+        node = node_of(route[0])
+        return len(route) == 2 and node is not None and (load is None or load.node_rank < 0 or load.node_rank == node)
+
+    def hello(self, peer: Route, msg: EngineHello) -> bool:
         """True when the hello is to be accepted now; a hello of an incarnation the table
         has not named yet is kept for take_heard; any other is a stray."""
         rank = msg.rank
-        if not 0 <= rank < self.router.size or not self.speaks_for(peer, rank, msg.incarnation):
+        if not 0 <= rank < self.router.size or not self.route_speaks_for(peer, rank, msg.incarnation):
             self.stray(peer, f"a hello for rank {rank} from a connection that is not that rank's")
             return False
         if self.identities[rank] not in (None, peer) and self.router.routable(rank):
@@ -73,21 +92,21 @@ class EnginePeers:
             return False
         return True
 
-    def death_notice(self, peer: bytes, rank: int, incarnation: str) -> bool:
+    def death_notice(self, peer: Route, rank: int, incarnation: str) -> bool:
         """Whether a death notice for the rank may be believed (else a stray)."""
-        if 0 <= rank < self.router.size and self.speaks_for(peer, rank, incarnation) and self.identities[rank] in (None, peer):
+        if 0 <= rank < self.router.size and self.route_speaks_for(peer, rank, incarnation) and self.identities[rank] in (None, peer):
             return True
         self.stray(peer, f"a death notice for rank {rank}")
         return False
 
-    def outputs_from(self, peer: bytes, rank: int) -> bool:
+    def outputs_from(self, peer: Route, rank: int) -> bool:
         """Whether outputs said to be from `rank` came from one of its connections (else a stray)."""
-        if self.peer_rank.get(peer) == rank or peer.startswith(f"{rank}:".encode()):
+        if self.peer_rank.get(peer) == rank or peer[-1].startswith(f"{rank}:".encode()):
             return True
         self.stray(peer, f"outputs for rank {rank}")
         return False
 
-    def bind(self, rank: int, peer: bytes) -> None:
+    def bind(self, rank: int, peer: Route) -> None:
         """`peer` now speaks for `rank` (its hello was accepted)."""
         old = self.identities[rank]
         if old is not None:
@@ -105,14 +124,16 @@ class EnginePeers:
         self.unreachable[rank] = why
         self.unroutable.pop(rank, None)
 
-    def take_heard(self, table: LoadTable) -> list[tuple[int, str, bytes]]:
+    def take_heard(self, table: LoadTable) -> list[tuple[int, str, Route]]:
         """(rank, incarnation, peer) of kept hellos that the table now names."""
         if not self._heard:
             return []
         found = []
         for entry in table.ranks:
             peer = self._heard.pop((entry.rank, entry.incarnation), None)
-            if peer is not None and self.router.hello[entry.rank] != entry.incarnation:
+            if peer is not None and self.router.hello[entry.rank] != entry.incarnation and self.route_speaks_for(
+                peer, entry.rank, entry.incarnation
+            ):
                 found.append((entry.rank, entry.incarnation, peer))
         return found
 
@@ -138,10 +159,15 @@ class EnginePeers:
         self.heal(now)
         return [{"rank": r, "reason": e[1], "for_s": round(now - e[0], 1)} for r, e in sorted(self.unroutable.items())]
 
-    def stray(self, peer: bytes, what: str) -> None:
+    def stray(self, peer: Route, what: str) -> None:
         """A message from a peer that is no rank's: dropped, counted, logged at most every STRAY_LOG_EVERY_S."""
         self.num_stray += 1
         now = time.monotonic()
         if now - self._stray_logged >= STRAY_LOG_EVERY_S:
             self._stray_logged = now
-            self.log.warning("message from an unknown peer dropped", peer=peer_name(peer), what=what, num_stray=self.num_stray)
+            self.log.warning("message from an unknown peer dropped", peer=route_name(peer), what=what, num_stray=self.num_stray)
+
+
+def route_name(route: Route) -> str:
+    """A route fit for a log line: its frames' names, joined by '/'."""
+    return "/".join(peer_name(frame) for frame in route)

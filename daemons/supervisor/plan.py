@@ -216,6 +216,7 @@ def engine_config(cfg: ServeConfig, facts: NodeFacts, rank: int) -> EngineProces
         heartbeat_interval_s=facts.heartbeat_interval_s,
         parent_pid=facts.parent_pid,
         node_relay_address=facts.addr.node_loads,
+        node_hop=cfg.rank_links == "node",
     )
 
 
@@ -266,7 +267,7 @@ def ray_children(cfg: ServeConfig, facts: NodeFacts, ray: RayPlan) -> list[Child
             cfg,
             prefix="ray_",
             # the actor may run on another machine: it reports to the coordinator itself
-            engine=msgspec.structs.replace(engine_config(cfg, facts, rank), key_file="", node_relay_address=""),
+            engine=msgspec.structs.replace(engine_config(cfg, facts, rank), key_file="", node_relay_address="", node_hop=False),
             address=ray.address,
             group_name=ray.group_name,
             key_file=facts.key_file,

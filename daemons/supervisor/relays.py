@@ -22,8 +22,9 @@ import zmq
 from dpserve.daemons.coordinator.table_relay import relay
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.codec import Codec
-from dpserve.engine.common.protocol import CoordinatorInput, LoadReport
+from dpserve.engine.common.protocol import CoordinatorInput, LoadReport, OpenHop
 from dpserve.engine.common.sockets import make_socket
+from dpserve.engine.rank.node_hop import NodeHops
 from dpserve.engine.rank.node_relay import NodeAggregator
 
 # The table relay pays when the head sends one copy instead of this many (the node's
@@ -41,8 +42,13 @@ def load_beat_s(heartbeat_interval_s: float, stale_after_s: float) -> float:
 
 
 class LoadRelay:
-    """Invariant: only the relay's thread touches its sockets and aggregator after
-    start(); stop() ends it by terminating the context, which wakes its poll."""
+    """Invariant: only the relay's thread touches its sockets, aggregator and hops after
+    start(); stop() ends it by terminating the context, which wakes its poll and ends
+    every hop's proxy.
+
+    The node's hops (engine/rank/node_hop.py, `--rank-links node`) are opened here, on
+    a rank's OpenHop through the same node-local socket as its reports: the relay's
+    thread is the one place of the node that hears every rank, and lives as long."""
 
     def __init__(
         self, node_rank: int, bind: str, coordinator_address: str, keys: CurveKeys | None,
@@ -57,6 +63,7 @@ class LoadRelay:
             identity=f"node-{node_rank}-{uuid.uuid4().hex[:8]}".encode(), reconnect_ms=(100, 2000),
         )
         self.num_reports = self.num_sent = 0
+        self.hops = NodeHops(self.ctx, bind, node_rank, keys, log)
         self.thread = threading.Thread(target=self._run, name="load-relay", daemon=True)
 
     def start(self) -> None:
@@ -64,7 +71,7 @@ class LoadRelay:
 
     def _run(self) -> None:
         agg, pull, out = self.agg, self.pull, self.out
-        decode, encode = Codec(LoadReport, "node relay").decode_or_none, Codec(CoordinatorInput).encode
+        decode, encode = Codec(LoadReport | OpenHop, "node relay").decode_or_none, Codec(CoordinatorInput).encode
         try:
             while True:
                 # 1. Wait for reports, never past the next flush or heartbeat.
@@ -79,6 +86,8 @@ class LoadRelay:
                         if type(report := decode(data)) is LoadReport:
                             agg.note(report, now)
                             self.num_reports += 1
+                        elif type(report) is OpenHop:
+                            self.hops.open(report.address)
                 # 3. Send what is due: the changes, at most every flush interval; the heartbeat.
                 msg = agg.flush(time.monotonic())
                 if msg is not None:

@@ -105,3 +105,4 @@ class EngineProcessConfig(msgspec.Struct, kw_only=True):
     parent_pid: int
     log_level: str = "info"
     node_relay_address: str = ""  # LoadReports go to the node's relay (issue 30); '' = to the coordinator
+    node_hop: bool = False  # --rank-links node: reach the API servers through the node's hops (needs the relay)

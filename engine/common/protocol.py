@@ -282,6 +282,14 @@ class LoadReport(msgspec.Struct, tag="load", array_like=True):
     num_prefix_hits: int = 0  # cumulative: of those, tokens found cached
 
 
+class OpenHop(msgspec.Struct, tag="open_hop", array_like=True):
+    """Rank -> its node's relay (node-local): carry this rank's link to the API server at
+    `address` through the node's hop for it (engine/rank/node_hop.py), opening the hop
+    if the node has none yet. Idempotent; repeated on every reconnection."""
+
+    address: str
+
+
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     """The engine is connected to every API server and takes requests."""
 

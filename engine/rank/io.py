@@ -88,6 +88,7 @@ class RankIO:
         watch: Callable[[zmq.Socket], None],
         watch_monitors: bool = True,
         monitors: bool = True,
+        hop: Callable[[str], str] | None = None,
     ) -> None:
         """`watch(sock)` is called for every socket the owner must poll and hand to
         read(). With `watch_monitors` False the owner does not poll the connection
@@ -97,12 +98,16 @@ class RankIO:
         is greeted when it asks, through the coordinator (GreetAgain).
         `sent`, when the owner sets it, collects every socket a message was sent on:
         an owner that polls ZeroMQ's FDs itself must look at them again (a send can
-        take in messages without the FD signalling)."""
+        take in messages without the FD signalling).
+        `hop(address)`, when given (`--rank-links node`), returns the node-local address
+        through which this rank reaches the API server at `address` (engine/rank/node_hop.py):
+        the rank connects there, without CURVE (the node's hop holds the API server's link)."""
         self.ctx, self.keys, self.log = ctx, keys, log
         self.rank, self.incarnation = rank, incarnation
         self._registration = EngineRegister(rank, incarnation, fingerprint, os.getpid(), socket.gethostname(), node_rank)
         self.coordinator_address = coordinator_address
         self.watch, self.watch_monitors, self.use_monitors = watch, watch_monitors, monitors
+        self.hop = hop
         self.sent: set[zmq.Socket] | None = None
         self.in_codec = Codec(EngineInput, "requests")
         self.out_codec = Codec(EngineToApi)
@@ -118,6 +123,7 @@ class RankIO:
         watch(self.coordinator)
         self.api: list[zmq.Socket] = []
         self.api_addresses: list[str] = []
+        self.api_targets: list[str] = []  # where each API socket connects: the API server, or the node's hop for it
         self.monitors: dict[zmq.Socket, int] = {}  # monitor -> index of the API socket it watches
         self._reconnected: dict[int, float] = {}  # API socket index -> when GreetAgain last reconnected it
         self._connected_at: dict[int, float] = {}  # API socket index -> when its connection was last made
@@ -198,11 +204,13 @@ class RankIO:
         for address in addresses:
             if address in self.api_addresses:
                 continue
+            target = self.hop(address) if self.hop is not None else address
             sock = make_socket(
-                self.ctx, zmq.DEALER, self.keys, identity=self.api_identity, sndhwm=0, rcvhwm=0, reconnect_ms=(50, 1000)
+                self.ctx, zmq.DEALER, None if self.hop is not None else self.keys, identity=self.api_identity,
+                sndhwm=0, rcvhwm=0, reconnect_ms=(50, 1000),
             )
             monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if self.use_monitors else None
-            sock.connect(address)
+            sock.connect(target)
             index = len(self.api)
             self._connected_at[index] = time.monotonic()
             if monitor is not None:
@@ -210,6 +218,7 @@ class RankIO:
             self._index[sock] = index
             self.api.append(sock)
             self.api_addresses.append(address)
+            self.api_targets.append(target)
             self.watch(sock)
             if self.watch_monitors and monitor is not None:
                 self.watch(monitor)
@@ -249,10 +258,12 @@ class RankIO:
         sock.setsockopt(zmq.IDENTITY, self.api_identity + f":{self._num_reconnects}".encode())
         self.log.warning("an api server cannot route to us; reconnecting", api_server=address, reason=reason)
         try:
-            sock.disconnect(address)
+            sock.disconnect(self.api_targets[index])
         except zmq.ZMQError:
             pass  # not connected now: connect() below is the whole cure
-        sock.connect(address)
+        if self.hop is not None:  # through the node's hop: ask for it again (a node that lost it reopens it)
+            self.api_targets[index] = self.hop(address)
+        sock.connect(self.api_targets[index])
         self._connected_at[index] = now
         self.send_to(index, EngineHello(self.rank, self.incarnation))
 

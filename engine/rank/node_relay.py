@@ -20,8 +20,9 @@ import struct
 
 import zmq
 from dpserve.engine.common.codec import Codec
-from dpserve.engine.common.protocol import LoadReport, NodeLoad
+from dpserve.engine.common.protocol import LoadReport, NodeLoad, OpenHop
 from dpserve.engine.common.sockets import make_socket
+from dpserve.engine.rank.node_hop import hop_address
 
 # While loads change a node sends at most this often: 512 nodes under full load
 # -> at most 25,600 messages/s (the coordinator publishes changes at most every
@@ -150,11 +151,19 @@ class RelayLink:
     (the next one carries the same load), as on the coordinator's socket."""
 
     def __init__(self, ctx: zmq.Context, address: str) -> None:
-        self.codec = Codec(LoadReport)
+        self.address = address
+        self.codec = Codec(LoadReport | OpenHop)
         self.sock = make_socket(ctx, zmq.PUSH, connect=address, sndhwm=1000)
 
-    def send(self, report: LoadReport) -> None:
+    def send(self, report: LoadReport | OpenHop) -> None:
         try:
             self.sock.send(self.codec.encode(report), zmq.NOBLOCK)
         except zmq.Again:
             pass
+
+    def hop(self, api_address: str) -> str:
+        """RankIO's `hop` (`--rank-links node`): ask the node for its hop to that API
+        server and return where to connect for it (engine/rank/node_hop.py). The
+        connection waits for the hop's bind (ZeroMQ retries), so nothing here blocks."""
+        self.send(OpenHop(api_address))
+        return hop_address(self.address, api_address)

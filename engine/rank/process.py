@@ -58,7 +58,10 @@ class EngineProcess:
             watch=lambda sock: self.poller.register(sock, zmq.POLLIN),
         )
         if cfg.node_relay_address:  # one message per node (issue 30): the supervisor's relay sends them on
-            self.io.load_sink = RelayLink(self.ctx, cfg.node_relay_address).send
+            relay = RelayLink(self.ctx, cfg.node_relay_address)
+            self.io.load_sink = relay.send
+            if cfg.node_hop:  # --rank-links node: the API servers through the node's hops (node_hop.py)
+                self.io.hop = relay.hop
         # Signals wake the busy loop's poll at once (pyzmq resumes an interrupted poll,
         # so a SIGTERM or a drain would otherwise wait out an idle poll's heartbeat_s).
         self._wake_r, self._wake_w = socket.socketpair()

@@ -256,3 +256,18 @@ def test_external_mode_each_port_serves_its_rank(network, demo_model_dir, key_fi
             got = node.client("burst", url, "20", "4")
             assert got["statuses"] == {"200": 20}, got
             assert got["ranks"] == {str(first + i): 20}, (node.name, i, got)
+
+
+def test_ranks_reach_every_node_s_api_servers_through_their_node_s_hops(network, demo_model_dir, key_file, tmp_path):
+    """--rank-links node across nodes: each node's ranks reach the other node's API servers
+    through their node's hops, over TCP with the deployment's CURVE keys, and every
+    frontend routes to all four ranks."""
+    dep = start(network, demo_model_dir, key_file, tmp_path, ["--api-servers-on-every-node", "--rank-links", "node"], headless=False)
+    for node in (dep.head, dep.worker):
+        got = node.client("burst", dep.url(node), "160", "16")
+        assert got["statuses"] == {"200": 160}, got
+        assert set(got["ranks"]) == {"0", "1", "2", "3"}, (node.name, got)
+    for name in ("head.log", "worker.log"):
+        log = (tmp_path / name).read_text(errors="replace")
+        assert log.count("node hop opened") == 4, (name, log[-3000:])  # 2 API servers on each of 2 nodes
+        assert "via=node-0-" in log and "via=node-2-" in log, (name, log[-3000:])

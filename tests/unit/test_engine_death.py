@@ -93,7 +93,7 @@ def test_a_clean_stop_is_info_and_a_death_is_a_warning(tmp_path):
     client.router.update_table(LoadTable(1, 2, [RankLoad(0, "inc0", True), RankLoad(1, "inc1", True)]))
     try:
         for rank, clean, level in ((0, True, "info"), (1, False, "warning")):
-            peer = f"{rank}:inc{rank}".encode()  # the rank's own connection (RankIO.api_identity)
+            peer = (f"{rank}:inc{rank}".encode(),)  # the rank's own connection (RankIO.api_identity)
             client._handle_engine_message(peer, _Frame(codec.encode(EngineHello(rank, f"inc{rank}"))), client.requests)
             reason = "engine shut down" if clean else f"engine rank {rank} failed: boom"
             client._handle_engine_message(peer, _Frame(codec.encode(EngineDead(rank, f"inc{rank}", reason, clean))), client.requests)

@@ -302,19 +302,44 @@ def test_a_hello_counts_only_from_the_rank_s_own_connection():
     assert peers.speaks_for(b"0:incA", 0, "incA") and peers.speaks_for(b"0:incA:3", 0, "incA")
     assert not any(peers.speaks_for(p, 0, "incA") for p in (b"0", b"0:incA:", b"0:incA:x", b"0:incAB", b"1:incA"))
     for peer in (b"0", b"1:incB", b"0:rogue"):
-        assert not peers.hello(peer, EngineHello(0, "incA"))
-    assert not peers.hello(b"5:x", EngineHello(5, "x"))  # out of range: a stray, not an IndexError
+        assert not peers.hello((peer,), EngineHello(0, "incA"))
+    assert not peers.hello((b"5:x",), EngineHello(5, "x"))  # out of range: a stray, not an IndexError
     assert peers.num_stray == 4
-    assert peers.hello(b"0:incA", EngineHello(0, "incA"))
-    peers.bind(0, b"0:incA")
+    assert peers.hello((b"0:incA",), EngineHello(0, "incA"))
+    peers.bind(0, (b"0:incA",))
     router.engine_hello(0, "incA")
     # a second connection of the same form cannot take a routable rank; nor can its death notice
-    assert not peers.hello(b"0:incA:1", EngineHello(0, "incA"))
-    assert not peers.death_notice(b"0:incA:1", 0, "incA") and peers.death_notice(b"0:incA", 0, "incA")
-    assert not peers.death_notice(b"9:x", 9, "x")
+    assert not peers.hello((b"0:incA:1",), EngineHello(0, "incA"))
+    assert not peers.death_notice((b"0:incA:1",), 0, "incA") and peers.death_notice((b"0:incA",), 0, "incA")
+    assert not peers.death_notice((b"9:x",), 9, "x")
+    # nor through a node's hop (another route to the same identity)
+    assert not peers.death_notice((b"node-0-b-0", b"0:incA"), 0, "incA")
     # a hello before the table names its incarnation is kept, and taken when it does
-    assert not peers.hello(b"1:incC", EngineHello(1, "incC"))
-    assert peers.take_heard(table(2, RankLoad(1, "incC", True))) == [(1, "incC", b"1:incC")]
+    assert not peers.hello((b"1:incC",), EngineHello(1, "incC"))
+    assert peers.take_heard(table(2, RankLoad(1, "incC", True))) == [(1, "incC", (b"1:incC",))]
+
+
+def test_a_node_hop_speaks_only_for_its_own_node_s_ranks():
+    """--rank-links node: a rank's route is (its node's hop, its identity); a hop whose
+    identity names another node than the table's for the rank is a stray."""
+    from dpserve.daemons.api.engine_peers import route_name
+    from dpserve.engine.common.protocol import EngineHello
+
+    router, peers = _peers()
+    router.update_table(table(2, RankLoad(0, "incA", True, node_rank=0), RankLoad(1, "incB", True, node_rank=1)))
+    assert peers.hello((b"node-0-ab12cd34-0", b"0:incA"), EngineHello(0, "incA"))
+    peers.bind(0, (b"node-0-ab12cd34-0", b"0:incA"))
+    assert peers.outputs_from((b"node-0-ab12cd34-0", b"0:incA"), 0)
+    assert not peers.hello((b"node-0-ab12cd34-0", b"1:incB"), EngineHello(1, "incB"))  # node 0's hop, node 1's rank
+    for hop in (b"node-x-1-0", b"nod-1-a-0", b"1:incB"):
+        assert not peers.hello((hop, b"1:incB"), EngineHello(1, "incB"))
+    assert not peers.hello((b"node-1-a-0", b"x", b"1:incB"), EngineHello(1, "incB"))  # three frames: no route of ours
+    assert peers.hello((b"node-1-ab12cd34-0", b"1:incB"), EngineHello(1, "incB"))
+    assert peers.num_stray == 5
+    assert route_name((b"node-1-a-0", b"1:incB")) == "node-1-a-0/1:incB"
+    # the same rank directly and through its hop are two routes: the second cannot take it while the first routes
+    router.engine_hello(0, "incA")
+    assert not peers.hello((b"0:incA",), EngineHello(0, "incA")) and 0 in peers.contested
 
 
 def test_an_unroutable_rank_is_pleaded_for_with_backoff_and_at_once_after_a_failed_send():
@@ -328,7 +353,7 @@ def test_an_unroutable_rank_is_pleaded_for_with_backoff_and_at_once_after_a_fail
         peers.heal(now)
     assert [p[0] for p in pleas] == [0, 0, 0]  # at 101, 103, 107: 1, 2, 4 s apart
     assert "no hello from incarnation incA" in pleas[0][1]
-    peers.bind(1, b"1:incB")
+    peers.bind(1, (b"1:incB",))
     peers.lost(1, "a send failed: Host unreachable")
     router.engine_dead(1, "incB")
     peers.heal(107.1, at_once=(1,))
