@@ -171,8 +171,9 @@ def part_cluster(args) -> dict:
         args.ranks, args.api_servers, args.ranks_per_process, num_alone=2,
         report_interval_s=args.report_interval_s, stale_after_s=args.stale_after_s, prefork=args.launch == "prefork",
         ranks_per_node=args.ranks_per_node, node_heartbeat_s=args.node_heartbeat_s, monitors=args.sim_monitors,
+        rank_links=args.rank_links,
     )
-    out: dict = {"sim_monitors": args.sim_monitors, "launch": args.launch, "ranks": args.ranks, "api_servers": args.api_servers, "ranks_per_process": args.ranks_per_process,
+    out: dict = {"rank_links": args.rank_links, "sim_monitors": args.sim_monitors, "launch": args.launch, "ranks": args.ranks, "api_servers": args.api_servers, "ranks_per_process": args.ranks_per_process,
                  "sim_processes": 0, "report_interval_s": args.report_interval_s, "stale_after_s": args.stale_after_s}
     with cluster:
         out["sim_processes"] = len(cluster.sim_procs)
@@ -307,7 +308,8 @@ def part_memory(args) -> dict:
     the growth is what the per-rank state costs it (the issue's target: < 50 MiB from 8 to 4,096)."""
     out: dict = {}
     for n in (8, args.memory_ranks):
-        cluster = SimCluster(n, 1, 256, report_interval_s=0.5, stale_after_s=3.0, ranks_per_node=args.ranks_per_node)
+        cluster = SimCluster(n, 1, 256, report_interval_s=0.5, stale_after_s=3.0, ranks_per_node=args.ranks_per_node,
+                             rank_links=args.rank_links)
         with cluster:
             cluster.wait_routable(n, timeout=300, interval=0.5)
             time.sleep(2.0)
@@ -315,6 +317,7 @@ def part_memory(args) -> dict:
     small, big = out["8"], out[str(args.memory_ranks)]
     out["api_server_growth_mib"] = big["api_server_max_mib"] - small["api_server_max_mib"]
     out["api_server_per_rank_kib"] = 1024 * out["api_server_growth_mib"] / (args.memory_ranks - 8)
+    out["rank_links"] = args.rank_links
     return out
 
 
@@ -337,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-relay", action="store_true", help="also measure the coordinator with a node relay of the table")
     ap.add_argument("--coordinator-report-interval-s", type=float, default=0.1)
     ap.add_argument("--memory-ranks", type=int, default=4096, help="the memory part: one API server with 8 ranks, then with this many")
+    ap.add_argument("--rank-links", choices=["direct", "node"], default="direct",
+                    help="node: each simulated node's ranks reach an API server through one connection (dpserve --rank-links node)")
     ap.add_argument("--sim-monitors", action="store_true",
                     help="simulated ranks keep a connection monitor each (off by default: ~1 inproc pair a connection)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: cluster, coordinator, membership, memory")

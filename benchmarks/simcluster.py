@@ -132,6 +132,7 @@ class SimCluster:
         api_options: dict | None = None,
         monitors: bool = True,
         kv_cache_blocks: int = 0,
+        rank_links: str = "direct",
     ) -> None:
         self.num_ranks = num_ranks
         self.num_api_servers = num_api_servers
@@ -150,6 +151,7 @@ class SimCluster:
         self.max_num_seqs = max_num_seqs
         self.monitors = monitors  # False: simulated ranks keep no connection monitors (sim --no-monitors)
         self.kv_cache_blocks = kv_cache_blocks  # > 0: each rank a prefix cache of that many blocks, publishing KV events
+        self.rank_links = rank_links  # node: ranks reach API servers through their simulated node's hop (sim --rank-links)
         self.api_options = api_options or {}  # other ApiServerConfig fields (e.g. admission's)
         # prefork: API servers forked from dpserve's launcher after one import, as
         # `dpserve serve` does by default (this process becomes a child subreaper)
@@ -300,7 +302,8 @@ class SimCluster:
             "--ranks-per-node", str(self.ranks_per_node), "--max-num-seqs", str(self.max_num_seqs),
             "--node-heartbeat-s", str(self.node_heartbeat_s),
         ] + (["--vary-load"] if self.vary_load else []) + ([] if self.monitors else ["--no-monitors"]) \
-            + (["--kv-cache-blocks", str(self.kv_cache_blocks)] if self.kv_cache_blocks else [])
+            + (["--kv-cache-blocks", str(self.kv_cache_blocks)] if self.kv_cache_blocks else []) \
+            + ["--rank-links", self.rank_links]
         self._spawn(name, "dpserve.engine.testing.sim", None, args)
         self.sim_procs.append(name)
         return name

@@ -21,12 +21,16 @@ step clock (all busy ranks step together), and send their periodic reports
 together, so that a process of 32 idle ranks x 32 API servers wakes ~10 times
 a second; a rank's sockets are its own, as in a real rank process. Each
 rank's model is a SimCore, a RankEngine like the real engines. A process is one
-node (--node-rank) or many (--ranks-per-node), each with its relay (node_relay.py).
+node (--node-rank) or many (--ranks-per-node), each with its relay (node_relay.py)
+and, with --rank-links node, its hops (node_hop.py): a ROUTER its ranks connect to
+(inproc) and a DEALER to each API server, whose frames this loop moves as the real
+node's proxy thread does, so that API servers see one connection per node.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import signal
 import sys
 import time
@@ -41,6 +45,7 @@ from dpserve.engine.common.procutil import die_with_parent, raise_fd_limit
 from dpserve.engine.common.protocol import AbortRequests, AddRequest, CoordinatorInput, LoadReport, ResumeRequests
 from dpserve.engine.common.sockets import make_socket
 from dpserve.engine.rank.io import COORDINATOR, LOAD_REPORT_MIN_INTERVAL_S, REFUSED, REGISTER_RETRY_S, WELCOMED, RankIO
+from dpserve.engine.rank.node_hop import hop_identity
 from dpserve.engine.rank.node_relay import NodeAggregator
 from dpserve.engine.testing.sim_cache import caching_core
 from dpserve.engine.testing.sim_core import SimCore
@@ -64,6 +69,7 @@ class SimConfig(msgspec.Struct, kw_only=True):
     vary_load: bool = False  # benchmarks: every periodic report carries a change (a busy cluster)
     monitors: bool = True  # connection monitors greet a restarted API server at once (off: it asks, GreetAgain)
     kv_cache_blocks: int = 0  # > 0: a prefix cache of that many blocks, publishing KV events (sim_cache.caching_core)
+    node_hop: bool = False  # --rank-links node: ranks reach API servers through their node's hop (one connection a node)
     token_ids: list[int] = msgspec.field(default_factory=lambda: list(range(68, 94)))  # what answers are made of
 
 
@@ -82,6 +88,25 @@ class SimNode:
             reconnect_ms=(100, 2000),
         )
         self.sock.connect(cfg.coordinator_address)
+        self.node_rank = node_rank
+        self.boot = uuid.uuid4().hex[:8]
+        self.hops: dict[str, str] = {}  # API server address -> the hop's local address
+
+    def hop(self, address: str) -> str:
+        """RankIO's `hop`: this node's hop to `address`, made on first use (node_hop.py's frames)."""
+        local = self.hops.get(address)
+        if local is None:
+            local = f"inproc://hop-{self.node_rank}-{hashlib.sha1(address.encode()).hexdigest()[:16]}"
+            front = make_socket(self.eng.ctx, zmq.ROUTER, bind=local, sndhwm=0, rcvhwm=0)
+            back = make_socket(
+                self.eng.ctx, zmq.DEALER, self.eng.keys, identity=hop_identity(self.node_rank, self.boot, len(self.hops)),
+                sndhwm=0, rcvhwm=0, reconnect_ms=(50, 1000),
+            )
+            back.connect(address)
+            self.eng.watch(front, SimHop(self.eng, front, back))
+            self.eng.watch(back, SimHop(self.eng, back, front))
+            self.hops[address] = local
+        return local
 
     def note(self, report: LoadReport) -> None:
         self.agg.note(report, self.eng.now)
@@ -97,6 +122,26 @@ class SimNode:
                 pass  # no head yet: the next interval's message carries the same
 
 
+class SimHop:
+    """One direction of a node's hop: every message waiting on `src` goes on to `dst`
+    unchanged (frames and all), as zmq.proxy moves them in the real node."""
+
+    def __init__(self, eng: SimEngine, src: zmq.Socket, dst: zmq.Socket) -> None:
+        self.eng, self.src, self.dst = eng, src, dst
+
+    def drain(self, sock: zmq.Socket, now: float) -> None:
+        while True:
+            try:
+                frames = self.src.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self.dst.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:
+                pass  # a rank gone behind the hop: dropped, as the real hop's ROUTER does
+            self.eng.sent.add(self.dst)
+
+
 class SimRank:
     """One simulated rank: a SimCore and its RankIO, driven by SimEngine's loop."""
 
@@ -106,14 +151,20 @@ class SimRank:
         self.core = (caching_core(SimCore) if eng.cfg.kv_cache_blocks else SimCore)(eng.cfg)
         cfg = eng.cfg
         node_rank = rank - rank % cfg.ranks_per_node if cfg.ranks_per_node else cfg.node_rank
+        self.node = eng.nodes.get(node_rank) or eng.nodes.setdefault(node_rank, SimNode(eng, node_rank))
         self.io = RankIO(
             eng.ctx, eng.keys, rank=rank, incarnation=uuid.uuid4().hex[:12], fingerprint=cfg.fingerprint,
             node_rank=node_rank, coordinator_address=cfg.coordinator_address, log=eng.log.bind(rank=rank),
-            watch=lambda sock: eng.watch(sock, self), watch_monitors=False, monitors=cfg.monitors,
+            watch=lambda sock: eng.watch(sock, self), watch_monitors=False,
+            # behind a hop a rank's connection is local and never sees the API server's return: it is asked to greet
+            monitors=cfg.monitors and not cfg.node_hop, hop=self.node.hop if cfg.node_hop else None,
         )
         self.io.sent = eng.sent
-        self.node = eng.nodes.get(node_rank) or eng.nodes.setdefault(node_rank, SimNode(eng, node_rank))
         self.io.load_sink = self.node.note
+
+    def drain(self, sock: zmq.Socket, now: float) -> None:
+        for index, msg in self.io.read(sock):
+            self.on_message(index, msg, now)
 
     def on_message(self, index: int, msg: object, now: float) -> None:
         if index != COORDINATOR:
@@ -159,7 +210,7 @@ class SimEngine:
         self.keys = CurveKeys.from_file(cfg.key_file, log) if cfg.key_file else None
         self.poller = FdPoller()  # epoll: a wake-up costs what is readable, not every socket (issue 30)
         self.sent: set[zmq.Socket] = set()  # sockets sent on since the last poll (RankIO.sent): looked at again
-        self.owners: dict[zmq.Socket, SimRank] = {}
+        self.owners: dict[zmq.Socket, SimRank | SimHop] = {}
         self.busy: set[SimRank] = set()  # ranks with requests: they step on the next tick
         self.dirty: set[SimRank] = set()  # ranks whose load changed since their last report
         self.nodes: dict[int, SimNode] = {}
@@ -169,8 +220,8 @@ class SimEngine:
         self.refused = False
         self.ranks = [SimRank(self, r) for r in cfg.ranks]
 
-    def watch(self, sock: zmq.Socket, rank: SimRank) -> None:
-        self.owners[sock] = rank
+    def watch(self, sock: zmq.Socket, owner: SimRank | SimHop) -> None:
+        self.owners[sock] = owner
         self.poller.register(sock)
 
     def run(self) -> int:
@@ -236,10 +287,7 @@ class SimEngine:
         return 2 if self.refused else 0
 
     def _drain(self, sock: zmq.Socket) -> None:
-        rank = self.owners[sock]
-        now = time.monotonic()
-        for index, msg in rank.io.read(sock):
-            rank.on_message(index, msg, now)
+        self.owners[sock].drain(sock, time.monotonic())
 
     def close(self, reason: str) -> None:
         for r in self.ranks:
@@ -280,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--vary-load", action="store_true", help="every periodic report carries a change (benchmarks)")
     ap.add_argument("--kv-cache-blocks", type=int, default=0, help="a prefix cache of this many 16-token blocks per rank, publishing KV events")
+    ap.add_argument("--rank-links", choices=["direct", "node"], default="direct",
+                    help="node: each node's ranks reach an API server through one connection, its hop (node_hop.py)")
     ap.add_argument("--no-monitors", action="store_true",
                     help="no connection monitors (thousands of connections): a restarted API server asks to be greeted")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process dies (test harnesses)")
@@ -297,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_step_ms=args.decode_step_ms,
         max_num_seqs=args.max_num_seqs,
         vary_load=args.vary_load, kv_cache_blocks=args.kv_cache_blocks, monitors=not args.no_monitors,
+        node_hop=args.rank_links == "node",
     )
     log = setup_logging("sim-engine")
     eng = SimEngine(cfg, log)

@@ -28,10 +28,12 @@ pytestmark = pytest.mark.timeout(180)
 NUM_RANKS = 64
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    # ranks 0-31 and 32-62 share two processes; rank 63 runs alone, so it can be lost alone
-    c = SimCluster(NUM_RANKS, num_api_servers=2, ranks_per_process=32, num_alone=1, report_interval_s=0.2, stale_after_s=1.0)
+@pytest.fixture(scope="module", params=["direct", "node"])
+def cluster(request):
+    # ranks 0-31 and 32-62 share two processes; rank 63 runs alone, so it can be lost alone.
+    # "node": each simulated node's ranks reach an API server through its hop (--rank-links node).
+    c = SimCluster(NUM_RANKS, num_api_servers=2, ranks_per_process=32, num_alone=1, report_interval_s=0.2, stale_after_s=1.0,
+                   rank_links=request.param)
     try:
         c.start()
         c.wait_routable(NUM_RANKS, timeout=90)
