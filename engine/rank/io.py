@@ -89,6 +89,7 @@ class RankIO:
         watch_monitors: bool = True,
         monitors: bool = True,
         hop: Callable[[str], str] | None = None,
+        link: Callable[[str, bytes], object] | None = None,
     ) -> None:
         """`watch(sock)` is called for every socket the owner must poll and hand to
         read(). With `watch_monitors` False the owner does not poll the connection
@@ -101,13 +102,18 @@ class RankIO:
         take in messages without the FD signalling).
         `hop(address)`, when given (`--rank-links node`), returns the node-local address
         through which this rank reaches the API server at `address` (engine/rank/node_hop.py):
-        the rank connects there, without CURVE (the node's hop holds the API server's link)."""
+        the rank connects there, without CURVE (the node's hop holds the API server's link).
+        `link(address, identity)`, when given, makes this rank's link to an API server
+        instead of a socket of its own: a simulated node's one connection, shared by its
+        ranks (engine/testing/sim.py: send, setsockopt(IDENTITY), connect, disconnect,
+        close); the owner hands what arrives for this rank to take()."""
         self.ctx, self.keys, self.log = ctx, keys, log
         self.rank, self.incarnation = rank, incarnation
         self._registration = EngineRegister(rank, incarnation, fingerprint, os.getpid(), socket.gethostname(), node_rank)
         self.coordinator_address = coordinator_address
         self.watch, self.watch_monitors, self.use_monitors = watch, watch_monitors, monitors
         self.hop = hop
+        self.link = link
         self.sent: set[zmq.Socket] | None = None
         self.in_codec = Codec(EngineInput, "requests")
         self.out_codec = Codec(EngineToApi)
@@ -205,12 +211,15 @@ class RankIO:
             if address in self.api_addresses:
                 continue
             target = self.hop(address) if self.hop is not None else address
-            sock = make_socket(
-                self.ctx, zmq.DEALER, None if self.hop is not None else self.keys, identity=self.api_identity,
-                sndhwm=0, rcvhwm=0, reconnect_ms=(50, 1000),
-            )
-            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if self.use_monitors else None
-            sock.connect(target)
+            if self.link is not None:
+                sock, monitor = self.link(address, self.api_identity), None
+            else:
+                sock = make_socket(
+                    self.ctx, zmq.DEALER, None if self.hop is not None else self.keys, identity=self.api_identity,
+                    sndhwm=0, rcvhwm=0, reconnect_ms=(50, 1000),
+                )
+                monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if self.use_monitors else None
+                sock.connect(target)
             index = len(self.api)
             self._connected_at[index] = time.monotonic()
             if monitor is not None:
@@ -219,7 +228,8 @@ class RankIO:
             self.api.append(sock)
             self.api_addresses.append(address)
             self.api_targets.append(target)
-            self.watch(sock)
+            if self.link is None:
+                self.watch(sock)
             if self.watch_monitors and monitor is not None:
                 self.watch(monitor)
             else:  # queued until the connection is up: no wait for the owner's next greeting round
@@ -297,6 +307,13 @@ class RankIO:
                 return got
             if (msg := self.in_codec.decode_or_none(frame.buffer, self.api_addresses[index])) is not None:
                 got.append((index, msg))
+
+    def take(self, link: object, data) -> tuple[int, object] | None:
+        """A message that arrived for this rank on a shared `link` (see __init__), tagged
+        with its API-server index, or None if it does not decode."""
+        index = self._index[link]
+        msg = self.in_codec.decode_or_none(data, self.api_addresses[index])
+        return None if msg is None else (index, msg)
 
     def _coordinator_messages(self) -> list[object]:
         got = []

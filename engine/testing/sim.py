@@ -22,15 +22,16 @@ together, so that a process of 32 idle ranks x 32 API servers wakes ~10 times
 a second; a rank's sockets are its own, as in a real rank process. Each
 rank's model is a SimCore, a RankEngine like the real engines. A process is one
 node (--node-rank) or many (--ranks-per-node), each with its relay (node_relay.py)
-and, with --rank-links node, its hops (node_hop.py): a ROUTER its ranks connect to
-(inproc) and a DEALER to each API server, whose frames this loop moves as the real
-node's proxy thread does, so that API servers see one connection per node.
+and, with --rank-links node, one connection to each API server (node_hop.py's
+frames): its ranks send [their identity, body] on the node's DEALER, and what comes
+back is handed to the rank its first frame names, so an API server sees exactly what
+a real node's hop shows it. The node-local leg of a real hop (a socket a rank and a
+C proxy) is not simulated: the benchmark is to measure dpserve, not the simulator.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import signal
 import sys
 import time
@@ -90,23 +91,22 @@ class SimNode:
         self.sock.connect(cfg.coordinator_address)
         self.node_rank = node_rank
         self.boot = uuid.uuid4().hex[:8]
-        self.hops: dict[str, str] = {}  # API server address -> the hop's local address
+        self.hops: dict[str, SimHop] = {}  # API server address -> the node's connection to it
 
-    def hop(self, address: str) -> str:
-        """RankIO's `hop`: this node's hop to `address`, made on first use (node_hop.py's frames)."""
-        local = self.hops.get(address)
-        if local is None:
-            local = f"inproc://hop-{self.node_rank}-{hashlib.sha1(address.encode()).hexdigest()[:16]}"
-            front = make_socket(self.eng.ctx, zmq.ROUTER, bind=local, sndhwm=0, rcvhwm=0)
+    def link(self, rank: SimRank, address: str, identity: bytes) -> HopLink:
+        """RankIO's `link`: the rank's way through this node's connection to `address`, made on first use."""
+        hop = self.hops.get(address)
+        if hop is None:
             back = make_socket(
                 self.eng.ctx, zmq.DEALER, self.eng.keys, identity=hop_identity(self.node_rank, self.boot, len(self.hops)),
                 sndhwm=0, rcvhwm=0, reconnect_ms=(50, 1000),
             )
             back.connect(address)
-            self.eng.watch(front, SimHop(self.eng, front, back))
-            self.eng.watch(back, SimHop(self.eng, back, front))
-            self.hops[address] = local
-        return local
+            hop = self.hops[address] = SimHop(back)
+            self.eng.watch(back, hop)
+        link = HopLink(hop, rank, identity)
+        hop.links[identity] = link
+        return link
 
     def note(self, report: LoadReport) -> None:
         self.agg.note(report, self.eng.now)
@@ -123,23 +123,53 @@ class SimNode:
 
 
 class SimHop:
-    """One direction of a node's hop: every message waiting on `src` goes on to `dst`
-    unchanged (frames and all), as zmq.proxy moves them in the real node."""
+    """A simulated node's one connection to an API server: what arrives as [rank identity,
+    body] goes to the rank holding that identity; anything else is dropped, as a real
+    hop's ROUTER drops a message for a rank that is not behind it."""
 
-    def __init__(self, eng: SimEngine, src: zmq.Socket, dst: zmq.Socket) -> None:
-        self.eng, self.src, self.dst = eng, src, dst
+    def __init__(self, back: zmq.Socket) -> None:
+        self.back = back
+        self.links: dict[bytes, HopLink] = {}  # rank identity -> its link
 
     def drain(self, sock: zmq.Socket, now: float) -> None:
+        links = self.links
         while True:
             try:
-                frames = self.src.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            try:
-                self.dst.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:
-                pass  # a rank gone behind the hop: dropped, as the real hop's ROUTER does
-            self.eng.sent.add(self.dst)
+            link = links.get(frames[0].bytes) if len(frames) == 2 else None
+            if link is not None and (got := link.rank.io.take(link, frames[1].buffer)) is not None:
+                link.rank.on_message(*got, now)
+
+
+class HopLink:
+    """A rank's end of its node's SimHop, as RankIO uses a socket: a send goes out as
+    [identity, body] on the node's connection; a new identity (RankIO.reconnect) is
+    filed under it; connecting and closing belong to the node."""
+
+    closed = False
+
+    def __init__(self, hop: SimHop, rank: SimRank, identity: bytes) -> None:
+        self.hop, self.rank, self.identity = hop, rank, identity
+
+    def send(self, data, flags: int = 0, copy: bool = True) -> None:
+        self.hop.back.send_multipart([self.identity, data], flags, copy=copy)
+
+    def setsockopt(self, option: int, value: bytes) -> None:
+        if option == zmq.IDENTITY:
+            self.hop.links.pop(self.identity, None)
+            self.identity = value
+            self.hop.links[value] = self
+
+    def connect(self, address: str) -> None:
+        pass
+
+    def disconnect(self, address: str) -> None:
+        pass
+
+    def close(self, linger: int | None = None) -> None:
+        pass
 
 
 class SimRank:
@@ -157,7 +187,8 @@ class SimRank:
             node_rank=node_rank, coordinator_address=cfg.coordinator_address, log=eng.log.bind(rank=rank),
             watch=lambda sock: eng.watch(sock, self), watch_monitors=False,
             # behind a hop a rank's connection is local and never sees the API server's return: it is asked to greet
-            monitors=cfg.monitors and not cfg.node_hop, hop=self.node.hop if cfg.node_hop else None,
+            monitors=cfg.monitors and not cfg.node_hop,
+            link=(lambda address, identity: self.node.link(self, address, identity)) if cfg.node_hop else None,
         )
         self.io.sent = eng.sent
         self.io.load_sink = self.node.note
@@ -241,7 +272,7 @@ class SimEngine:
             if self.pending:
                 wake = min(wake, min(n.agg.next_due() for n in self.pending))
             timeout_ms = max(0, int((wake - time.monotonic()) * 1000 + 0.999))
-            self.poller.recheck(self.sent)
+            self.poller.recheck(s.hop.back if type(s) is HopLink else s for s in self.sent)
             self.sent.clear()
             for sock in self.poller.poll(timeout_ms):
                 self._drain(sock)
