@@ -53,6 +53,7 @@ from dpserve.engine.common.procutil import (
     set_process_name,
 )
 from dpserve.engine.common.protocol import (
+    GREET_API_RESTARTED,
     ApiServerList,
     ApiServerRegister,
     CoordinatorInput,
@@ -110,6 +111,7 @@ class Coordinator:
         self.pub = make_socket(self.ctx, zmq.PUB, self.keys, bind=cfg.table_address, sndhwm=10_000)
         # API servers anywhere in the cluster: (node_rank, index) -> address
         self.api_servers: dict[tuple[int, int], str] = {}
+        self.api_incarnations: dict[tuple[int, int], str] = {}
         # registered engines: rank -> (zmq identity, node_rank)
         self.engine_peers: dict[int, tuple[bytes, int]] = {}
         self._asked_to_register: dict[bytes, float] = {}
@@ -266,11 +268,15 @@ class Coordinator:
                 self._ask_to_register(identity, now, f"rank {msg.rank} is not registered here")
         elif isinstance(msg, ApiServerRegister):
             key = (msg.node_rank, msg.index)
+            known = self.api_incarnations.get(key)
+            self.api_incarnations[key] = msg.incarnation
             if self.api_servers.get(key) != msg.address:
                 self.api_servers[key] = msg.address
                 self.log.info("api server registered", node_rank=msg.node_rank, index=msg.index, address=msg.address)
                 self._push_api_servers()
                 self.last_full_publish = 0.0  # it needs every rank now, not in a second
+            elif known not in (None, msg.incarnation):
+                self._greet_restarted(msg)
         elif isinstance(msg, NodeHello):
             self.table.node_address(msg.node_rank, msg.address)
         elif isinstance(msg, RankDown):
@@ -307,6 +313,17 @@ class Coordinator:
         if now - self._greet_logged.get(msg.rank, -GREET_LOG_EVERY_S) >= GREET_LOG_EVERY_S:
             self._greet_logged[msg.rank] = now
             self.log.warning("an api server cannot route to a rank; asked it to reconnect", rank=msg.rank, api_server=msg.address, reason=msg.reason)
+
+    def _greet_restarted(self, msg: ApiServerRegister) -> None:
+        """An API server came back at its address: every rank that serves it is asked to say
+        hello at once (GREET_API_RESTARTED), instead of after the API server's plea (a second
+        or more): a rank behind its node's hop has no connection of its own that could show it."""
+        self.log.info("api server restarted; its ranks greet it", node_rank=msg.node_rank, index=msg.index, address=msg.address)
+        self.last_full_publish = 0.0
+        mode = self.cfg.lb_mode
+        for rank, (identity, node_rank) in self.engine_peers.items():
+            if routes_to(mode, msg.node_rank, node_rank):
+                self._send(identity, GreetAgain(rank, msg.address, GREET_API_RESTARTED))
 
     def _addresses_for(self, node_rank: int) -> list[str]:
         """The API servers an engine on `node_rank` serves: all of them, or its own node's."""

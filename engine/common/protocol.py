@@ -333,6 +333,10 @@ class GreetAgain(msgspec.Struct, tag="greet_again", array_like=True):
 
 
 GREET_NO_HELLO = "no hello from incarnation"  # GreetAgain.reason's start when only the hello is missing
+# GreetAgain.reason from the coordinator itself when an API server came back (a new incarnation at
+# a known address): a rank whose connection cannot show that (behind its node's hop, or without
+# connection monitors) says hello at once; one whose monitor saw the new handshake has already.
+GREET_API_RESTARTED = "api server restarted"
 
 
 class NodeLoad(msgspec.Struct, tag="node_load", array_like=True):

@@ -20,6 +20,7 @@ import zmq
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.protocol import (
+    GREET_API_RESTARTED,
     GREET_NO_HELLO,
     AbortRequests,
     AddRequest,
@@ -252,6 +253,10 @@ class RankIO:
         if address not in self.api_addresses:
             return
         index = self.api_addresses.index(address)
+        if reason.startswith(GREET_API_RESTARTED):  # the coordinator saw it come back: only a hello is wanted
+            if self.hop is not None or self.link is not None or not self.use_monitors:
+                self.send_to(index, EngineHello(self.rank, self.incarnation))
+            return  # (a monitored connection of our own greeted the new handshake already)
         now = time.monotonic()
         if now - self._reconnected.get(index, -math.inf) < REGREET_MIN_INTERVAL_S:
             return

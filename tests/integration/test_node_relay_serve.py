@@ -87,6 +87,7 @@ def test_ranks_reach_the_api_servers_through_their_node_s_hops(demo_model_dir):
         os.kill(api["pid"], signal.SIGKILL)
         t0 = time.monotonic()
         wait_until(lambda: srv.child("api-0")["pid"] not in (None, api["pid"]) and fully_ready(srv), 60, 0.1, "api-0 to return")
+        assert "api server restarted; its ranks greet it" in srv.log()  # the coordinator asked, no plea was needed
         print(f"\nthrough the hops: a killed rank's streams ended in {ended:.2f} s; a killed API server routed both ranks again after {time.monotonic() - t0:.1f} s")
         assert [r[0] for r in asyncio.run(burst(srv.url, 40, concurrency=8))] == [200] * 40
         assert asyncio.run(pinned(8)) == [200] * 8

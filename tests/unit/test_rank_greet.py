@@ -13,7 +13,7 @@ import pytest
 import structlog
 import zmq
 from dpserve.engine.common.codec import Codec
-from dpserve.engine.common.protocol import GREET_NO_HELLO, EngineHello, EngineToApi, GreetAgain
+from dpserve.engine.common.protocol import GREET_API_RESTARTED, GREET_NO_HELLO, EngineHello, EngineToApi, GreetAgain
 from dpserve.engine.rank.io import RankIO
 
 TO_API = Codec(EngineToApi)
@@ -83,3 +83,16 @@ def test_a_late_hello_is_sent_again_and_a_failed_send_remakes_the_connection(gre
     g.io._reconnected.clear()  # (past the one-plea-a-second limit)
     g.io.on_coordinator(GreetAgain(0, g.address, "a send failed: Host unreachable"))
     assert g.hellos(5000) == [b"0:incA:1"] and g.connections(5000) == 1  # a fresh connection
+
+
+def test_a_restarted_api_server_is_greeted_at_once_only_where_no_monitor_saw_it(greeted):
+    """The coordinator's GREET_API_RESTARTED: a rank whose own monitored connection saw the
+    new handshake has greeted already and stays quiet; one that cannot see it (behind its
+    node's hop, or without monitors) says hello on the connection it has, never remade."""
+    g = greeted
+    g.io.on_coordinator(GreetAgain(0, g.address, GREET_API_RESTARTED))
+    assert g.hellos(500) == [] and g.connections(300) == 0
+    g.io.use_monitors = False
+    for _ in range(2):  # not a plea: no one-a-second limit, no new identity
+        g.io.on_coordinator(GreetAgain(0, g.address, GREET_API_RESTARTED))
+    assert g.hellos(5000) == [b"0:incA", b"0:incA"] and g.connections(300) == 0
