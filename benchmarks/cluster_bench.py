@@ -44,7 +44,8 @@ import zmq
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpserve.engine.common.codec import Codec
+from dpserve.daemons.config import NODE_LINKS_FROM_RANKS, RANK_LINKS  # noqa: E402
+from dpserve.engine.common.codec import Codec  # noqa: E402
 from dpserve.engine.common.protocol import LoadTable, PrefixRouted, TableChannel  # noqa: E402
 
 from benchmarks.cluster_membership import part_membership  # noqa: E402
@@ -171,9 +172,9 @@ def part_cluster(args) -> dict:
         args.ranks, args.api_servers, args.ranks_per_process, num_alone=2,
         report_interval_s=args.report_interval_s, stale_after_s=args.stale_after_s, prefork=args.launch == "prefork",
         ranks_per_node=args.ranks_per_node, node_heartbeat_s=args.node_heartbeat_s, monitors=args.sim_monitors,
-        rank_links=args.rank_links,
+        rank_links=rank_links(args, args.ranks),
     )
-    out: dict = {"rank_links": args.rank_links, "sim_monitors": args.sim_monitors, "launch": args.launch, "ranks": args.ranks, "api_servers": args.api_servers, "ranks_per_process": args.ranks_per_process,
+    out: dict = {"rank_links": rank_links(args, args.ranks), "sim_monitors": args.sim_monitors, "launch": args.launch, "ranks": args.ranks, "api_servers": args.api_servers, "ranks_per_process": args.ranks_per_process,
                  "sim_processes": 0, "report_interval_s": args.report_interval_s, "stale_after_s": args.stale_after_s}
     with cluster:
         out["sim_processes"] = len(cluster.sim_procs)
@@ -303,13 +304,20 @@ def part_coordinator(args, vary: bool, relay: bool = False) -> dict:
                 head.close()
 
 
+def rank_links(args, ranks: int) -> str:
+    """--rank-links resolved for a cluster of `ranks`, as dpserve resolves its own (ServeConfig.node_hops)."""
+    if args.rank_links == "auto":
+        return "node" if ranks >= NODE_LINKS_FROM_RANKS else "direct"
+    return args.rank_links
+
+
 def part_memory(args) -> dict:
     """One API server's RSS with few ranks and with many (each connected and routable):
     the growth is what the per-rank state costs it (the issue's target: < 50 MiB from 8 to 4,096)."""
     out: dict = {}
     for n in (8, args.memory_ranks):
         cluster = SimCluster(n, 1, 256, report_interval_s=0.5, stale_after_s=3.0, ranks_per_node=args.ranks_per_node,
-                             rank_links=args.rank_links)
+                             rank_links=rank_links(args, n))
         with cluster:
             cluster.wait_routable(n, timeout=300, interval=0.5)
             time.sleep(2.0)
@@ -317,7 +325,7 @@ def part_memory(args) -> dict:
     small, big = out["8"], out[str(args.memory_ranks)]
     out["api_server_growth_mib"] = big["api_server_max_mib"] - small["api_server_max_mib"]
     out["api_server_per_rank_kib"] = 1024 * out["api_server_growth_mib"] / (args.memory_ranks - 8)
-    out["rank_links"] = args.rank_links
+    out["rank_links"] = {n: rank_links(args, int(n)) for n in ("8", str(args.memory_ranks))}
     return out
 
 
@@ -340,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-relay", action="store_true", help="also measure the coordinator with a node relay of the table")
     ap.add_argument("--coordinator-report-interval-s", type=float, default=0.1)
     ap.add_argument("--memory-ranks", type=int, default=4096, help="the memory part: one API server with 8 ranks, then with this many")
-    ap.add_argument("--rank-links", choices=["direct", "node"], default="direct",
-                    help="node: each simulated node's ranks reach an API server through one connection (dpserve --rank-links node)")
+    ap.add_argument("--rank-links", choices=RANK_LINKS, default="auto",
+                    help="node: each simulated node's ranks reach an API server through one connection (dpserve --rank-links "
+                    f"node); auto: as dpserve, node from {NODE_LINKS_FROM_RANKS} ranks")
     ap.add_argument("--sim-monitors", action="store_true",
                     help="simulated ranks keep a connection monitor each (off by default: ~1 inproc pair a connection)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: cluster, coordinator, membership, memory")

@@ -26,7 +26,12 @@ LB_MODES = ("internal", "hybrid", "external", "global")
 ROLES = ("serve", "head", "worker")
 RESTART_POLICIES = ("always", "on-failure", "never")
 API_SERVER_LAUNCH = ("prefork", "exec")
-RANK_LINKS = ("direct", "node")
+RANK_LINKS = ("auto", "direct", "node")
+# --rank-links auto: through the node's hops from this many ranks in the cluster. At 256 ranks x 32
+# API servers the hops started the cluster sooner (routable 4.2-4.9 s against 5.5-5.7 s) with 5.5 MiB
+# less per API server; below, a hop's +50 us and +2-3 us of API-server CPU a message buy nothing
+# (benchmarks/RESULTS.md, issue 30 fifth round).
+NODE_LINKS_FROM_RANKS = 256
 DP_BACKENDS = ("mp", "ray")
 RAY_PLACEMENTS = ("spread", "strict-spread", "pack", "strict-pack")
 # vLLM's names; the parsers are daemons/api/tools/parsers.py's and daemons/api/reasoning.py's
@@ -154,7 +159,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     api_server_launch: str = "prefork"  # fork API servers from a pre-imported launcher, or exec each
     # how this node's ranks reach the API servers: a connection each, or one per node per API
     # server through the node's hop (engine/rank/node_hop.py; for clusters of hundreds of ranks)
-    rank_links: str = "direct"
+    rank_links: str = "auto"
     restart_policy: str = "always"
     restart_backoff_initial_s: float = 0.5
     restart_backoff_max_s: float = 30.0
@@ -190,6 +195,13 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     ray_gpus_per_rank: float = -1.0  # < 0: --tensor-parallel-size when the cluster has GPUs, else 0
     ray_connect_timeout_s: float = 15.0
     ray_placement_timeout_s: float = 60.0
+
+    @property
+    def node_hops(self) -> bool:
+        """Whether this node's ranks reach the API servers through its hops (--rank-links)."""
+        if self.rank_links == "auto":
+            return self.data_parallel_size >= NODE_LINKS_FROM_RANKS
+        return self.rank_links == "node"
 
     @property
     def uses_ray(self) -> bool:

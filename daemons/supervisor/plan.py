@@ -216,7 +216,7 @@ def engine_config(cfg: ServeConfig, facts: NodeFacts, rank: int) -> EngineProces
         heartbeat_interval_s=facts.heartbeat_interval_s,
         parent_pid=facts.parent_pid,
         node_relay_address=facts.addr.node_loads,
-        node_hop=cfg.rank_links == "node",
+        node_hop=cfg.node_hops,
     )
 
 

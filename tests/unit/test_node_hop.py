@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 from dpserve.daemons.supervisor.relays import LoadRelay
 from dpserve.engine.common.codec import Codec
@@ -80,3 +81,30 @@ def test_a_rank_reaches_an_api_server_through_its_node_s_hop(tmp_path):
         relay.stop()
         assert not relay.thread.is_alive() and not any(t.is_alive() for t in relay.hops.hops.values())
         ctx.destroy(0)
+
+
+def test_rank_links_auto_takes_the_hops_from_256_ranks_and_the_ranks_are_told(tmp_path):
+    import socket
+
+    import msgspec
+    from dpserve.daemons.addresses import Addresses
+    from dpserve.daemons.config import NODE_LINKS_FROM_RANKS, ServeConfig
+    from dpserve.daemons.supervisor.plan import plan_children
+    from dpserve.engine.common.config import EngineProcessConfig
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 512}')
+
+    def config(size: int, links: str = "auto") -> ServeConfig:
+        return ServeConfig(model=str(tmp_path), served_model_name="m", data_parallel_size=size, rank_links=links)
+
+    assert NODE_LINKS_FROM_RANKS == 256
+    assert [config(n).node_hops for n in (1, 64, 255, 256, 4096)] == [False, False, False, True, True]
+    assert config(2, "node").node_hops and not config(4096, "direct").node_hops
+    with pytest.raises(ValueError, match="--rank-links"):
+        config(2, "hops").validate()
+    for links, told in (("node", True), ("direct", False)):
+        node = config(2, links)
+        with socket.create_server(("127.0.0.1", 0)) as listen:
+            children = {c.name: c for c in plan_children(node, Addresses.for_node(node, "/run/x", "127.0.0.1"), [listen], 256, 0.5)}
+        engine = msgspec.json.decode(children["engine-dp1"].config_json, type=EngineProcessConfig)
+        assert engine.node_hop is told and engine.node_relay_address == "ipc:///run/x/node.loads"
