@@ -131,6 +131,9 @@ class RequestMetrics:
                             for name in _OBSERVED) for rank in range(num_ranks)]
         self._encode = msgspec.msgpack.Encoder().encode
         self._decoder = msgspec.msgpack.Decoder(Totals)
+        # Totals changed since the last save: an idle API server writes nothing (at 1,024 ranks
+        # a save encodes every rank's histograms, a tenth of an idle API server's CPU, issue 30).
+        self._dirty = False
 
     # ------------------------------------------------------------ observe (once per engine request)
 
@@ -143,6 +146,7 @@ class RequestMetrics:
         request's mean interval, once per interval, so its count and sum are vLLM's."""
         if not 0 <= rank < self.num_ranks:
             return
+        self._dirty = True
         t = self.totals
         t.prompt_tokens[rank] += num_prompt
         t.generation_tokens[rank] += num_output
@@ -167,6 +171,7 @@ class RequestMetrics:
     def step(self, rank: int, tokens: int) -> None:
         """One engine step's outputs for this API server: its tokens (prompt and generated)."""
         if tokens and 0 <= rank < self.num_ranks:
+            self._dirty = True
             self._iteration[rank][bisect_left(ITERATION_TOKENS, tokens)] += 1
             self._iteration_sum[rank] += tokens
 
@@ -174,8 +179,9 @@ class RequestMetrics:
 
     def save(self) -> None:
         """Write this API server's totals for the others (atomically: a reader sees the old or the new)."""
-        if self.path is None:
+        if self.path is None or not self._dirty:
             return
+        self._dirty = False
         tmp = self.path + ".tmp"
         try:
             with open(tmp, "wb") as f:

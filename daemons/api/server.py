@@ -355,18 +355,11 @@ class ApiServer:
         would gain nothing, so it starts at once.
         """
         deadline = time.monotonic() + timeout
-        next_heal = 0.0
-        while (now := time.monotonic()) < deadline:
+        while time.monotonic() < deadline:
             if self.router.routable_ranks:
                 return
             if self.client.table_received.is_set() and not self.router.alive_ranks:
                 return
-            if now >= next_heal:
-                # Plead already (the heartbeat's round starts only once ready): a rank whose
-                # connection did not change sees no reason to greet a restarted API server,
-                # e.g. behind its node's hop (--rank-links node) or without monitors.
-                self.client.peers.heal(now)
-                next_heal = now + 0.25
             await asyncio.sleep(0.01)
         self.log.warning("no routable rank yet; accepting anyway", waited_s=timeout)
 

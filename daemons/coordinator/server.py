@@ -76,6 +76,10 @@ from dpserve.engine.common.protocol import (
 from dpserve.engine.common.sockets import make_socket, peer_name
 
 GREET_LOG_EVERY_S = 10.0
+# New API servers reach the ranks in one ApiServerList each this often at most: at start 32 API
+# servers register within a second or two, and a list to every rank per registration was
+# 32 x 1,024 messages (a fifth of the coordinator's start, issue 30).
+API_LIST_EVERY_S = 0.05
 QUIET_REASONS = ("engine shut down", "drained")  # stops that were asked for: news, not trouble
 RETIRED_PREFIX = "retired"  # a supervisor's RankDown whose reason says so retires the rank (dpserve retire)
 # Node messages wait and are applied together (a few numpy steps a batch, ~100 us
@@ -126,6 +130,8 @@ class Coordinator:
         self.publish_interval_s = publish_interval(cfg.data_parallel_size)
         self.resync_interval_s = resync_interval(cfg.data_parallel_size)
         self.last_heartbeat = 0.0
+        self.api_list_due: float | None = None  # when the ranks get the new list of API servers (coalesced)
+        self.last_api_list = -math.inf
         self.nodes: list[NodeLoad] = []  # node messages not applied yet (_apply_nodes)
         self.nodes_at = 0.0  # when the first of them was drained
         self.node_apply_s = min(NODE_APPLY_MAX_S, self.publish_interval_s / 2)
@@ -173,6 +179,8 @@ class Coordinator:
             if self.tenants.due(now):
                 self.pub.send(self.tenants_codec.encode(self.tenants.publish(now)))
             # 4. Heartbeat to the supervisor from this loop only.
+            if self.api_list_due is not None and now >= self.api_list_due:
+                self._push_api_servers(now)
             if now - self.last_heartbeat >= self.cfg.heartbeat_interval_s:
                 self.supervisor.heartbeat()
                 self.last_heartbeat = now
@@ -204,6 +212,8 @@ class Coordinator:
             due = min(due, self.publish_interval_s - (now - self.last_publish))
         if self.nodes:
             due = min(due, self.node_apply_s - (now - self.last_apply))
+        if self.api_list_due is not None:
+            due = min(due, self.api_list_due - now)
         return max(0, math.ceil(due * 1000))
 
     def _drain(self) -> None:
@@ -273,7 +283,8 @@ class Coordinator:
             if self.api_servers.get(key) != msg.address:
                 self.api_servers[key] = msg.address
                 self.log.info("api server registered", node_rank=msg.node_rank, index=msg.index, address=msg.address)
-                self._push_api_servers()
+                if self.api_list_due is None:  # the first at once, then at most every API_LIST_EVERY_S
+                    self.api_list_due = max(now, self.last_api_list + API_LIST_EVERY_S)
                 self.last_full_publish = 0.0  # it needs every rank now, not in a second
             elif known not in (None, msg.incarnation):
                 self._greet_restarted(msg)
@@ -330,9 +341,18 @@ class Coordinator:
         mode = self.cfg.lb_mode
         return [a for (node, _), a in sorted(self.api_servers.items()) if routes_to(mode, node, node_rank)]
 
-    def _push_api_servers(self) -> None:
+    def _push_api_servers(self, now: float) -> None:
+        """Every registered rank the API servers it serves (one list encoded a node)."""
+        self.api_list_due, self.last_api_list = None, now
+        lists: dict[int, bytes] = {}
         for identity, node_rank in self.engine_peers.values():
-            self._send(identity, ApiServerList(self._addresses_for(node_rank)))
+            data = lists.get(node_rank)
+            if data is None:
+                data = lists[node_rank] = self.codec.encode(ApiServerList(self._addresses_for(node_rank)))
+            try:
+                self.engines.send_multipart([identity, data], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the peer is gone; it will register again when it returns
 
     def _ask_to_register(self, identity: bytes, now: float, reason: str) -> None:
         if now - self._asked_to_register.get(identity, 0.0) >= 1.0:

@@ -88,3 +88,18 @@ def test_every_api_server_answers_the_nodes_sum_and_a_restart_continues(tmp_path
     # a file it cannot read is skipped, not fatal
     (tmp_path / "api-9.msgpack").write_bytes(b"not msgpack")
     assert sample(scrape(a), "vllm:prompt_tokens_total", engine="0") == 15
+
+
+def test_an_idle_api_server_writes_its_totals_only_when_they_changed(tmp_path):
+    m = RequestMetrics("m", 2, 128, str(tmp_path), 0)
+    path = tmp_path / "api-0.msgpack"
+    m.save()
+    assert not path.exists()  # nothing to share yet
+    m.step(1, 4)
+    m.save()
+    first = path.stat().st_ino
+    m.save()  # nothing new: not written again (os.replace would give it a new inode)
+    assert path.stat().st_ino == first
+    m.observe(0, 10, 3, 8, "stop", 0.0, 0.1, 0.3, 0.0)
+    m.save()
+    assert path.stat().st_ino != first
