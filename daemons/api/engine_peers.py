@@ -169,5 +169,5 @@ class EnginePeers:
 
 
 def route_name(route: Route) -> str:
-    """A route fit for a log line: its frames' names, joined by '/'."""
-    return "/".join(peer_name(frame) for frame in route)
+    """A route fit for a log line: its frames' names, joined by '/' (a stray's first three)."""
+    return "/".join(peer_name(frame) for frame in route[:3]) + ("/..." if len(route) > 3 else "")
