@@ -72,8 +72,8 @@ def is_api_address(address: str) -> bool:
 class NodeHops:
     """The node's hops, one per API server its ranks asked for.
 
-    Invariant: `hops[address]` is the hop thread for that API server, started once and
-    never replaced; every hop's sockets belong to `ctx`, so the owner's ctx.term() ends
+    Invariant: `hops[address]` is the hop thread for that API server, replaced only once it
+    ended; every hop's sockets belong to `ctx`, so the owner's ctx.term() ends
     them all (the proxy raises ContextTerminated and the thread closes its sockets).
     Only the owner's thread calls open().
     """
@@ -82,18 +82,23 @@ class NodeHops:
         self.ctx, self.relay_address, self.node_rank, self.keys, self.log = ctx, relay_address, node_rank, keys, log
         self.boot = uuid.uuid4().hex[:8]
         self.hops: dict[str, threading.Thread] = {}
+        self.num_opened = 0  # hops started, the current ones and any that ended: each its own identity
 
     def open(self, address: str) -> bool:
-        """Start the hop for `address` unless it runs; False when refused."""
-        if address in self.hops:
+        """Start the hop for `address` unless it runs; False when refused. A hop whose thread
+        ended (it could not bind, say) is started again, under a new identity, when a rank
+        asks again (its reconnection after an API server's plea)."""
+        hop = self.hops.get(address)
+        if hop is not None and hop.is_alive():
             return True
-        if not is_api_address(address) or len(self.hops) >= MAX_HOPS:
+        if hop is None and (not is_api_address(address) or len(self.hops) >= MAX_HOPS):
             self.log.warning("a rank asked for a hop that is refused", address=address[:80], hops=len(self.hops))
             return False
         front = hop_address(self.relay_address, address)
-        identity = hop_identity(self.node_rank, self.boot, len(self.hops))
+        self.num_opened += 1
+        identity = hop_identity(self.node_rank, self.boot, self.num_opened)
         thread = threading.Thread(
-            target=self._run, args=(front, address, identity), name=f"hop-{len(self.hops)}", daemon=True
+            target=self._run, args=(front, address, identity), name=f"hop-{self.num_opened}", daemon=True
         )
         self.hops[address] = thread
         thread.start()

@@ -108,3 +108,24 @@ def test_rank_links_auto_takes_the_hops_from_256_ranks_and_the_ranks_are_told(tm
             children = {c.name: c for c in plan_children(node, Addresses.for_node(node, "/run/x", "127.0.0.1"), [listen], 256, 0.5)}
         engine = msgspec.json.decode(children["engine-dp1"].config_json, type=EngineProcessConfig)
         assert engine.node_hop is told and engine.node_relay_address == "ipc:///run/x/node.loads"
+
+
+def test_a_hop_that_could_not_start_is_started_again_when_a_rank_asks_again(tmp_path):
+    from dpserve.engine.rank.node_hop import NodeHops
+
+    ctx = zmq.Context()
+    hops = NodeHops(ctx, f"ipc://{tmp_path}/later/node.loads", 0, None, setup_logging("test-hop"))
+    try:
+        assert hops.open("ipc:///nowhere/api-0.engines")  # its local socket's directory is missing: the bind fails
+        first = hops.hops["ipc:///nowhere/api-0.engines"]
+        first.join(5)
+        assert not first.is_alive()
+        (tmp_path / "later").mkdir()
+        assert hops.open("ipc:///nowhere/api-0.engines")
+        again = hops.hops["ipc:///nowhere/api-0.engines"]
+        assert again is not first and again.is_alive() and hops.num_opened == 2
+        assert hops.open("ipc:///nowhere/api-0.engines") and hops.hops["ipc:///nowhere/api-0.engines"] is again
+    finally:
+        ctx.term()  # ends the live hop's proxy
+    again.join(5)
+    assert not again.is_alive()
