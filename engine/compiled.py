@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 
 import torch
 import torch.fx.experimental._config
@@ -133,6 +134,7 @@ class CompiledDecode:
         self._guards_ok = False  # this step's inputs passed the AOT function's guards (checked at block 0)
         self._warned = False
         self.source = ""
+        self.on_block: Callable[[], None] | None = None  # set for one step's forward by __call__
         for block in self.blocks:
             block.forward = functools.partial(self._block_forward, block)
         self.warm_s = 0.0
@@ -144,13 +146,23 @@ class CompiledDecode:
         return DecodeStep(slots, block_tables, lengths, self.block_size, self.attention_kernel)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, step: DecodeStep,
-                 keep: torch.Tensor | None = None) -> torch.Tensor:
+                 keep: torch.Tensor | None = None, on_block: Callable[[], None] | None = None) -> torch.Tensor:
         """Logits [B, vocab] of every row, or of the rows `keep` names, in its order."""
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                         logits_to_keep=0 if keep is None else keep, **{DECODE_KWARG: step})
+        self.on_block = on_block
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             logits_to_keep=0 if keep is None else keep, **{DECODE_KWARG: step})
+        finally:
+            self.on_block = None
         return out.logits[0]
 
     def _block_forward(self, block: torch.nn.Module, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        out = self._run_block(block, hidden_states, **kwargs)
+        if self.on_block is not None:  # the step's progress (and its yield check) after every block
+            self.on_block()
+        return out
+
+    def _run_block(self, block: torch.nn.Module, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         if self.fn is None or kwargs.get(DECODE_KWARG) is None:
             return type(block).forward(block, hidden_states, **kwargs)
         if self.checked:

@@ -36,6 +36,11 @@ from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.sequence import Sequence
 
 MAX_INT32 = 2**31 - 1
+
+
+class StepYielded(Exception):
+    """Raised from inside a step (by `yield_check`): a more urgent request arrived, so the step
+    in progress is dropped, nothing of it counted, and it is redone after the urgent one's."""
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries
 
@@ -59,6 +64,9 @@ class EngineCore:
     """
 
     on_progress: Callable[[], None] | None = None  # called from inside long steps (liveness)
+    # Called from inside a step with its most urgent priority: True when a more urgent request
+    # arrived (the rank loop peeks at its sockets), and the step gives way (priority policy only).
+    yield_check: Callable[[int], bool] | None = None
 
     def __init__(self, config: EngineConfig) -> None:
         self._setup(config, load_model(config))
@@ -113,7 +121,10 @@ class EngineCore:
         self.paused = PausedRequests(self.scheduler)
         self._last_step_ms = 0.0
         self.on_progress = None
+        self.yield_check = None
         self.num_step_errors = 0
+        self.num_steps_yielded = 0
+        self._yielded = False  # the last step gave way: the next plain step runs whole, whatever arrives
         # Grammars compile on a worker (engine/grammar.py): on the loop they cost heartbeats and
         # lost ranks. A guided request waits in `_compiling`, in no queue, until its matcher is ready.
         self.grammars = GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids)
@@ -278,10 +289,18 @@ class EngineCore:
             return []
         # 2. Run: one packed forward over every scheduled token.
         try:
-            logits, sampled = self.runner.execute(scheduled, self.on_progress)
+            logits, sampled = self.runner.execute(scheduled, self._layer_hook(scheduled))
+        except StepYielded:
+            # Nothing of the step is kept: no token counted, no block cached. The blocks grown for it
+            # stay with their sequences, and the keys and values it wrote are written again, the same.
+            self.num_steps_yielded += 1
+            self._yielded = True
+            return []
         except Exception as e:  # never the engine: the step's requests fail, the rank serves on
             self.num_step_errors += 1
             return self._fail([seq for seq, _ in scheduled], f"the engine could not run this request: {e!r}")
+        if not self.scheduler.was_isolated:
+            self._yielded = False
         for seq, n in scheduled:
             seq.num_computed_tokens += n
         self.scheduler.cache_computed_blocks(scheduled)
@@ -299,6 +318,24 @@ class EngineCore:
             outputs += self._postprocess(sampled, tokens, logprobs, errors)
         self._last_step_ms = (time.perf_counter() - start) * 1000.0
         return outputs
+
+    def _layer_hook(self, scheduled: list[tuple[Sequence, int]]) -> Callable[[], None] | None:
+        """What the step calls after every layer: `on_progress`, and under the priority policy's
+        urgent steps, `yield_check` with the step's most urgent priority. An urgent step never
+        gives way, nor the plain step after one that did, so the less urgent work always advances:
+        at worst one dropped part-step for each urgent step."""
+        progress, check = self.on_progress, self.yield_check
+        if check is None or self._yielded or self.scheduler.was_isolated or not self.scheduler.isolate_urgent:
+            return progress
+        floor = min(seq.params.priority for seq, _ in scheduled)
+
+        def on_layer() -> None:
+            if progress is not None:
+                progress()
+            if check(floor):
+                raise StepYielded
+
+        return on_layer
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence]

@@ -24,6 +24,10 @@ class RankEngine(Protocol):
     """
 
     on_progress: Callable[[], None] | None
+    # An engine that can drop a step in progress (the native one) calls this from inside it with
+    # the step's most urgent priority; True: a more urgent request came, the step gives way.
+    # Engines that cannot (vLLM's, the simulator) never call it.
+    yield_check: Callable[[int], bool] | None
 
     def describe(self) -> dict:
         """What the rank logs once the model is loaded (engine name, sizes)."""

@@ -119,7 +119,7 @@ class ModelRunner:
         prefills = [(s, n) for s, n in scheduled if n > 1]
         step = _PackedStep()
         if self.compiled is not None and decodes and self._compiled_can_take(prefills):
-            return self._execute_compiled(decodes, prefills, step)
+            return self._execute_compiled(decodes, prefills, step, on_layer)
         if self.graphs is not None and decodes and not prefills:
             width = -(-(decodes[-1].num_computed_tokens + 1) // self.block_size)
             if self.graphs.can_run(len(decodes), width):
@@ -149,8 +149,8 @@ class ModelRunner:
         return (sum(n for _, n in prefills) <= COMPILED_MAX_PREFILL_TOKENS
                 and all(seq.prompt_logprobs is None for seq, _ in prefills))
 
-    def _execute_compiled(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]],
-                          step: _PackedStep) -> tuple[torch.Tensor, list[Sequence]]:
+    def _execute_compiled(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]], step: _PackedStep,
+                          on_layer: Callable[[], None] | None = None) -> tuple[torch.Tensor, list[Sequence]]:
         """A step through the compiled forward, attention reading the cache in place: the decodes,
         then each prefill chunk's tokens as rows of their own (position p attends to its sequence's
         first p + 1 cached positions; every row's key and value are written before any row attends)."""
@@ -182,7 +182,7 @@ class ModelRunner:
         # decode keyword argument on to attention falls back to (eagerly, still in place).
         with step_metadata(StepMetadata(self.kv, slots, [], [], None, DecodeBatch(tables, lengths))):
             logits = self.compiled(self._long(step.input_ids).unsqueeze(0), self._long(step.positions).unsqueeze(0),
-                                   self.compiled.step(slots, tables, lengths), keep)
+                                   self.compiled.step(slots, tables, lengths), keep, on_layer)
         return logits, step.sampled
 
     def _execute_graphs(self, decodes: list[Sequence], step: _PackedStep, width: int) -> tuple[torch.Tensor, list[Sequence]]:

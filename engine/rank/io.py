@@ -313,6 +313,10 @@ class RankIO:
             if (msg := self.in_codec.decode_or_none(frame.buffer, self.api_addresses[index])) is not None:
                 got.append((index, msg))
 
+    def is_api_socket(self, sock: object) -> bool:
+        """Whether `sock` is one of the API servers' (not the coordinator's, a monitor or another fd)."""
+        return self._index.get(sock, COORDINATOR) != COORDINATOR and sock not in self.monitors
+
     def take(self, link: object, data) -> tuple[int, object] | None:
         """A message that arrived for this rank on a shared `link` (see __init__), tagged
         with its API-server index, or None if it does not decode."""

@@ -20,6 +20,7 @@ import zmq
 from dpserve.engine.common.auth import CurveKeys
 from dpserve.engine.common.config import EngineProcessConfig
 from dpserve.engine.common.procutil import EXIT_CONFIG, EXIT_ERROR, EXIT_OK, EXIT_STARTUP, SupervisorLink, start_child
+from dpserve.engine.common.protocol import AddRequest
 from dpserve.engine.interface import RankEngine
 from dpserve.engine.rank.io import COORDINATOR, LOAD_REPORT_MIN_INTERVAL_S, WELCOMED, RankIO
 from dpserve.engine.rank.node_relay import RelayLink
@@ -34,6 +35,10 @@ DEATH_LINGER_S = 1.0
 # its API servers move its requests and every view shows "drained", not a failure.
 DRAIN_SIGNAL = signal.SIGUSR1
 DRAINED_REASON = "drained (dpserve drain)"
+# Under the priority policy, how often a step in progress looks for a more urgent request
+# (after a layer, at most this often): a peek costs ~10 us, a layer of a 135M model 2-3 ms.
+PEEK_EVERY_S = 0.004
+YIELD_STEPS = os.environ.get("DPSERVE_YIELD_STEPS", "1") != "0"  # 0: steps never give way (benchmarks' A/B)
 
 
 class EngineProcess:
@@ -72,6 +77,9 @@ class EngineProcess:
         self.should_stop = False
         self.stop_reason = "engine shut down"  # what EngineDead says when the loop ends as asked
         self._last_heartbeat = 0.0
+        self._last_peek = 0.0
+        self._said_yield = False
+        self._early: list[tuple[int, object]] = []  # API servers' messages read inside a step, delivered after it
 
     def _on_signal(self, signum, _frame) -> None:
         self.should_stop = True  # the loop notices; nothing else happens here
@@ -126,7 +134,13 @@ class EngineProcess:
         core, io = self.core, self.io
         heartbeat_s = self.cfg.heartbeat_interval_s
         core.on_progress = self._progress
+        if self.cfg.engine.scheduling_policy == "priority" and YIELD_STEPS:
+            core.yield_check = self._more_urgent_arrived
         while not self.should_stop:
+            if self._early:  # read during the last step, in the order they came
+                early, self._early = self._early, []
+                for index, msg in early:
+                    io.deliver(index, msg, core)
             # 1. Take input: block only while there is nothing to compute.
             if core.has_unfinished():
                 timeout_ms = 0
@@ -153,6 +167,27 @@ class EngineProcess:
             # 4. Report load when it changed, and heartbeat from this loop only.
             self._report_load()
         return EXIT_OK
+
+    def _more_urgent_arrived(self, floor: int) -> bool:
+        """Called from inside a step: read what the API servers sent meanwhile (kept for after
+        the step) and say whether a new request is more urgent than every one in the step, which
+        then gives way to it (EngineCore.StepYielded): it waits for a layer, not for a whole step."""
+        now = time.monotonic()
+        if now - self._last_peek < PEEK_EVERY_S:
+            return False
+        self._last_peek = now
+        urgent = False
+        for sock, _ in self.poller.poll(0):
+            if not self.io.is_api_socket(sock):
+                continue  # the coordinator, a monitor, a signal: the loop's, after the step
+            for index, msg in self.io.read(sock):
+                self._early.append((index, msg))
+                urgent = urgent or (isinstance(msg, AddRequest) and msg.params.priority < floor
+                                    and msg.params.guided_grammar is None)  # (a grammar compiles first)
+        if urgent and not self._said_yield:
+            self._said_yield = True
+            self.log.info("a step gave way to a more urgent request (said once; DPSERVE_YIELD_STEPS=0 turns it off)")
+        return urgent
 
     def _from_coordinator(self, msg: object) -> None:
         if self.io.on_coordinator(msg) == WELCOMED:

@@ -38,6 +38,7 @@ class SimCore(QueueCounts):
     """
 
     on_progress = None  # a simulated step is never long
+    yield_check = None  # nor given way
 
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg

@@ -74,9 +74,9 @@ def test_compiled_decode_took_the_compiled_path(loaded_demo_model, compiled_engi
     engine = compiled_engine_factory()
     calls = []
     real = compiled_mod.CompiledDecode.__call__
-    monkeypatch.setattr(compiled_mod.CompiledDecode, "__call__", lambda self, ids, pos, step, keep=None:
+    monkeypatch.setattr(compiled_mod.CompiledDecode, "__call__", lambda self, ids, pos, step, keep=None, on_block=None:
                         calls.append((ids.shape[1], None if keep is None else keep.tolist()))
-                        or real(self, ids, pos, step, keep))
+                        or real(self, ids, pos, step, keep, on_block))
     add(engine, request("a", random_prompt(1, 9), max_tokens=5, ignore_eos=True))
     out = Collector()
     out.feed(engine.step())  # the prompt alone: eager
@@ -154,6 +154,25 @@ def test_prefix_cache_hits_through_the_compiled_decode(loaded_demo_model, compil
     assert results[1] == results[0]
     for r in first + second:
         assert results[1][r.request_id] == reference(r.prompt_token_ids, 12), r.request_id
+
+
+def test_a_compiled_step_gives_way_after_a_block(loaded_demo_model, compiled_engine_factory, reference):
+    """The priority policy's yield check runs after every compiled block too: a dropped compiled step
+    leaves the answers generate()'s alone (test_step_yield.py has the eager path and the rank's peek)."""
+    engine = compiled_engine_factory(scheduling_policy="priority")
+    reqs = [request(f"y{i}", random_prompt(500 + i, 6 + 5 * i), max_tokens=12, priority=2) for i in range(3)]
+    add(engine, *reqs)
+    out = Collector()
+    out.feed(engine.step())  # the prompts (eager)
+    floors = []
+    engine.yield_check = lambda floor: floors.append(floor) or True
+    assert engine.step() == [] and floors == [2] and engine.num_steps_yielded == 1  # a compiled decode step
+    urgent = request("urgent", random_prompt(550, 5), max_tokens=4, priority=0)
+    add(engine, urgent)
+    out.run(engine)
+    assert engine.num_steps_yielded > 1  # every plain step after the one run whole gave way again
+    for r in [*reqs, urgent]:
+        assert out.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
 
 
 def test_the_default_rule(loaded_demo_model, monkeypatch):

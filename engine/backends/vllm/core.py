@@ -127,6 +127,7 @@ class VllmCore:
     # waiting, up to STEP_LIVENESS_S; a step stuck longer goes silent and the
     # rank is replaced. Sockets stay on this thread.
     on_progress: Callable[[], None] | None = None
+    yield_check: Callable[[int], bool] | None = None  # never called: vLLM's steps do not give way
 
     def __init__(self, config: EngineConfig, log=None) -> None:
         problem = check_vllm_version(vllm_version())

@@ -1,0 +1,150 @@
+"""A step in progress gives way to a more urgent request (priority policy, issue 28).
+
+The native engine calls `yield_check` after every layer with the step's most urgent
+priority; the rank's check peeks at its API servers' sockets and says True when a
+newly arrived request is more urgent than all of the step. The step is then dropped
+whole: no token counted, no block cached, the keys and values it wrote written again
+when it is redone. fp32, greedy: the answers of a run with a step given way equal
+generate()'s alone. Real sockets for the rank's peek.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+from dpserve.engine.common.codec import Codec
+from dpserve.engine.common.config import EngineConfig
+from dpserve.engine.common.logs import setup_logging
+from dpserve.engine.common.protocol import AbortRequests, AddRequest, EngineInput, SamplingParams
+from dpserve.engine.core import EngineCore
+from dpserve.engine.rank.io import RankIO
+from dpserve.engine.rank.process import EngineProcess
+
+from tests.unit import test_engine
+from tests.unit.test_engine import Collector, add, assert_all_blocks_free, random_prompt, request
+
+reference = test_engine.reference  # generate() alone (a fixture)
+
+
+def make(loaded, policy: str = "priority", **overrides) -> EngineCore:
+    config = EngineConfig(model=loaded.model_dir, device="cpu", dtype="float32", enforce_eager=True,
+                          scheduling_policy=policy, **overrides)
+    return EngineCore.from_loaded(config, loaded)
+
+
+class Check:
+    """A yield_check that says True while `arrived` holds a request more urgent than the step."""
+
+    def __init__(self) -> None:
+        self.floors: list[int] = []
+        self.arrived: list[int] = []  # priorities of requests that came in during the step
+
+    def __call__(self, floor: int) -> bool:
+        self.floors.append(floor)
+        return any(p < floor for p in self.arrived)
+
+
+def bulk(n: int) -> list[AddRequest]:
+    return [request(f"bulk{i}", random_prompt(600 + i, 9 + 4 * i), max_tokens=14, priority=3) for i in range(n)]
+
+
+def test_a_step_gives_way_to_a_more_urgent_request_and_leaves_no_trace(loaded_demo_model, reference):
+    engine = make(loaded_demo_model)
+    check = Check()
+    engine.yield_check = check
+    reqs = bulk(3)
+    add(engine, *reqs)
+    out = Collector()
+    for _ in range(3):  # prompts, then decodes: nothing more urgent came, nothing gives way
+        out.feed(engine.step())
+    assert engine.num_steps_yielded == 0 and set(check.floors) == {3}
+    before = {r.request_id: len(out.tokens.get(r.request_id, [])) for r in reqs}
+    computed = {s.request_id: s.num_computed_tokens for s in engine.scheduler.running}
+
+    check.arrived.append(0)  # an urgent request reaches the rank while the next step runs
+    calls = len(check.floors)
+    assert engine.step() == []  # it gave way after its first layer
+    assert engine.num_steps_yielded == 1 and len(check.floors) == calls + 1
+    assert {s.request_id: s.num_computed_tokens for s in engine.scheduler.running} == computed
+    urgent = request("urgent", random_prompt(700, 11), max_tokens=6, priority=0)
+    add(engine, urgent)
+
+    calls = len(check.floors)
+    got = engine.step()  # the urgent step: the urgent request alone, never given way
+    assert [o.request_id for o in got] == ["urgent"] and len(check.floors) == calls
+    out.feed(got)
+    got = engine.step()  # the plain step after it runs whole, whatever arrives
+    assert {o.request_id for o in got} == {"urgent", *before} and engine.num_steps_yielded == 1
+    out.feed(got)
+    check.arrived.clear()
+    out.run(engine)
+    for r in [*reqs, urgent]:
+        assert out.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
+    assert_all_blocks_free(engine)
+
+
+def test_only_the_priority_policy_s_plain_steps_look(loaded_demo_model):
+    """fcfs never looks; under priority, a step with work as urgent as the newcomer's is not dropped for it."""
+    fcfs = make(loaded_demo_model, "fcfs")
+    check = Check()
+    check.arrived.append(-5)
+    fcfs.yield_check = check
+    add(fcfs, *bulk(2))
+    Collector().run(fcfs)
+    assert check.floors == [] and fcfs.num_steps_yielded == 0
+
+    engine = make(loaded_demo_model)
+    check = Check()
+    check.arrived.append(1)
+    engine.yield_check = check
+    add(engine, request("first", random_prompt(800, 7), max_tokens=20, priority=1, ignore_eos=True), *bulk(1))  # outlives bulk0
+    Collector().run(engine)
+    assert engine.num_steps_yielded == 0 and min(check.floors) == 1
+
+
+def test_the_rank_reads_on_inside_a_step_and_finds_the_more_urgent_request(tmp_path):
+    """The rank's check (EngineProcess._more_urgent_arrived) on real sockets: it reads every waiting
+    message into `_early`, in order, for the loop to deliver after the step, says True only for a new
+    request more urgent than the step's floor (not for a guided one, whose grammar compiles first),
+    and looks at most every PEEK_EVERY_S."""
+    ctx = zmq.Context()
+    api_address = f"ipc://{tmp_path}/api-engines"
+    api = ctx.socket(zmq.ROUTER)
+    api.setsockopt(zmq.LINGER, 0)
+    api.bind(api_address)
+    proc = EngineProcess.__new__(EngineProcess)
+    proc.poller = zmq.Poller()
+    proc.io = RankIO(ctx, None, rank=0, incarnation="inc0", fingerprint="fp", node_rank=0,
+                     coordinator_address=f"ipc://{tmp_path}/coord", log=setup_logging("test-yield"),
+                     watch=lambda sock: proc.poller.register(sock, zmq.POLLIN), watch_monitors=False, monitors=False)
+    proc._early, proc._last_peek, proc._said_yield, proc.log = [], 0.0, False, setup_logging("test-yield")
+    into = Codec(EngineInput)
+    try:
+        proc.io.connect_api_servers([api_address])
+        assert api.poll(5000)
+        rank_id = api.recv_multipart()[0]  # the rank's hello
+
+        def send(*msgs) -> None:
+            for msg in msgs:
+                api.send_multipart([rank_id, into.encode(msg)])
+            deadline = time.monotonic() + 5
+            while not proc.io.api[0].poll(0) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            proc._last_peek = 0.0
+
+        def add_request(rid: str, priority: int, **params) -> AddRequest:
+            return AddRequest(rid, [1, 2], SamplingParams(max_tokens=4, priority=priority, **params), 0.0)
+
+        assert proc._more_urgent_arrived(3) is False  # nothing came
+        send(add_request("same", 3), AbortRequests(["x"]), add_request("guided", 0, guided_grammar='{"x": 1}'))
+        assert proc._more_urgent_arrived(3) is False
+        assert [msg for _, msg in proc._early] == [add_request("same", 3), AbortRequests(["x"]),
+                                                   add_request("guided", 0, guided_grammar='{"x": 1}')]
+        send(add_request("urgent", 0))
+        assert proc._more_urgent_arrived(3) is True and proc._early[-1] == (0, add_request("urgent", 0))
+        send(add_request("later", 0))
+        proc._last_peek = time.monotonic()  # looked just now: not again for PEEK_EVERY_S
+        assert proc._more_urgent_arrived(3) is False and len(proc._early) == 4
+    finally:
+        ctx.destroy(linger=0)
