@@ -41,8 +41,6 @@ _RATE_TAU_S = 5.0  # the release rate behind Retry-After: an exponential average
 # Priority policy with reservations: a request under its share goes to the engine as more urgent
 # than over-share work of its class (DPSERVE_SHARE_URGENCY=0 turns it off, for benchmarks' A/B).
 SHARE_URGENCY = os.environ.get("DPSERVE_SHARE_URGENCY", "1") != "0"
-# ... and, of those, a sparse tenant's (nothing else of it in flight) as more urgent still (0: off, for A/B).
-SPARSE_FIRST = os.environ.get("DPSERVE_SPARSE_FIRST", "1") != "0"
 
 
 class HoldRefused(Exception):
@@ -175,19 +173,14 @@ class Admission:
             self.finished(state.held, state.prompt_tokens + state.num_output_tokens)
             state.held = None
 
-    def urgency(self, add, go: int, tenant: str = ""):
+    def urgency(self, add, go: int):
         """The AddRequest to send: under the priority policy with reservations, its engine priority
-        is 3 x its class + 0 when it goes under its share (NOW) while its tenant has nothing else in
-        flight (a sparse flow, which goes first, as FQ-CoDel's new flows do), + 1 under its share
-        otherwise, + 2 over it (held, a free place in fair order, or alone: past its share once
-        another comes). Classes keep their order; within one, the engine runs (and preempts for,
-        and gives a step in progress way to: engine/rank/process.py) a quiet or new tenant's
-        request before a flood's, even before the flood's own requests under its share."""
+        is 2 x its class + 0 when it goes under its share (NOW), + 1 otherwise (held, a free place in
+        fair order, or alone: past its share once another comes). Classes keep their order; within
+        one, the engine runs (and preempts for) a quiet or new tenant's request before a flood's."""
         if not (SHARE_URGENCY and self.in_flight is not None and self.reserve is not None) or abs(add.params.priority) >= 2**61:
             return add  # (a priority near int64's bounds, which vLLM's engine takes, is sent as it came)
-        cls = add.params.priority
-        level = 2 if go != NOW else 1 if not SPARSE_FIRST or self.reserve.in_flight_of(cls, tenant) else 0
-        params = msgspec.structs.replace(add.params, priority=3 * cls + level)
+        params = msgspec.structs.replace(add.params, priority=2 * add.params.priority + (go != NOW))
         return msgspec.structs.replace(add, params=params)
 
     def may_pass(self, tenant: Tenant, priority: int) -> int:

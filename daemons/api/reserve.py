@@ -115,11 +115,6 @@ class Reservations:
         res.num_peers = num_peers
         return res
 
-    def in_flight_of(self, priority: int, name: str) -> int:
-        """The account's requests in flight, here and at the peers (0 for an unknown one)."""
-        d = self.accounts.get((priority, name))
-        return 0 if d is None else d.num_in_flight + d.num_remote
-
     def started(self, priority: int, name: str, weight: float) -> None:
         now = self.clock()
         key = (priority, name)

@@ -415,7 +415,7 @@ class ServingBase:
             return self._send_once(state, add, pinned)
         priority = add.params.priority
         go = (HOLD if admission.num_held else ALONE) if admission.reserve is None else admission.may_pass(state.tenant, priority)
-        add = admission.urgency(add, go, state.tenant.name)
+        add = admission.urgency(add, go)
         if go:  # (under its reservation, NOW: the rank with the fewest running + waiting, which a fcfs rank serves first)
             try:
                 return admission.started(state, priority, self._send_once(state, add, soonest_rank(self.router) if go == NOW else None))
