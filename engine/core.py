@@ -37,12 +37,13 @@ from dpserve.engine.sequence import Sequence
 
 MAX_INT32 = 2**31 - 1
 
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
+
 
 class StepYielded(Exception):
     """Raised from inside a step (by `yield_check`): a more urgent request arrived, so the step
     in progress is dropped, nothing of it counted, and it is redone after the urgent one's."""
-MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGIT_BIAS = 1024  # entries
 
 
 class EngineCore:
