@@ -36,7 +36,6 @@ from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.sequence import Sequence
 
 MAX_INT32 = 2**31 - 1
-
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries
 
