@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from operator import attrgetter
 
 import torch
 from dpserve.engine.common.config import DEFAULT_BLOCK_SIZE, EngineConfig, resolve_max_model_len, resolve_token_budget
@@ -34,15 +35,11 @@ from dpserve.engine.pausing import PausedRequests
 from dpserve.engine.sampler import Sampler
 from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.sequence import Sequence
+from dpserve.engine.step_yield import GivingWay, StepYielded
 
 MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries
-
-
-class StepYielded(Exception):
-    """Raised from inside a step (by `yield_check`): a more urgent request arrived, so the step
-    in progress is dropped, nothing of it counted, and it is redone after the urgent one's."""
 
 
 class EngineCore:
@@ -123,8 +120,7 @@ class EngineCore:
         self.on_progress = None
         self.yield_check = None
         self.num_step_errors = 0
-        self.num_steps_yielded = 0
-        self._yielded = False  # the last step gave way: the next plain step runs whole, whatever arrives
+        self.giving_way = GivingWay()  # priority policy: a step may give way to a more urgent request
         # Grammars compile on a worker (engine/grammar.py): on the loop they cost heartbeats and
         # lost ranks. A guided request waits in `_compiling`, in no queue, until its matcher is ready.
         self.grammars = GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids)
@@ -289,18 +285,15 @@ class EngineCore:
             return []
         # 2. Run: one packed forward over every scheduled token.
         try:
-            logits, sampled = self.runner.execute(scheduled, self._layer_hook(scheduled))
-        except StepYielded:
-            # Nothing of the step is kept: no token counted, no block cached. The blocks grown for it
-            # stay with their sequences, and the keys and values it wrote are written again, the same.
-            self.num_steps_yielded += 1
-            self._yielded = True
+            on_layer = self.giving_way.hook(scheduled, self.on_progress, self.yield_check, self.scheduler)
+            logits, sampled = self.runner.execute(scheduled, on_layer)
+        except StepYielded:  # dropped whole, redone after the urgent one's (step_yield.py)
+            self.giving_way.gave_way()
             return []
         except Exception as e:  # never the engine: the step's requests fail, the rank serves on
             self.num_step_errors += 1
             return self._fail([seq for seq, _ in scheduled], f"the engine could not run this request: {e!r}")
-        if not self.scheduler.was_isolated:
-            self._yielded = False
+        self.giving_way.ran(self.scheduler.was_isolated)
         for seq, n in scheduled:
             seq.num_computed_tokens += n
         self.scheduler.cache_computed_blocks(scheduled)
@@ -318,24 +311,6 @@ class EngineCore:
             outputs += self._postprocess(sampled, tokens, logprobs, errors)
         self._last_step_ms = (time.perf_counter() - start) * 1000.0
         return outputs
-
-    def _layer_hook(self, scheduled: list[tuple[Sequence, int]]) -> Callable[[], None] | None:
-        """What the step calls after every layer: `on_progress`, and under the priority policy's
-        urgent steps, `yield_check` with the step's most urgent priority. An urgent step never
-        gives way, nor the plain step after one that did, so the less urgent work always advances:
-        at worst one dropped part-step for each urgent step."""
-        progress, check = self.on_progress, self.yield_check
-        if check is None or self._yielded or self.scheduler.was_isolated or not self.scheduler.isolate_urgent:
-            return progress
-        floor = min(seq.params.priority for seq, _ in scheduled)
-
-        def on_layer() -> None:
-            if progress is not None:
-                progress()
-            if check(floor):
-                raise StepYielded
-
-        return on_layer
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence]
@@ -442,44 +417,17 @@ class EngineCore:
 
     # ------------------------------------------------------------ load
 
-    @property
-    def num_running(self) -> int:
-        return self.scheduler.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
-
-    @property
-    def num_waiting_prefill_tokens(self) -> int:
-        return self.scheduler.num_waiting_prefill_tokens
-
-    @property
-    def num_remaining_decode_tokens(self) -> int:
-        return self.scheduler.num_remaining_decode_tokens
-
-    @property
-    def slot_usage(self) -> float:
-        return self.scheduler.slot_usage
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of this rank's KV blocks in use (vLLM's kv_cache_usage_perc)."""
-        return self.scheduler.kv_usage
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
-
-    @property
-    def num_prefix_queries(self) -> int:
-        """Cumulative prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries)."""
-        return self.scheduler.num_prefix_queries
-
-    @property
-    def num_prefix_hits(self) -> int:
-        """Cumulative tokens of those found cached (vLLM's prefix_cache_hits)."""
-        return self.scheduler.num_prefix_hits
+    # the scheduler's, as RankEngine reads them
+    num_running = property(attrgetter("scheduler.num_running"))
+    num_waiting = property(attrgetter("scheduler.num_waiting"))
+    num_waiting_prefill_tokens = property(attrgetter("scheduler.num_waiting_prefill_tokens"))
+    num_remaining_decode_tokens = property(attrgetter("scheduler.num_remaining_decode_tokens"))
+    slot_usage = property(attrgetter("scheduler.slot_usage"))
+    kv_usage = property(attrgetter("scheduler.kv_usage"), doc="Fraction of the rank's KV blocks in use (vLLM's kv_cache_usage_perc).")
+    num_preemptions = property(attrgetter("scheduler.num_preemptions"))
+    num_prefix_queries = property(attrgetter("scheduler.num_prefix_queries"),
+                                  doc="Cumulative prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries).")
+    num_prefix_hits = property(attrgetter("scheduler.num_prefix_hits"), doc="Cumulative tokens of those found cached (vLLM's prefix_cache_hits).")
 
     @property
     def last_step_ms(self) -> float:

@@ -171,7 +171,7 @@ class EngineProcess:
     def _more_urgent_arrived(self, floor: int) -> bool:
         """Called from inside a step: read what the API servers sent meanwhile (kept for after
         the step) and say whether a new request is more urgent than every one in the step, which
-        then gives way to it (EngineCore.StepYielded): it waits for a layer, not for a whole step."""
+        then gives way to it (engine/step_yield.py): it waits for a layer, not for a whole step."""
         now = time.monotonic()
         if now - self._last_peek < PEEK_EVERY_S:
             return False

@@ -166,11 +166,11 @@ def test_a_compiled_step_gives_way_after_a_block(loaded_demo_model, compiled_eng
     out.feed(engine.step())  # the prompts (eager)
     floors = []
     engine.yield_check = lambda floor: floors.append(floor) or True
-    assert engine.step() == [] and floors == [2] and engine.num_steps_yielded == 1  # a compiled decode step
+    assert engine.step() == [] and floors == [2] and engine.giving_way.num_yielded == 1  # a compiled decode step
     urgent = request("urgent", random_prompt(550, 5), max_tokens=4, priority=0)
     add(engine, urgent)
     out.run(engine)
-    assert engine.num_steps_yielded > 1  # every plain step after the one run whole gave way again
+    assert engine.giving_way.num_yielded > 1  # every plain step after the one run whole gave way again
     for r in [*reqs, urgent]:
         assert out.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
 

@@ -58,14 +58,14 @@ def test_a_step_gives_way_to_a_more_urgent_request_and_leaves_no_trace(loaded_de
     out = Collector()
     for _ in range(3):  # prompts, then decodes: nothing more urgent came, nothing gives way
         out.feed(engine.step())
-    assert engine.num_steps_yielded == 0 and set(check.floors) == {3}
+    assert engine.giving_way.num_yielded == 0 and set(check.floors) == {3}
     before = {r.request_id: len(out.tokens.get(r.request_id, [])) for r in reqs}
     computed = {s.request_id: s.num_computed_tokens for s in engine.scheduler.running}
 
     check.arrived.append(0)  # an urgent request reaches the rank while the next step runs
     calls = len(check.floors)
     assert engine.step() == []  # it gave way after its first layer
-    assert engine.num_steps_yielded == 1 and len(check.floors) == calls + 1
+    assert engine.giving_way.num_yielded == 1 and len(check.floors) == calls + 1
     assert {s.request_id: s.num_computed_tokens for s in engine.scheduler.running} == computed
     urgent = request("urgent", random_prompt(700, 11), max_tokens=6, priority=0)
     add(engine, urgent)
@@ -75,7 +75,7 @@ def test_a_step_gives_way_to_a_more_urgent_request_and_leaves_no_trace(loaded_de
     assert [o.request_id for o in got] == ["urgent"] and len(check.floors) == calls
     out.feed(got)
     got = engine.step()  # the plain step after it runs whole, whatever arrives
-    assert {o.request_id for o in got} == {"urgent", *before} and engine.num_steps_yielded == 1
+    assert {o.request_id for o in got} == {"urgent", *before} and engine.giving_way.num_yielded == 1
     out.feed(got)
     check.arrived.clear()
     out.run(engine)
@@ -92,7 +92,7 @@ def test_only_the_priority_policy_s_plain_steps_look(loaded_demo_model):
     fcfs.yield_check = check
     add(fcfs, *bulk(2))
     Collector().run(fcfs)
-    assert check.floors == [] and fcfs.num_steps_yielded == 0
+    assert check.floors == [] and fcfs.giving_way.num_yielded == 0
 
     engine = make(loaded_demo_model)
     check = Check()
@@ -100,7 +100,7 @@ def test_only_the_priority_policy_s_plain_steps_look(loaded_demo_model):
     engine.yield_check = check
     add(engine, request("first", random_prompt(800, 7), max_tokens=20, priority=1, ignore_eos=True), *bulk(1))  # outlives bulk0
     Collector().run(engine)
-    assert engine.num_steps_yielded == 0 and min(check.floors) == 1
+    assert engine.giving_way.num_yielded == 0 and min(check.floors) == 1
 
 
 def test_the_rank_reads_on_inside_a_step_and_finds_the_more_urgent_request(tmp_path):
