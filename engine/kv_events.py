@@ -134,22 +134,32 @@ class KVPublisher:
     snapshot) and, after every step, the step's batch to each of them.
 
     Direct subscription: every batch goes to each subscribed API server over the
-    rank's own authenticated channel to it (RankIO's), in order with that rank's
-    outputs; nothing goes through the coordinator. A rank whose engine keeps no
+    rank's own authenticated channel to it (RankIO's), inside the step's outputs
+    message to it when there is one (in order with them, one message a step);
+    nothing goes through the coordinator. A rank whose engine keeps no
     event log (prefix caching off, simulated ranks) ignores requests, and its API
     servers keep routing cache-aware on what they sent (the approximate index).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int, incarnation: str) -> None:
+        self.rank, self.incarnation = rank, incarnation
         self.subscribers: set[int] = set()  # API-server indices (RankIO's) that asked
 
-    def after_step(self, io, engine) -> None:
+    def take(self, engine) -> KVEventBatch | None:
+        """The step's batch for the subscribers (numbered), or None: nothing happened, or no one asked.
+        The owner sends it with each subscriber's outputs (EngineOutputs.kv), or alone (send_rest)."""
         log = getattr(engine, "kv_events", None)
         if log is None or not log.pending:
-            return
-        batch = log.take_batch(io.rank, io.incarnation)
-        for index in self.subscribers:
-            io.send_to(index, batch)
+            return None
+        batch = log.take_batch(self.rank, self.incarnation)
+        return batch if self.subscribers else None  # (no one asked yet: a subscriber starts from a snapshot)
+
+    def after_step(self, io, engine) -> None:
+        """The step's batch to every subscriber, alone (a step without outputs, or before a snapshot)."""
+        batch = self.take(engine)
+        if batch is not None:
+            for index in self.subscribers:
+                io.send_to(index, batch)
 
     def on_request(self, io, index: int, engine) -> None:
         """An API server asked for a snapshot: the pending batch goes out first (to the others),

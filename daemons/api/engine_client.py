@@ -361,6 +361,9 @@ class EngineClient:
                 state.push(out)
             if self.on_step is not None:
                 self.on_step(msg.rank, step_tokens)
+            kv = msg.kv
+            if kv is not None and kv.rank == msg.rank and self.router.kv is not None and self.router.kv.apply(kv):
+                self._ask_kv_snapshot(msg.rank)  # (the step's KV events ride with its outputs: issue 29)
         elif type(msg) is EngineHello:
             if self.peers.hello(peer, msg):
                 self._accept(msg.rank, msg.incarnation, peer)
@@ -370,7 +373,7 @@ class EngineClient:
                     self._send_now(msg.rank, self._out_codec.encode(Ping(0)))
                 except zmq.ZMQError:
                     pass
-        elif type(msg) is KVEventBatch or type(msg) is KVSnapshot:  # issue 29: the rank's cache, on its own channel
+        elif type(msg) is KVEventBatch or type(msg) is KVSnapshot:  # issue 29: a step's without outputs, or a snapshot
             if self.peers.outputs_from(peer, msg.rank) and self.router.kv is not None and self.router.kv.receive(msg):
                 self._ask_kv_snapshot(msg.rank)
         elif type(msg) is EngineDead:

@@ -105,6 +105,7 @@ class Router:
         "_pending_keys",
         "origin",
         "on_routed",
+        "num_api_servers",
         "on_room",
         "count_running",
     )
@@ -153,6 +154,7 @@ class Router:
         # routed goes to on_routed(rank, keys); what the others routed comes to learn().
         self.origin = ""
         self.on_routed = None
+        self.num_api_servers = 0  # registered with the coordinator, as its tables say (0: not known yet)
         # Called when a rank becomes a candidate again (it had no room, or was not routable):
         # requests held at the frontend may go (admission.py). It must not route from inside.
         self.on_room = None
@@ -232,6 +234,8 @@ class Router:
         if table.seq <= self.table_seq and table.seq != 1:
             return []  # stale or duplicate (seq 1: the coordinator restarted)
         self.table_seq = table.seq
+        if table.num_api_servers:  # (a delta, made a table by the reader, does not say)
+            self.num_api_servers = table.num_api_servers
         lost = []
         size, loads, hello, sent, sent_tokens, pos = self.size, self.loads, self.hello, self.sent, self.sent_tokens, self._pos
         refresh = self._refresh
@@ -287,7 +291,7 @@ class Router:
                 self.kv.expect(keys := keys[credit // self.kv.block :], rank)
             else:
                 self.prefix.add(keys, rank)
-            if self.on_routed is not None and keys:
+            if self.on_routed is not None and keys and self.num_api_servers != 1:  # (alone: no one to tell)
                 self.on_routed(rank, keys)
         self.sent[rank] += 1
         # until the rank's next report, what it will prefill: the events say it holds the rest

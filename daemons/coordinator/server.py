@@ -188,6 +188,8 @@ class Coordinator:
 
     def _publish(self, full: bool, now: float) -> None:
         for table in self.table.tables(full, keepalive=True):
+            if type(table) is LoadTable:  # an API server alone shares no routed prefixes (Router.on_send)
+                table.num_api_servers = len(self.api_servers)
             self.pub.send(self.table_codec.encode(table))
             self.num_tables_published += 1
         self.last_publish = now
@@ -253,7 +255,8 @@ class Coordinator:
                 self.pub.send(data)  # every API server charges its buckets with it
                 continue
             if type(msg) is PrefixRouted:
-                self.pub.send(data)  # every API server learns what one routed; nothing kept here
+                if len(self.api_servers) > 1:
+                    self.pub.send(data)  # every other API server learns what one routed; nothing kept here
                 continue
             if msg is None:
                 continue

@@ -21,8 +21,9 @@ import msgspec
 from dpserve.engine.kv_events import KVEventBatch, KVSnapshot, KVSnapshotRequest
 
 # Raised when a message's wire form changes incompatibly: a node of the other version is refused
-# at registration, by name, not left sending what the head cannot decode (2: NodeLoad packed; 3: LoadDelta flat).
-PROTOCOL_VERSION = 3
+# at registration, by name, not left sending what the head cannot decode (2: NodeLoad packed; 3: LoadDelta flat;
+# 4: KV events ride with outputs).
+PROTOCOL_VERSION = 4
 
 # Finish reasons as they appear in OpenAI responses, plus the internal one
 # that the API server turns into an error.
@@ -188,12 +189,14 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
-    """Everything one engine step produced for one API server."""
+    """Everything one engine step produced for one API server, and the step's KV events
+    when it subscribed to them (one message a step, not two)."""
 
     rank: int
     outputs: list[RequestOutput]
     num_running: int
     num_waiting: int
+    kv: KVEventBatch | None = None
 
 
 class EngineHello(msgspec.Struct, tag="hello", array_like=True):
@@ -416,6 +419,7 @@ class LoadTable(msgspec.Struct, tag="table", array_like=True):
     seq: int
     data_parallel_size: int
     ranks: list[RankLoad]
+    num_api_servers: int = 0  # registered with the coordinator, cluster-wide (0: not said)
 
 
 class LoadDelta(msgspec.Struct, tag="delta", array_like=True):

@@ -118,7 +118,7 @@ class RankIO:
         self.sent: set[zmq.Socket] | None = None
         self.in_codec = Codec(EngineInput, "requests")
         self.out_codec = Codec(EngineToApi)
-        self.kv = KVPublisher()  # KV events to the API servers that asked (issue 29)
+        self.kv = KVPublisher(rank, incarnation)  # KV events to the API servers that asked (issue 29)
         self.coord_codec = Codec(CoordinatorInput | CoordinatorToEngine, "coordinator")
         self.coordinator = make_socket(
             ctx, zmq.DEALER, keys, identity=f"engine-{rank}-{incarnation}".encode(), reconnect_ms=(100, 2000),
@@ -358,7 +358,8 @@ class RankIO:
     # ---------------------------------------------------------------- out
 
     def send_outputs(self, outputs: list[RequestOutput], engine: RankEngine) -> None:
-        """Every API server its share of `outputs`, in one message each."""
+        """Every API server its share of `outputs`, and the step's KV events if it subscribed,
+        in one message each (a subscriber with no outputs this step gets the events alone)."""
         by_owner: dict[int, list[RequestOutput]] = {}
         owner = self.owner
         for out in outputs:
@@ -370,9 +371,16 @@ class RankIO:
             by_owner.setdefault(index, []).append(out)
             if out.finish_reason is not None:
                 del owner[out.request_id]
+        kv = self.kv.take(engine)
         for index, outs in by_owner.items():
             msg = EngineOutputs(self.rank, outs, engine.num_running, engine.num_waiting)
+            if kv is not None and index in self.kv.subscribers:
+                msg.kv = kv
             self._send(self.api[index], self.out_codec.encode(msg))
+        if kv is not None:
+            for index in self.kv.subscribers:
+                if index not in by_owner:
+                    self.send_to(index, kv)
 
     def send_to(self, index: int, msg: object) -> None:
         self._send(self.api[index], self.out_codec.encode(msg))

@@ -160,10 +160,12 @@ class EngineProcess:
             # 2. Step: schedule -> run -> postprocess, all inside the core.
             if core.has_unfinished():
                 outputs = core.step()
-                # 3. Send every API server its share of this step in one message.
+                # 3. Send every API server its share of this step, with the step's KV events
+                # when it asked for them (issue 29), in one message.
                 if outputs:
                     io.send_outputs(outputs, core)
-                io.kv.after_step(io, core)  # the step's KV events, to the API servers that asked
+                else:
+                    io.kv.after_step(io, core)
             # 4. Report load when it changed, and heartbeat from this loop only.
             self._report_load()
         return EXIT_OK

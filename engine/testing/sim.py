@@ -213,9 +213,10 @@ class SimRank:
 
     def step(self) -> None:
         outputs = self.core.step()
-        if outputs:
+        if outputs:  # with the step's KV events (a caching core's), to the API servers that asked
             self.io.send_outputs(outputs, self.core)
-        self.io.kv.after_step(self.io, self.core)  # KV events (a caching core's), to the API servers that asked
+        else:
+            self.io.kv.after_step(self.io, self.core)
         self.mark_dirty()
 
     def mark_dirty(self) -> None:

@@ -260,10 +260,67 @@ def test_a_simulated_rank_with_a_prefix_cache_publishes_what_it_holds():
         def send_to(self, index: int, msg: object) -> None:
             self.sent.append((index, type(msg)))
 
-    publisher, io = KVPublisher(), IO()
+    publisher, io = KVPublisher(0, "i0"), IO()
     publisher.on_request(io, 3, core)  # an API server asks: a snapshot, then every step's batch
     core.add_request(AddRequest("d", prompt, SamplingParams(max_tokens=1), 0.0))
     while core.has_unfinished():
         core.step()
         publisher.after_step(io, core)
     assert io.sent == [(3, KVSnapshot), (3, KVEventBatch)]
+
+
+def test_a_steps_events_ride_with_its_outputs_and_reach_a_subscriber_without_outputs_alone(tmp_path):
+    """On real sockets (RankIO against two API servers' ROUTERs, both subscribed): the API
+    server that owns the step's output gets one message, its outputs with the step's batch;
+    the other gets the same batch alone. Each index, fed what it received, finds the prompt."""
+    import structlog
+    import zmq
+    from dpserve.engine.common.codec import Codec
+    from dpserve.engine.common.protocol import AddRequest, EngineOutputs, EngineToApi, SamplingParams
+    from dpserve.engine.rank.io import RankIO
+    from dpserve.engine.testing.sim import SimConfig, SimCore
+    from dpserve.engine.testing.sim_cache import caching_core
+
+    core = caching_core(SimCore)(SimConfig(ranks=[0], coordinator_address="", fingerprint="", kv_cache_blocks=12,
+                                           prefill_tokens_per_s=16000, decode_step_ms=10))
+    ctx, codec = zmq.Context(), Codec(EngineToApi)
+    try:
+        apis, addresses = [], []
+        for i in range(2):
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            addresses.append(f"ipc://{tmp_path}/api-{i}.engines")
+            sock.bind(addresses[-1])
+            apis.append(sock)
+        io = RankIO(ctx, None, rank=0, incarnation="i0", fingerprint="f", node_rank=0,
+                    coordinator_address=f"ipc://{tmp_path}/coordinator", log=structlog.get_logger(),
+                    watch=lambda sock: None, watch_monitors=False)
+        io.connect_api_servers(addresses)
+
+        def received(sock) -> list:
+            got = []
+            while sock.poll(2000 if not got else 300):
+                msg = codec.decode(sock.recv_multipart()[-1])
+                if type(msg).__name__ != "EngineHello":
+                    got.append(msg)
+            return got
+
+        indexes = [KVIndex(1, ROUTING), KVIndex(1, ROUTING)]
+        for i in range(2):
+            io.kv.on_request(io, i, core)
+            (snapshot,) = received(apis[i])
+            indexes[i].receive(snapshot)
+        prompt = PIECES[0] + PIECES[1]  # 80 tokens: one routing block
+        core.add_request(AddRequest("a", prompt, SamplingParams(max_tokens=1), 0.0))
+        io.owner["a"] = 0
+        outputs = core.step()
+        assert outputs and outputs[0].finish_reason is not None
+        io.send_outputs(outputs, core)
+        (mine,), (other,) = received(apis[0]), received(apis[1])
+        assert type(mine) is EngineOutputs and [o.request_id for o in mine.outputs] == ["a"]
+        assert type(other) is KVEventBatch and mine.kv == other and other.seq == 1
+        for index, batch in zip(indexes, (mine.kv, other)):
+            assert not index.apply(batch)  # in sequence after the snapshot: no resync asked
+            assert index.match(chain_keys(prompt, ROUTING)) == {0: 1}
+    finally:
+        ctx.destroy(linger=0)

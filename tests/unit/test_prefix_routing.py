@@ -254,6 +254,22 @@ def test_what_other_api_servers_routed_is_learned_and_shared_once():
     assert route(b, conv + [1]) == rank
 
 
+def test_an_api_server_the_coordinator_counts_alone_shares_nothing_until_another_registers():
+    a = live_router(2)
+    shared: list[tuple[int, list[int]]] = []
+    a.on_routed = lambda rank, keys: shared.append((rank, keys))
+    a.update_table(LoadTable(2, 2, [], num_api_servers=1))
+    route(a, prompt(12, 4 * BLOCK))
+    assert shared == []  # no one to tell
+    # a delta (the reader makes it a table that does not say) keeps what the last table said
+    a.update_table(LoadTable(3, 2, [RankLoad(0, "i0", True, num_waiting_prefill_tokens=10)]))
+    route(a, prompt(13, 4 * BLOCK))
+    assert shared == [] and a.prefix.match(chain_keys(prompt(13, 4 * BLOCK)))  # still filed for itself
+    a.update_table(LoadTable(4, 2, [], num_api_servers=2))
+    rank = route(a, conv := prompt(14, 4 * BLOCK))
+    assert shared == [(rank, chain_keys(conv))]
+
+
 def test_without_cache_aware_nothing_is_hashed_or_shared():
     router = Router(2, "tokens")
     assert router.prefix is None
