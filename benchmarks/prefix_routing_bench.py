@@ -10,7 +10,7 @@ multi-turn chat. Per request: `chain_keys` (the block keys of the prompt,
 computed once per request) and then `pick()` + `on_send()` + `on_finish()`
 for a later turn of a known conversation (the index matches it). Also the
 tokens policy's pick for comparison, and (issue 29) cache-aware on KV events
-("exact"): the index warmed by each rank's BlockStored events for its
+("exact"): the index warmed by each rank's KV events (routing keys) for its
 conversations (16-token engine blocks, each stored once per rank), the
 decision binary searches over the 64-token blocks' holders plus the note of
 the send. Each turn is a fresh copy of its ids (as just decoded: new ints, in

@@ -254,8 +254,8 @@ class Sim:
         t0 = time.process_time()  # CPU time: other processes' load does not inflate it
         for router in self.routers:
             if router.kv.apply(batch):
-                log, cache = self.logs[batch.rank], self.ranks[batch.rank].cache
-                router.kv.apply_snapshot(KVSnapshot(batch.rank, batch.incarnation, log.seq, cache.snapshot()))
+                log = self.logs[batch.rank]
+                router.kv.apply_snapshot(KVSnapshot(batch.rank, batch.incarnation, log.seq, log.snapshot(), log.block))
         self.apply_s += time.process_time() - t0
 
     def routed(self, payload) -> None:

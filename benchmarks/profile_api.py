@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--stream", action="store_true")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=256,
+                   help="distinct prompts, sent round-robin (more than a run sends: every prompt new, no prefix hits)")
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=1)
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
         return 2
 
     cfg_kw = dict(concurrency=args.concurrency, max_tokens=args.max_tokens, stream=args.stream,
-                  prompt_words=args.prompt_words, ignore_eos=True)
+                  prompt_words=args.prompt_words, num_prompts=args.num_prompts, ignore_eos=True)
     results: dict[str, list] = {name: [] for name in envs}
     profile_text = ""
     print(f"load average before: {load_average()}", flush=True)

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from dpserve.engine.kv_events import BlockStored, KVEventLog, chain_snapshot
+from dpserve.engine.kv_events import KVEventLog
 from dpserve.engine.memory import available_memory_bytes, cpu_kv_budget_bytes
 
 
@@ -118,7 +118,6 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
-        self.block_parent: list[bytes | None] = [None] * num_blocks  # a registered block's parent key
         self.num_evictions = 0
         self.events = events
 
@@ -161,7 +160,7 @@ class BlockManager:
         del self.hash_to_block[self.block_hash[block]]
         if self.events is not None:
             self.events.removed(self.block_hash[block])
-        self.block_hash[block] = self.block_tokens[block] = self.block_parent[block] = None
+        self.block_hash[block] = self.block_tokens[block] = None
         self.num_evictions += 1
         return block
 
@@ -217,15 +216,8 @@ class BlockManager:
         self.hash_to_block[key] = block
         self.block_hash[block] = key
         self.block_tokens[block] = tuple(token_ids)
-        self.block_parent[block] = parent
         if self.events is not None:
             self.events.stored(key, parent, token_ids)
-
-    def kv_snapshot(self) -> list[BlockStored]:
-        """Every registered block as stored events, parents first (a KVSnapshot's body)."""
-        parents = {h: self.block_parent[b] for h, b in self.hash_to_block.items()}
-        tokens = {h: self.block_tokens[b] for h, b in self.hash_to_block.items()}
-        return chain_snapshot(parents, tokens, self.block_size)
 
 
 class KVCache:

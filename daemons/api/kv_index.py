@@ -9,20 +9,19 @@ may know less than a rank holds for a moment, never more.
 
 Keys are prefix_index.chain_keys over blocks of `block` tokens (a multiple of
 the engine's block size, 64 by default): the prompt is hashed once per
-request and each block is one dict probe, whatever the number of ranks. A
-routing block is held when the engine stored the engine block that ends it
-and every block before it; a rank's entries are prefix-closed (dropping a
-block drops what was filed under it), which the router's walk relies on.
+request and each block is one dict probe, whatever the number of ranks. The
+rank computes the keys of what it caches and keeps them prefix-closed
+(dropping a block drops what was filed under it), which the router's walk
+relies on; this side files a few ints per 64 tokens.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
-from dpserve.daemons.api.prefix_index import BLOCK, keys_after, leading_holders
-from dpserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVSnapshot
+from dpserve.daemons.api.prefix_index import BLOCK, leading_holders
+from dpserve.engine.kv_events import AllBlocksCleared, KeysRemoved, KeysStored, KVEventBatch, KVSnapshot
 
 # Another API server's note of a send (Router.learn) arrives a few ms after the send, through the
 # coordinator. A rank that removed the key within this long may have removed it after that send:
@@ -32,39 +31,24 @@ REMOVED_KEEP = 4096  # recently removed keys remembered per rank (the oldest go 
 
 
 class _RankKV:
-    """One rank's cached engine blocks, as filed: hash -> [base key, partial tokens, routing key or None].
+    """One rank's state as its events told it: the routing keys its cache holds."""
 
-    base: the routing key of the last complete routing block before this
-    engine block (0 at the root); partial: the tokens since that boundary,
-    this block's included (none when it ends a routing block); key: set when
-    this block ends a routing block.
-    """
-
-    __slots__ = ("incarnation", "seq", "synced", "nodes", "children", "keys", "removed")
+    __slots__ = ("incarnation", "seq", "synced", "keys", "removed")
 
     def __init__(self, incarnation: str) -> None:
         self.incarnation = incarnation
         self.seq = 0
         self.synced = True  # False between a gap and the snapshot that repairs it
-        self.nodes: dict = {}
-        self.children: dict = {}  # engine hash -> the filed blocks whose parent it is
         self.keys: set[int] = set()  # the routing keys its events confirm
-        self.removed: dict[int, float] = {}  # routing key -> when its events removed it (REMOVED_KEEP newest)
-
-    def note_removed(self, key: int, now: float) -> None:
-        removed = self.removed
-        removed.pop(key, None)
-        removed[key] = now
-        if len(removed) > REMOVED_KEEP:
-            del removed[next(iter(removed))]
+        self.removed: OrderedDict[int, float] = OrderedDict()  # routing key -> when its events removed it (REMOVED_KEEP newest)
 
 
 class KVIndex:
     """routing key -> {rank: 0} for the ranks that hold that prefix; the same face as PrefixIndex.
 
-    Invariant: for a synced rank, its entries are exactly the routing blocks
-    whose whole chain of engine blocks it reported stored and not removed;
-    for a rank awaiting a snapshot, none.
+    Invariant: for a synced rank, its entries are exactly the routing keys
+    its events (or snapshot) reported stored and not removed since; for a
+    rank awaiting a snapshot, none.
 
     Besides what events confirmed, `expect` notes prompts this API server sent
     and their rank has yet to compute (a long prefill takes seconds; without
@@ -109,11 +93,11 @@ class KVIndex:
             return self._await_snapshot(state)
         state.seq = batch.seq
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                self._stored(rank, state, event)
-            elif isinstance(event, BlockRemoved):
-                self._drop(rank, state, event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
+            if type(event) is KeysStored:
+                self._stored(rank, state, event.keys, event.block)
+            elif type(event) is KeysRemoved:
+                self._removed(rank, state, event.keys)
+            elif type(event) is AllBlocksCleared:
                 self._clear(rank, state)
         return False
 
@@ -134,8 +118,7 @@ class KVIndex:
             self._clear(snap.rank, old)  # (notes of what we sent it stay: the snapshot may predate them)
         state = self.ranks[snap.rank] = _RankKV(snap.incarnation)
         state.seq = snap.seq
-        for event in snap.blocks:
-            self._stored(snap.rank, state, event)
+        self._stored(snap.rank, state, snap.keys, snap.block)
 
     def forget_rank(self, rank: int) -> None:
         """The rank died or restarted: its cache is gone, and what we sent it with it."""
@@ -180,68 +163,41 @@ class KVIndex:
             if rank not in notes.get(key, ()):
                 self._unhold(key, rank)
         state.keys.clear()
-        state.nodes.clear()
-        state.children.clear()
 
-    def _stored(self, rank: int, state: _RankKV, event: BlockStored) -> None:
-        nodes, bs = state.nodes, event.block_size
-        if self.block % bs:
+    def _stored(self, rank: int, state: _RankKV, keys: list[int], block: int) -> None:
+        if block != self.block:
             if self.entries:
-                return  # ranks of two block sizes: only the first size's are filed
-            self.block = math.lcm(self.block, bs)  # vLLM's CPU blocks may be larger than ours
-        block = self.block
-        parent = event.parent_block_hash
-        if parent is None:
-            base, partial = 0, ()
-        else:
-            pnode = nodes.get(parent)
-            if pnode is None:
-                return  # its parent is not filed (evicted, or never seen): unreachable from a prompt's root
-            base, partial = (pnode[2], ()) if pnode[2] is not None else (pnode[0], pnode[1])
-        toks, hashes = event.token_ids, event.block_hashes
-        if len(toks) < len(hashes) * bs:
-            return  # malformed: fewer token ids than its blocks hold
-        # one call (C) keys every routing block the event completes; then one pass files them
-        ids = [*partial, *toks] if partial else toks
-        keys, lead = keys_after(base, ids, block), len(partial)
-        for i, h in enumerate(hashes):
-            end = lead + (i + 1) * bs  # ids through this engine block
-            k = end // block  # routing blocks complete through it
-            if h in nodes:
-                self._drop(rank, state, (h,))
-            if end % block:
-                nodes[h] = [keys[k - 1] if k else base, tuple(ids[k * block : end]), None]
-            else:  # it ends routing block k
-                key = keys[k - 1]
-                self._hold(key, rank)
-                state.keys.add(key)
-                state.removed.pop(key, None)
-                noted = self.notes.get(key)
+                return  # ranks of two routing-block sizes: only the first size's are filed
+            self.block = block  # vLLM's CPU blocks may be larger than 64 (the rank chose lcm(64, its blocks))
+        entries, notes, held, removed = self.entries, self.notes, state.keys, state.removed
+        for key in keys:  # (_hold inlined: a few keys a step, every step)
+            holders = entries.get(key)
+            if holders is None:
+                entries[key] = {rank: 0}
+            else:
+                holders[rank] = 0
+            held.add(key)
+            if removed:
+                removed.pop(key, None)
+            if notes:
+                noted = notes.get(key)
                 if noted is not None and rank in noted:
                     self._unnote(key, rank)  # confirmed: the note has done its job
-                nodes[h] = [keys[k - 2] if k > 1 else base, (), key]
-            if parent is not None:
-                state.children.setdefault(parent, []).append(h)
-            parent = h
 
-    def _drop(self, rank: int, state: _RankKV, hashes) -> None:
-        """Unfile these blocks and everything filed under them (prefix-closed): one call an event."""
-        nodes, children, notes, held = state.nodes, state.children, self.notes, state.keys
+    def _removed(self, rank: int, state: _RankKV, keys: list[int]) -> None:
+        entries, notes, held, removed = self.entries, self.notes, state.keys, state.removed
         now = self.clock()
-        stack = list(hashes)
-        while stack:
-            h = stack.pop()
-            kids = children.pop(h, None)
-            if kids:
-                stack.extend(kids)
-            node = nodes.pop(h, None)
-            if node is None or node[2] is None:
-                continue
-            key = node[2]
+        for key in keys:
             held.discard(key)
-            state.note_removed(key, now)
-            if rank not in notes.get(key, ()):
-                self._unhold(key, rank)
+            removed.pop(key, None)  # (note_removed inlined)
+            removed[key] = now
+            if notes and rank in notes.get(key, ()):
+                continue  # a live note keeps the entry until it expires
+            holders = entries.get(key)  # (_unhold inlined)
+            if holders is not None and holders.pop(rank, None) is not None and not holders:
+                del entries[key]
+        while len(removed) > REMOVED_KEEP:
+            removed.popitem(last=False)  # (a dict's next(iter()) crawls over the deleted slots at its front)
 
     # ------------------------------------------------------------ notes and lookups
 

@@ -22,22 +22,16 @@ dropped as they are met).
 from __future__ import annotations
 
 import math
-import sys
 from collections import OrderedDict
 
-BLOCK = 64  # tokens per routing block (coarser than the engine's KV blocks: cheaper, same affinity)
+from dpserve.engine.kv_events import ROUTING_BLOCK as BLOCK  # tokens per routing block: the ranks' events key the same
+from dpserve.engine.kv_events import block_key  # noqa: F401  (the definition every key here must match)
+
 MAX_ENTRIES = 1 << 18  # block keys remembered (16 M prompt tokens of history at 64 tokens each)
 MAX_BLOCKS = 128  # a prompt's first 8,192 tokens decide; beyond, affinity is settled
 
 
 _CUTS: dict[int, list[slice]] = {}  # block size -> the slices of blocks 0..MAX_BLOCKS-1
-
-
-def block_key(parent: int, tokens: tuple) -> int:
-    """The key of a block of `tokens` after the block keyed `parent` (0 at the root)."""
-    # hash() of a tuple of ints is not salted (only str and bytes are), so keys
-    # agree across API servers; a 64-bit collision only costs a cache miss
-    return hash((parent, hash(tokens)))
 
 
 def py_chain_keys(prompt: list[int], block: int = BLOCK, parent: int = 0, max_blocks: int = MAX_BLOCKS) -> list[int]:
@@ -79,14 +73,6 @@ def chain_keys(prompt: list[int], block: int = BLOCK) -> list[int]:
     if _c_chain_keys is not None:
         return _c_chain_keys(prompt, block, MAX_BLOCKS)
     return py_chain_keys(prompt, block)
-
-
-def keys_after(parent: int, tokens: list[int], block: int) -> list[int]:
-    """The keys of every full block of `tokens`, chained from the block keyed `parent` (0: the
-    root): what a rank's KV events store, filed in one call (kv_index.py). Same keys as chain_keys."""
-    if _c_chain_keys is not None:
-        return _c_chain_keys(tokens, block, sys.maxsize, parent)
-    return py_chain_keys(tokens, block, parent, sys.maxsize)
 
 
 def leading_holders(entries: dict[int, dict[int, int]], keys: list[int]) -> list[dict[int, int]]:

@@ -22,7 +22,7 @@ from dpserve.engine.kv_events import KVEventBatch, KVSnapshot, KVSnapshotRequest
 
 # Raised when a message's wire form changes incompatibly: a node of the other version is refused
 # at registration, by name, not left sending what the head cannot decode (2: NodeLoad packed; 3: LoadDelta flat;
-# 4: KV events ride with outputs).
+# 4: KV events as routing keys, riding with outputs).
 PROTOCOL_VERSION = 4
 
 # Finish reasons as they appear in OpenAI responses, plus the internal one

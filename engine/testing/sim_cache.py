@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict, deque
 
-from dpserve.engine.kv_events import BlockStored, KVEventLog, chain_snapshot
+from dpserve.engine.kv_events import KVEventLog
 
 
 def chain_hashes(prompt: list[int], block_size: int) -> list[int]:
@@ -39,8 +39,6 @@ class SimCache:
         self.num_free = num_blocks
         self.cached: OrderedDict[int, None] = OrderedDict()
         self.ref: dict[int, int] = {}
-        self.parent: dict[int, int | None] = {}
-        self.tokens: dict[int, list[int]] = {}
         self.events = events
         self.num_evictions = 0
 
@@ -73,7 +71,7 @@ class SimCache:
 
     def _evict(self) -> None:
         h, _ = self.cached.popitem(last=False)
-        del self.ref[h], self.parent[h], self.tokens[h]
+        del self.ref[h]
         self.num_evictions += 1
         if self.events is not None:
             self.events.removed(h)
@@ -89,11 +87,9 @@ class SimCache:
             if h in self.ref:
                 continue  # private duplicate: freed on release
             self.ref[h] = 1
-            self.parent[h] = hashes[i - 1] if i else None
-            self.tokens[h] = prompt[i * bs : (i + 1) * bs]
             held.append(h)
             if self.events is not None:
-                self.events.stored(h, self.parent[h], self.tokens[h])
+                self.events.stored(h, hashes[i - 1] if i else None, prompt[i * bs : (i + 1) * bs])
         return held
 
     def release(self, held: list[int], num_blocks: int) -> None:
@@ -103,9 +99,6 @@ class SimCache:
             if self.ref[h] == 0:
                 self.cached[h] = None
         self.num_free += num_blocks - len(held)
-
-    def snapshot(self) -> list[BlockStored]:
-        return chain_snapshot(self.parent, self.tokens, self.block_size)
 
 
 class SimSpeeds:
@@ -234,7 +227,7 @@ def caching_core(base: type):
     """`dpserve sim-engine --kv-cache-blocks N`: SimCore (engine/testing/sim.py, passed as `base`)
     with a SimCache of N blocks. A prompt's cached leading blocks are not prefilled again, and the
     cache's KV events reach the API servers that ask, as a real rank's do (RankIO's KVPublisher
-    reads `kv_events` after each step and answers snapshots from `kv_snapshot()`).
+    reads `kv_events` after each step and answers snapshots from it).
 
     Invariant: `requests` holds the cache state of exactly the requests SimCore still holds that
     got blocks (a request that found no room runs uncached); each releases them once, when it
@@ -285,8 +278,5 @@ def caching_core(base: type):
             state = self.requests.pop(request_id, None)
             if state is not None:
                 self.cache.release(state.held, state.num_blocks)
-
-        def kv_snapshot(self) -> list[BlockStored]:
-            return self.cache.snapshot()
 
     return CachingSimCore

@@ -12,7 +12,7 @@ import msgspec
 from dpserve.daemons.api.kv_index import KVIndex
 from dpserve.daemons.api.prefix_index import chain_keys
 from dpserve.engine.kv_cache import BlockManager
-from dpserve.engine.kv_events import BlockRemoved, BlockStored, KVEventBatch, KVEventLog, KVSnapshot
+from dpserve.engine.kv_events import KeysRemoved, KeysStored, KVEventBatch, KVEventLog, KVSnapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,7 +52,7 @@ class Rank:
         return len(self.blocks.match(hashes, prompt, len(hashes))) * BS // ROUTING
 
     def snapshot(self) -> KVSnapshot:
-        return KVSnapshot(self.rank, self.incarnation, self.log.seq, self.blocks.kv_snapshot())
+        return KVSnapshot(self.rank, self.incarnation, self.log.seq, self.log.snapshot(), self.log.block)
 
 
 def prompt_of(parts: list[int]) -> list[int]:
@@ -129,24 +129,49 @@ def test_restart_empties_until_snapshot():
     new = Rank(0, 64, "new")  # restarted with an empty cache; its first batch was missed
     new.serve(prompt_of([3, 4]))
     new.log.take_batch(0, "new")
-    new.serve(prompt_of([3, 4, 5]))
+    new.serve(prompt_of([3, 4, 5, 0]))  # (a batch needs a routing block's change: 128 tokens complete a second)
     assert index.apply(new.log.take_batch(0, "new"))
     assert index.match(chain_keys(prompt_of([0, 1]), ROUTING)) == {}
 
 
 def test_events_batch_per_step_and_evictions_are_removals():
     rank = Rank(0, 4, "x")  # 4 blocks of 16: one 64-token prompt fills the cache
-    rank.serve(list(range(1, 65)))
+    first = list(range(1, 65))
+    rank.serve(first)
     batch = rank.log.take_batch(0, "x")
-    assert batch.seq == 1 and len(batch.events) == 1
-    stored = batch.events[0]
-    assert isinstance(stored, BlockStored) and stored.parent_block_hash is None
-    assert len(stored.block_hashes) == 4 and stored.token_ids == list(range(1, 65))
-    rank.serve(list(range(100, 164)))  # evicts the first prompt's blocks, tail first
+    assert batch.seq == 1 and batch.events == [KeysStored(chain_keys(first, ROUTING), ROUTING)]
+    rank.serve(list(range(100, 164)))  # evicts the first prompt's blocks, tail first: its one routing block goes
     events = rank.log.take_batch(0, "x").events
-    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
-    assert sorted(removed) == sorted(stored.block_hashes)
+    assert events[0] == KeysRemoved(chain_keys(first, ROUTING)) and rank.log.snapshot() == chain_keys(list(range(100, 164)), ROUTING)
     assert rank.log.take_batch(0, "x") is None  # nothing happened: no batch, no number used
+
+
+def test_the_log_keys_a_branch_from_mid_block_and_drops_what_hangs_under_a_removed_block():
+    """Two prompts share 96 tokens (a routing block and a half): the second's keys chain from
+    the shared half-block's partial tokens. Removing a shared block drops both prompts'
+    later keys; parents' child sets do not grow with churn."""
+    log = KVEventLog(BS)
+    a, b = list(range(1, 129)), list(range(1, 97)) + list(range(500, 532))  # 128 tokens each
+    ha, hb = [("a", i) for i in range(8)], [("a", i) if i < 6 else ("b", i) for i in range(8)]
+    for hashes, ids in ((ha, a), (hb, b)):
+        for i, h in enumerate(hashes):
+            log.stored(h, hashes[i - 1] if i else None, ids[i * BS : (i + 1) * BS])
+    ka, kb = chain_keys(a, ROUTING), chain_keys(b, ROUTING)
+    assert ka[0] == kb[0] and ka[1] != kb[1] and sorted(log.snapshot()) == sorted({*ka, *kb})
+    log.take_batch(0, "x")
+    for _ in range(50):  # churn under a long-lived parent
+        log.removed(("b", 6))
+        log.stored(("b", 6), ("a", 5), b[96:112])
+    assert log.children[("a", 5)] == {("a", 6), ("b", 6)}
+    log.take_batch(0, "x")
+    log.stored(("b", 7), ("b", 6), b[112:128])
+    log.removed(("a", 4))  # the second routing block's first engine block: both branches lose it
+    events = log.take_batch(0, "x").events
+    assert events[0] == KeysStored([kb[1]], ROUTING) and sorted(events[1].keys) == sorted([ka[1], kb[1]])
+    assert log.snapshot() == [ka[0]]
+    log.stored(("x", 0), ("gone", 1), a[:16])  # its parent is not filed: unreachable, not filed
+    log.stored(("y", 0), None, a[:8])  # not a block of this cache's size
+    assert log.nodes.keys() == {("a", i) for i in range(4)} and log.take_batch(0, "x") is None
 
 
 def test_a_sent_prompt_counts_until_its_events_confirm_it_or_its_note_expires():
@@ -246,7 +271,7 @@ def test_a_simulated_rank_with_a_prefix_cache_publishes_what_it_holds():
 
     assert run("a", prompt) == 6 and index.match(chain_keys(prompt, ROUTING)) == {0: 1}
     assert run("b", prompt) == 2  # 79 of 80 tokens cached: one prefill step, one decode step
-    fresh.apply_snapshot(KVSnapshot(0, "i0", core.kv_events.seq, core.kv_snapshot()))
+    fresh.apply_snapshot(KVSnapshot(0, "i0", core.kv_events.seq, core.kv_events.snapshot(), ROUTING))
     assert fresh.match(chain_keys(prompt, ROUTING)) == {0: 1} and core.cache.num_free + len(core.cache.cached) == 12
     core.add_request(AddRequest("c", PIECES[2] * 4, SamplingParams(max_tokens=2), 0.0))  # 160 tokens: evicts
     core.abort_requests(["c"])

@@ -15,7 +15,7 @@ import pytest
 from dpserve.daemons.api.kv_index import KVIndex
 from dpserve.daemons.api.prefix_index import chain_keys
 from dpserve.engine.backends.vllm.kv_events import VllmKVEvents, translate
-from dpserve.engine.kv_events import BlockRemoved, BlockStored, KVEventLog, KVSnapshot
+from dpserve.engine.kv_events import BlockRemoved, BlockStored, KeysRemoved, KVEventLog, KVSnapshot
 
 from tests.support import vllm_venv
 
@@ -47,13 +47,8 @@ BlockRemovedV.__name__ = "BlockRemoved"
 @dataclass
 class Feeder:
     log: KVEventLog = field(default_factory=lambda: KVEventLog(16))
-    parents: dict = field(default_factory=dict)
-    tokens: dict = field(default_factory=dict)
-    block_size: int = 16
 
     feed = VllmKVEvents.feed
-    _clear = VllmKVEvents._clear
-    snapshot = VllmKVEvents.snapshot
 
 
 def test_translate_keeps_token_blocks_and_skips_the_rest():
@@ -78,11 +73,11 @@ def test_vllm_events_feed_the_index_and_a_snapshot():
     assert index.match(chain_keys(prompt)) == {1: 2}
     feeder.feed([BlockRemovedV(hashes[6:][::-1]), BlockRemovedV([999])])  # an unknown hash is no event
     batch = feeder.log.take_batch(1, "v")
-    assert [e.block_hashes for e in batch.events] == [[hashes[7], hashes[6]]]
+    assert batch.events == [KeysRemoved(chain_keys(prompt)[1:])]  # the second routing block lost its tail
     index.apply(batch)
     assert index.match(chain_keys(prompt)) == {1: 1}
     fresh = KVIndex(2)
-    fresh.apply_snapshot(KVSnapshot(1, "v", feeder.log.seq, feeder.snapshot()))
+    fresh.apply_snapshot(KVSnapshot(1, "v", feeder.log.seq, feeder.log.snapshot(), feeder.log.block))
     assert fresh.match(chain_keys(prompt)) == {1: 1}
 
 
@@ -96,21 +91,20 @@ cfg = events_config(3)
 pub = ZmqEventPublisher(data_parallel_rank=0, endpoint=cfg["endpoint"], topic=cfg["topic"])
 log = KVEventLog(16)
 sub = VllmKVEvents(cfg["endpoint"], log)
-ids = list(range(1, 33))
+ids = list(range(1, 65))
+hashes = [bytes([c]) * 16 for c in b"abcd"]
 got, deadline = 0, time.monotonic() + 20
 while got < 2 and time.monotonic() < deadline:  # a SUB misses what was sent before it joined: publish until seen
-    log.pending.clear()
     pub.publish(KVEventBatch(ts=time.time(), events=[
-        BlockStored(block_hashes=[b"a" * 16, b"b" * 16], parent_block_hash=None, token_ids=ids, block_size=16,
+        BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=ids, block_size=16,
                     lora_id=None, medium="GPU", lora_name=None)]))
-    pub.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[b"b" * 16], medium="GPU")]))
+    pub.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[hashes[1]], medium="GPU")]))
     time.sleep(0.2)
-    sub.parents.clear(); sub.tokens.clear(); sub.last_seq = -1
+    log.cleared(); log.pending.clear(); sub.last_seq = -1
     got = sub.drain()
 batch = log.take_batch(0, "x")
 print(json.dumps({"got": got, "events": [type(e).__name__ for e in batch.events],
-                  "stored": [h.hex() for h in batch.events[0].block_hashes], "tokens": batch.events[0].token_ids,
-                  "removed": [h.hex() for h in batch.events[1].block_hashes]}))
+                  "stored": batch.events[0].keys, "removed": batch.events[1].keys, "held": log.snapshot()}))
 sub.close(); pub.shutdown()
 """
 
@@ -122,6 +116,6 @@ def test_vllms_own_publisher_is_read_and_translated():
                          env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["events"] == ["BlockStored", "BlockRemoved"]
-    assert got["stored"] == ["61" * 16, "62" * 16] and got["tokens"] == list(range(1, 33))
-    assert got["removed"] == ["62" * 16]
+    assert got["events"] == ["KeysStored", "KeysRemoved"]  # routing keys, as the API servers key prompts
+    key = chain_keys(list(range(1, 65)))
+    assert got["stored"] == key and got["removed"] == key and got["held"] == []  # the second block's loss drops it

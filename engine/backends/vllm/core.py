@@ -290,9 +290,9 @@ class VllmCore:
             self._kv_sub.drain()  # what vLLM's publisher thread sent so far (this step's, or the last's)
         return outputs
 
-    def kv_snapshot(self) -> list:
+    def kv_sync(self) -> None:
+        """Before a snapshot: what vLLM's publisher sent so far, into the log (engine/kv_events.py)."""
         self._kv_sub.drain()
-        return self._kv_sub.snapshot()
 
     def _run_step(self, start: float) -> list:
         """engine.step() on the worker thread; liveness from here while it runs."""

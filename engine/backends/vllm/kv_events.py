@@ -3,9 +3,10 @@
 With `--engine vllm` the rank asks vLLM for KV events (`kv_events_config`:
 vLLM's ZMQ publisher, on an ipc endpoint private to the rank) and a
 VllmKVEvents reads what the publisher sent after every step, translating
-each of vLLM's BlockStored / BlockRemoved / AllBlocksCleared into
-engine/kv_events.py's, into the rank's KVEventLog: from there on, batches,
-numbering and snapshots are the same as the native engine's. vLLM's own
+each of vLLM's BlockStored / BlockRemoved / AllBlocksCleared into the
+rank's KVEventLog, block by block, as the native block manager tells it:
+from there on, routing keys, batches, numbering and snapshots are the same
+as the native engine's. vLLM's own
 sequence numbers are checked: a frame lost between vLLM's thread and ours
 marks the log cleared (the API servers then rebuild from what follows),
 never a wrong index.
@@ -21,12 +22,12 @@ from __future__ import annotations
 
 import os
 
-from dpserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventLog, chain_snapshot
+from dpserve.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
 
 OWN_MEDIA = (None, "GPU")  # vLLM's block pool publishes its device cache as "GPU", on CPU builds too
 
 
-def translate(event) -> KVEvent | None:
+def translate(event) -> BlockStored | BlockRemoved | AllBlocksCleared | None:
     """One of vLLM's KV events as dpserve's, or None when routing cannot use it."""
     kind = type(event).__name__
     if kind == "AllBlocksCleared":
@@ -53,9 +54,8 @@ class VllmKVEvents:
     """A SUB socket on vLLM's publisher, drained into a KVEventLog after each step.
 
     vLLM frames are (topic, seq as 8 big-endian bytes, msgpack KVEventBatch).
-    Invariant: `parents` / `tokens` hold exactly the blocks the log reported
-    stored and not removed since its last clear (what `snapshot` answers with,
-    vLLM having no snapshot of its own).
+    The log keeps what vLLM's cache holds as its events told (vLLM has no
+    snapshot of its own): a removal of a block the log never filed is no event.
     """
 
     def __init__(self, endpoint: str, log: KVEventLog) -> None:
@@ -72,9 +72,6 @@ class VllmKVEvents:
         self.decoder = msgspec.msgpack.Decoder(VllmBatch)
         self.last_seq = -1
         self.num_gaps = 0
-        self.parents: dict = {}
-        self.tokens: dict = {}
-        self.block_size = log.block_size  # vLLM's, from its first stored event
 
     def drain(self) -> int:
         """Every batch vLLM published since the last call, translated into the log; returns how many."""
@@ -91,40 +88,25 @@ class VllmKVEvents:
             seq = int.from_bytes(frames[1], "big")
             if self.last_seq >= 0 and seq != self.last_seq + 1:
                 self.num_gaps += 1
-                self._clear()  # what we missed is unknown: consumers start again from empty
+                self.log.cleared()  # what we missed is unknown: consumers start again from empty
             self.last_seq = seq
             self.feed(self.decoder.decode(frames[2]).events)
             n += 1
 
     def feed(self, events) -> None:
-        log, parents, tokens = self.log, self.parents, self.tokens
+        log = self.log
         for event in events:
             ours = translate(event)
             if isinstance(ours, BlockStored):
-                parent = ours.parent_block_hash
-                bs = ours.block_size
-                self.block_size = bs
+                parent, bs = ours.parent_block_hash, ours.block_size
                 for i, h in enumerate(ours.block_hashes):
-                    ids = ours.token_ids[i * bs : (i + 1) * bs]
-                    log.stored(h, parent, ids)
-                    parents[h], tokens[h] = parent, ids
+                    log.stored(h, parent, ours.token_ids[i * bs : (i + 1) * bs])
                     parent = h
             elif isinstance(ours, BlockRemoved):
                 for h in ours.block_hashes:
-                    if parents.pop(h, 0) != 0:
-                        del tokens[h]
-                        log.removed(h)
+                    log.removed(h)
             elif isinstance(ours, AllBlocksCleared):
-                self._clear()
-
-    def _clear(self) -> None:
-        self.parents.clear()
-        self.tokens.clear()
-        self.log.cleared()
-
-    def snapshot(self) -> list[BlockStored]:
-        """What vLLM's cache holds as far as its events told (a KVSnapshot's body)."""
-        return chain_snapshot(self.parents, self.tokens, self.block_size)
+                log.cleared()
 
     def close(self) -> None:
         self.sub.close(linger=0)
