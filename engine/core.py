@@ -15,11 +15,11 @@ from operator import attrgetter
 
 import torch
 from dpserve.engine.common.config import DEFAULT_BLOCK_SIZE, EngineConfig, resolve_max_model_len, resolve_token_budget
+from dpserve.engine.common.grammar_limits import MAX_GRAMMAR_BYTES
 from dpserve.engine.common.protocol import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
-    MAX_GRAMMAR_BYTES,
     AddRequest,
     RequestOutput,
     TokenLogprobs,

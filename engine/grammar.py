@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from dpserve.engine.common.protocol import GRAMMAR_LIMITS
+from dpserve.engine.common.grammar_limits import GRAMMAR_LIMITS
 
 MAX_CACHED_GRAMMARS = 64
 MAX_CACHED_GRAMMAR_BYTES = 16 << 20  # grammar texts held; their compiled form is of the same order

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 from dpserve.daemons.api.openai_types import ApiError
-from dpserve.engine.common.protocol import (
+from dpserve.engine.common.grammar_limits import (
     GRAMMAR_LIMITS,
     MAX_GRAMMAR_ALTERNATIVES,
     MAX_GRAMMAR_PATTERN_SIZE,

@@ -141,7 +141,7 @@ def follow(tokenizer, grammar: str, max_tokens: int = 9000) -> str:
     import llguidance
     import llguidance.torch as llg
     import torch
-    from dpserve.engine.common.protocol import GRAMMAR_LIMITS
+    from dpserve.engine.common.grammar_limits import GRAMMAR_LIMITS
 
     matcher = llguidance.LLMatcher(tokenizer, grammar, limits=llguidance.LLParserLimits(**GRAMMAR_LIMITS))
     mask = llg.allocate_token_bitmask(1, tokenizer.vocab_size)
