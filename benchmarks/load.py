@@ -3,7 +3,13 @@
 
 ``--concurrency`` workers share one aiohttp ClientSession (a keep-alive
 TCPConnector sized to the concurrency); each worker sends a request, waits for
-the full answer, records it and immediately sends the next one.
+the full answer, records it and immediately sends the next one.  With
+``--request-rate R`` the run is paced instead: arrivals are Poisson at R
+requests/s and each worker waits for the next one before sending, so at most
+``--concurrency`` are in flight (an arrival that finds every worker busy goes
+as soon as one frees).  Paced runs compare per-request costs of two servers at
+the same offered load, which a closed loop cannot: there each server's own
+throughput sets how much work it batches.
 
 Where it measures the same thing as vLLM's own client -- streamed throughput,
 TTFT and ITL against dpserve and ``vllm serve`` -- the comparisons use
@@ -216,6 +222,7 @@ class LoadConfig:
     prompt_words: int = 32
     prompt_mix: str | Sequence[tuple[int, float]] | None = None
     num_prompts: int = 256  # size of the prebuilt prompt pool, used round-robin
+    request_rate: float | None = None  # paced: Poisson arrivals at this rate, at most `concurrency` in flight
     rank_pin: int | None = None
     api_key: str | None = None
     temperature: float = 0.0
@@ -343,6 +350,8 @@ class _Run:
             raise ValueError("concurrency must be >= 1")
         if cfg.num_requests is not None and cfg.num_requests < 1:
             raise ValueError("num_requests must be >= 1")
+        if cfg.request_rate is not None and not cfg.request_rate > 0:
+            raise ValueError("request_rate must be > 0")
         self.cfg = cfg
         self.host = check_loopback(cfg.url, cfg.allow_remote)
         base = cfg.url.rstrip("/")
@@ -366,6 +375,8 @@ class _Run:
         self.counted = 0
         self.inflight = 0
         self.next_prompt = 0
+        self.next_send = 0.0  # paced: when the next request is due (perf_counter)
+        self.pace_rng = random.Random(cfg.seed + 1)
         self.stopping = False
         self.done = asyncio.Event()
 
@@ -577,7 +588,15 @@ class _Run:
         n = self.cfg.num_requests
         perf = time.perf_counter
         backoff = self.cfg.error_backoff
+        rate = self.cfg.request_rate
         while not self.stopping:
+            if rate is not None:  # each worker claims the next arrival; late arrivals go at once
+                self.next_send += self.pace_rng.expovariate(rate)
+                delay = self.next_send - perf()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if self.stopping:
+                    return
             if n is not None and perf() >= self.t_meas and self.counted + self.inflight >= n:
                 return
             body = bodies[self.next_prompt % nb]
@@ -607,7 +626,7 @@ class _Run:
             self.url = self.base + self.path
             self.bodies = self.build_bodies(model)
 
-            t_start = time.perf_counter()
+            t_start = self.next_send = time.perf_counter()
             self.t_meas = t_start + max(0.0, cfg.warmup)
             hard_end = t_start + cfg.max_time
             deadline = hard_end
@@ -778,6 +797,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-words", type=int, default=32)
     g.add_argument("--prompt-mix", default=None, help='words:weight list, e.g. "20:0.9,2000:0.1"')
     p.add_argument("--num-prompts", type=int, default=256, help="distinct prompts in the pool")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="paced: Poisson arrivals at this many requests/s (at most --concurrency in flight)")
     p.add_argument("--rank-pin", type=int, default=None, help=f"send header {RANK_HEADER}: R")
     p.add_argument("--api-key", default=None)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -797,6 +818,7 @@ def config_from_args(a: argparse.Namespace) -> LoadConfig:
         prompt_words=a.prompt_words, prompt_mix=a.prompt_mix, num_prompts=a.num_prompts,
         rank_pin=a.rank_pin, api_key=a.api_key, temperature=a.temperature, seed=a.seed,
         request_seed=a.request_seed, timeout=a.timeout, allow_remote=a.allow_remote,
+        request_rate=a.request_rate,
     )
 
 

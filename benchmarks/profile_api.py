@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import shlex
 import shutil
 import statistics
@@ -82,6 +84,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=256,
                    help="distinct prompts, sent round-robin (more than a run sends: every prompt new, no prefix hits)")
     p.add_argument("--duration", type=float, default=10.0)
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="paced load at this many requests/s (load.py --request-rate): both arms then do the same "
+                        "work per second, so their CPU per request compares without the batching a closed loop's "
+                        "own throughput sets; keep it under the slower arm's capacity")
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--code", action="append", default=[], help="a dpserve source tree to run (repeat to compare)")
@@ -112,7 +118,8 @@ def main(argv=None) -> int:
         return 2
 
     cfg_kw = dict(concurrency=args.concurrency, max_tokens=args.max_tokens, stream=args.stream,
-                  prompt_words=args.prompt_words, num_prompts=args.num_prompts, ignore_eos=True)
+                  prompt_words=args.prompt_words, num_prompts=args.num_prompts, ignore_eos=True,
+                  request_rate=args.request_rate)
     results: dict[str, list] = {name: [] for name in envs}
     profile_text = ""
     print(f"load average before: {load_average()}", flush=True)
@@ -125,7 +132,8 @@ def main(argv=None) -> int:
                 try:
                     node.start()
                     url = node.url
-                    measure_sync(node, LoadConfig(url=url, duration=args.warmup, **cfg_kw))  # warm caches, connections
+                    measure_sync(node, LoadConfig(url=url, duration=args.warmup, seed=1, **cfg_kw))  # warm caches, connections
+                    # (seed=1: other prompts than the measurement's, which would otherwise hit the prefix cache)
                     recorder = None
                     last = rnd == args.rounds - 1 and name == order[-1]
                     if args.py_spy and last:
@@ -159,14 +167,38 @@ def main(argv=None) -> int:
                      fmt(min(cpu) if cpu else None, 0), fmt(max(cpu) if cpu else None, 0),
                      fmt(max(rss) if rss else None, 1)])
     what = f"max_tokens={args.max_tokens}{' stream' if args.stream else ''}, c={args.concurrency}, dp{args.dp}/api{args.api}"
+    if args.request_rate:
+        what += f", paced at {args.request_rate:g} req/s"
     if args.json:
         print(json.dumps({name: [m.to_dict() for m in ms] for name, ms in results.items()}))
     else:
         print(f"\nAPI-server CPU per request ({what}; {args.rounds} round(s), median):")
         print(render(["code", "req/s", "CPU us/req", "min", "max", "RSS MB"], rows))
+        if len(results) == 2:
+            print(paired_ratio(results))
         if profile_text:
             print("\n" + profile_text)
     return 0
+
+
+def paired_ratio(results: dict[str, list]) -> str:
+    """The second arm's API CPU per request over the first's, round by round (the arms
+    alternate, so a round's pair shared the machine's state): geometric mean, median and a
+    bootstrap 90% interval of the mean."""
+    (a, ma), (b, mb) = results.items()
+    ratios = [y.api_cpu_us_per_req / x.api_cpu_us_per_req for x, y in zip(ma, mb)
+              if x.api_cpu_us_per_req and y.api_cpu_us_per_req]
+    if not ratios:
+        return ""
+
+    def gmean(xs):
+        return math.exp(sum(map(math.log, xs)) / len(xs))
+
+    rng = random.Random(1)
+    boot = sorted(gmean(rng.choices(ratios, k=len(ratios))) for _ in range(10_000))
+    return (f"\n{b} / {a}, API CPU per request, per round: {' '.join(f'{r:.3f}' for r in ratios)}\n"
+            f"geometric mean {gmean(ratios):.3f}, median {statistics.median(ratios):.3f}, "
+            f"bootstrap 90% interval {boot[500]:.3f}-{boot[9499]:.3f} ({len(ratios)} rounds)")
 
 
 if __name__ == "__main__":

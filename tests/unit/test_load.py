@@ -134,6 +134,18 @@ def test_streaming_itl_with_paced_tokens():
     assert r.ttft_ms["p50"] < r.latency_ms["p50"]
 
 
+def test_paced_rate_holds_whatever_the_concurrency(server):
+    # a closed loop against this server runs far above 40 req/s (test_non_streaming: > 20 in
+    # 1 s at c=4 is its floor); paced, the offered rate is the rate whatever the workers
+    for concurrency in (2, 16):
+        r = run(LoadConfig(url=server.url, concurrency=concurrency, duration=2.0, warmup=0.2, max_tokens=2,
+                           request_rate=40.0))
+        assert r.errors == {}, r.error_samples
+        assert 40 <= r.ok <= 130, (concurrency, r.ok)  # Poisson, mean 80 in 2 s
+    with pytest.raises(ValueError):
+        run(LoadConfig(url=server.url, request_rate=0.0))
+
+
 def test_num_requests_exact(server):
     r = run(LoadConfig(url=server.url, model="baseline", concurrency=4, num_requests=25, max_tokens=4))
     assert r.requests == r.ok == 25
