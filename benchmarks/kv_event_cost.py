@@ -88,7 +88,29 @@ def measure(args) -> dict:
     out["bytes"] = round(size / n)
     out["batches"] = len(batches)
     out["api_us"] = round(out["decode_us"] + out["apply_us"], 2)
+    out["index_bytes_per_key"] = index_memory(args.index_ranks, args.index_keys)
     return out
+
+
+def index_memory(ranks: int, keys_per_rank: int) -> int:
+    """An API server's index memory per (rank, routing block held), every rank holding distinct
+    prefixes (the worst case: a key many ranks hold is filed once): what cache-aware costs in RSS,
+    x ranks x the blocks of 64 tokens each rank caches."""
+    import tracemalloc
+
+    from dpserve.daemons.api.kv_index import KVIndex
+    from dpserve.engine.kv_events import KeysStored, KVEventBatch
+
+    rng = random.Random(1)
+    batches = [KVEventBatch(r, "i0", 1, [KeysStored([rng.getrandbits(63) for _ in range(keys_per_rank)], 64)])
+               for r in range(ranks)]
+    tracemalloc.start()
+    index = KVIndex(ranks)
+    for batch in batches:
+        index.apply(batch)
+    used = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return round(used / (ranks * keys_per_rank))
 
 
 def main() -> int:
@@ -97,6 +119,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--cache-blocks", type=int, default=2048, help="the rank's cache, in 16-token blocks")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--index-ranks", type=int, default=64, help="the index-memory figure's ranks")
+    ap.add_argument("--index-keys", type=int, default=2000, help="... and routing blocks each holds")
     ap.add_argument("--code", default=None, help="a dpserve source tree to measure instead of this one")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -122,6 +146,9 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     print(f"| {result['rank_us']} us | {result['encode_us']} us | {result['bytes']} | {result['decode_us']} us | "
           f"{result['apply_us']} us | **{result['api_us']} us** |")
+    if "index_bytes_per_key" in result:  # (trees before it did not measure it)
+        print(f"API server's index: {result['index_bytes_per_key']} bytes per (rank, routing block held), "
+              f"{args.index_ranks} ranks x {args.index_keys} distinct blocks each")
     return 0
 
 

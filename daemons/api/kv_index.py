@@ -61,7 +61,11 @@ class KVIndex:
         self.size = size
         self.block = block
         self.generation = [0] * size  # entries are removed, never left stale: one generation
+        # key -> {rank: 0}. Most keys have one holder (distinct prefixes), and a dict of its own
+        # was over half of an entry's memory: a one-holder entry is the rank's shared dict in
+        # _solo, which is never written (a second holder replaces it; the last but one restores it)
         self.entries: dict[int, dict[int, int]] = {}
+        self._solo = [{rank: 0} for rank in range(size)]
         self.notes: dict[int, dict[int, float]] = {}  # key -> {rank: deadline}: sent there, not confirmed yet
         self.expiring: deque[tuple[float, int, list[int]]] = deque()  # (deadline, rank, keys) in deadline order
         self.pending_ttl_s = pending_ttl_s
@@ -137,16 +141,30 @@ class KVIndex:
     # A holder entry exists while the rank's events confirm the key OR a live note expects it.
 
     def _hold(self, key: int, rank: int) -> None:
-        holders = self.entries.get(key)
+        entries = self.entries
+        holders = entries.get(key)
         if holders is None:
-            self.entries[key] = {rank: 0}
-        else:
-            holders[rank] = 0
+            entries[key] = self._solo[rank]
+        elif rank not in holders:
+            if len(holders) == 1:  # a shared one-holder dict: never written, replaced
+                entries[key] = {**holders, rank: 0}
+            else:
+                holders[rank] = 0
 
     def _unhold(self, key: int, rank: int) -> None:
-        holders = self.entries.get(key)
-        if holders is not None and holders.pop(rank, None) is not None and not holders:
-            del self.entries[key]
+        entries = self.entries
+        holders = entries.get(key)
+        if holders is None or rank not in holders:
+            return
+        n = len(holders)
+        if n == 1:
+            del entries[key]
+        elif n == 2:
+            for other in holders:
+                if other != rank:
+                    entries[key] = self._solo[other]
+        else:
+            del holders[rank]
 
     def _unnote(self, key: int, rank: int) -> None:
         noted = self.notes[key]
@@ -170,12 +188,16 @@ class KVIndex:
                 return  # ranks of two routing-block sizes: only the first size's are filed
             self.block = block  # vLLM's CPU blocks may be larger than 64 (the rank chose lcm(64, its blocks))
         entries, notes, held, removed = self.entries, self.notes, state.keys, state.removed
+        solo = self._solo[rank]
         for key in keys:  # (_hold inlined: a few keys a step, every step)
             holders = entries.get(key)
             if holders is None:
-                entries[key] = {rank: 0}
-            else:
-                holders[rank] = 0
+                entries[key] = solo
+            elif rank not in holders:
+                if len(holders) == 1:
+                    entries[key] = {**holders, rank: 0}
+                else:
+                    holders[rank] = 0
             held.add(key)
             if removed:
                 removed.pop(key, None)
@@ -185,7 +207,7 @@ class KVIndex:
                     self._unnote(key, rank)  # confirmed: the note has done its job
 
     def _removed(self, rank: int, state: _RankKV, keys: list[int]) -> None:
-        entries, notes, held, removed = self.entries, self.notes, state.keys, state.removed
+        notes, held, removed, unhold = self.notes, state.keys, state.removed, self._unhold
         now = self.clock()
         for key in keys:
             held.discard(key)
@@ -193,9 +215,7 @@ class KVIndex:
             removed[key] = now
             if notes and rank in notes.get(key, ()):
                 continue  # a live note keeps the entry until it expires
-            holders = entries.get(key)  # (_unhold inlined)
-            if holders is not None and holders.pop(rank, None) is not None and not holders:
-                del entries[key]
+            unhold(key, rank)
         while len(removed) > REMOVED_KEEP:
             removed.popitem(last=False)  # (a dict's next(iter()) crawls over the deleted slots at its front)
 

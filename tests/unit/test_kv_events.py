@@ -59,6 +59,18 @@ def prompt_of(parts: list[int]) -> list[int]:
     return [t for p in parts for t in PIECES[p]]
 
 
+def check_shape(index: KVIndex) -> None:
+    """A one-holder entry is that rank's shared dict, never written; two or more holders own theirs."""
+    assert all(solo == {r: 0} for r, solo in enumerate(index._solo))
+    for holders in index.entries.values():
+        assert holders
+        if len(holders) == 1:
+            (r,) = holders
+            assert holders is index._solo[r]
+        else:
+            assert all(holders is not solo for solo in index._solo)
+
+
 op = st.one_of(
     st.tuples(st.just("serve"), st.integers(0, 1), st.lists(st.integers(0, 5), min_size=1, max_size=6)),
     st.tuples(st.just("lose"), st.integers(0, 1), st.just([])),  # the step's batch never arrives
@@ -87,6 +99,7 @@ def test_index_matches_the_real_cache(ops, num_blocks):
         if index.apply(codec_dec.decode(codec_enc.encode(batch))):  # over the wire, as the channel carries it
             assert not index.is_synced(r)
             index.apply_snapshot(codec_dec.decode(codec_enc.encode(rank.snapshot())))
+        check_shape(index)
         for parts_q in ([0], [0, 1], [0, 1, 2], [1, 2, 3, 4], [2, 3], [5, 4, 3, 2, 1, 0], [r, 5]):
             prompt = prompt_of(parts_q)
             found = index.match(chain_keys(prompt, ROUTING))
@@ -97,6 +110,31 @@ def test_index_matches_the_real_cache(ops, num_blocks):
                 assert found.get(q, 0) <= ranks[q].depth(prompt)  # never more than the cache holds
                 if index.is_synced(q) and index.ranks[q].seq == ranks[q].log.seq:
                     assert found.get(q, 0) == want
+
+
+def test_shared_holders_come_and_go_without_writing_a_ranks_shared_dict():
+    now = [0.0]
+    index = KVIndex(3, pending_ttl_s=10.0, clock=lambda: now[0])
+    keys = chain_keys(prompt_of([0, 1, 2, 3]), ROUTING)  # two routing blocks
+    for r in range(3):
+        index.apply(KVEventBatch(r, "x", 1, [KeysStored(keys[:1], ROUTING)]))
+    check_shape(index)
+    assert index.entries[keys[0]] == {0: 0, 1: 0, 2: 0}
+    index.expect(keys, 1)  # a note of its second block, then its events confirm it
+    check_shape(index)
+    assert index.entries[keys[1]] is index._solo[1]
+    index.apply(KVEventBatch(1, "x", 2, [KeysStored(keys[1:], ROUTING)]))
+    index.apply(KVEventBatch(0, "x", 2, [KeysRemoved(keys[:1])]))
+    index.apply(KVEventBatch(2, "x", 2, [KeysRemoved(keys[:1])]))
+    check_shape(index)
+    assert index.entries[keys[0]] is index._solo[1] and index.match(keys) == {1: 2}
+    index.expect(keys, 2)  # noted at rank 2 while rank 1 holds both
+    now[0] = 11.0
+    index.expect([], 0)  # (expiry runs on the next note)
+    check_shape(index)
+    assert index.match(keys) == {1: 2}
+    index.forget_rank(1)
+    assert index.entries == {} and index._solo == [{0: 0}, {1: 0}, {2: 0}]
 
 
 def test_gap_then_resync():
