@@ -97,6 +97,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     kv_cache_memory_bytes: int = _ENGINE["kv_cache_memory_bytes"]
     gpu_memory_utilization: float = _ENGINE["gpu_memory_utilization"]
     block_size: int = _ENGINE["block_size"]
+    cpu_reserved_cores: int = -1  # CPU ranks' threads leave this many cores to the API servers (-1: plan.rank_threads' rule)
     # the rank engine: dpserve (native) or vllm (vLLM's LLMEngine in the rank process)
     engine: str = _ENGINE["engine"]
     tensor_parallel_size: int = _ENGINE["tensor_parallel_size"]
@@ -264,6 +265,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         if self.runs_api_servers and self.api_server_count < 1:
             raise ValueError("--api-server-count must be at least 1")
         self._validate_engine()
+        if self.cpu_reserved_cores < -1:
+            raise ValueError("--cpu-reserved-cores must be -1 (the rule) or a number of cores")
         if self.lb_policy not in LB_POLICIES:
             raise ValueError(f"--lb-policy must be one of {', '.join(LB_POLICIES)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

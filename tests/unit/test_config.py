@@ -239,6 +239,24 @@ def test_each_child_gets_the_node_settings_it_shares_by_name(model_dir):
     assert (coord.data_parallel_size, coord.stale_after_s, coord.heartbeat_interval_s) == (2, 15.0, 0.5)
 
 
+def test_cpu_reserved_cores_sets_the_ranks_threads(model_dir):
+    import os
+    import socket
+
+    from dpserve.daemons.supervisor.plan import plan_children
+
+    ncpu = len(os.sched_getaffinity(0))
+    for reserved, local, want in ((-1, 1, ncpu), (ncpu, 1, 1), (1, 1, max(1, ncpu - 1)), (0, 2, max(1, ncpu // 2))):
+        node = cfg(model_dir, data_parallel_size=local, api_server_count=1, cpu_reserved_cores=reserved, engine_args={})
+        node.validate()
+        with socket.create_server(("127.0.0.1", 0)) as listen:
+            children = plan_children(node, Addresses.for_node(node, "/run/x", "127.0.0.1"), [listen], 256, 0.5)
+        threads = {c.extra_env["OMP_NUM_THREADS"] for c in children if c.kind == "engine"}
+        assert threads == {str(want)}, (reserved, local)
+    with pytest.raises(ValueError, match="cpu-reserved-cores"):
+        cfg(model_dir, cpu_reserved_cores=-2).validate()
+
+
 def test_the_readme_options_table_matches_serve_help():
     """Every flag of the README's table is a visible `dpserve serve` option, and its default column is what --help shows."""
     from pathlib import Path

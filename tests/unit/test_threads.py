@@ -54,3 +54,9 @@ def test_rank_threads_rule():
     assert rank_threads(16, 2, 2) == 7
     assert rank_threads(16, 4, 16) == 2
     assert rank_threads(4, 8, 1) == 1  # never below one thread
+    # --cpu-reserved-cores replaces the rule's count, for a node's only rank too
+    assert rank_threads(2, 1, 1, reserved=1) == 1
+    assert rank_threads(16, 1, 4, reserved=2) == 14
+    assert rank_threads(16, 2, 2, reserved=0) == 8
+    assert rank_threads(16, 2, 2, reserved=-1) == 7
+    assert rank_threads(2, 1, 1, reserved=4) == 1
