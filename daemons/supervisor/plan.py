@@ -242,10 +242,10 @@ def rank_threads(ncpu: int, local_ranks: int, api_servers: int, reserved: int = 
     2 cores the 135M model decoded a single client at 61 against 117 ms a token with
     2 threads rather than 1 (benchmarks/RESULTS.md, issue 26 seventh round).
 
-    `reserved` >= 0 (--cpu-reserved-cores) replaces the rule's count: there the API
-    servers' wake-ups no longer stall the rank's OpenMP barriers, which is what kept a
-    flood's interactive neighbours at 1.4x their unloaded TTFT p99 on 2 cores
-    (benchmarks/RESULTS.md, "Fair shares, sixth round"); it costs the ranks those cores.
+    `reserved` >= 0 (--cpu-reserved-cores) replaces the rule's count: the API servers'
+    wake-ups then stop stalling the rank's OpenMP barriers, at the cost of those cores
+    (on 2 cores, a flood's interactive neighbours kept 0.97x their unloaded TTFT p99
+    against 1.08-1.41x; benchmarks/RESULTS.md, "Fair shares, sixth round").
     """
     if reserved < 0:
         reserved = 0 if local_ranks == 1 else min(api_servers, ncpu // 2)
