@@ -278,3 +278,32 @@ def test_logprob_token_ids_report_those_ids_in_their_order():
     assert listed.top_ids == [9, 0, 4] and listed.token_id == 4
     torch.testing.assert_close(torch.tensor(listed.top_logprobs), ref[1, [9, 0, 4]])
     assert listed.rank == int((ref[1] > ref[1, 4]).sum()) + 1
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_ruled_out_token():
+    """The inverse-transform draw against the probabilities it was given: 40,000 rows, each token's
+    count within 5 standard deviations of its expectation, and zero-probability tokens (between,
+    before and after the allowed ones) never drawn."""
+    probs = torch.tensor([0.0, 0.4, 0.0, 0.3, 0.2, 1e-3, 0.099, 0.0])
+    n = 40_000
+    sampler = Sampler(frozenset(), torch.Generator().manual_seed(5))
+    picked = sampler._draw(probs.expand(n, -1), [seq([1], temperature=1.0) for _ in range(n)])
+    counts = torch.bincount(picked, minlength=len(probs)).double()
+    for token, p in enumerate(probs.double().tolist()):
+        if p == 0:
+            assert counts[token] == 0, token
+        else:
+            assert abs(counts[token] - n * p) <= 5 * math.sqrt(n * p * (1 - p)) + 1, (token, counts[token].item(), n * p)
+
+
+def test_a_seeded_draw_depends_on_its_seed_and_position_only():
+    probs = torch.softmax(torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)), -1).expand(4, -1)
+    sampler = Sampler(frozenset(), torch.Generator().manual_seed(0))
+    rows = [seq([1], temperature=1.0, seed=7), seq([1], [4, 5], temperature=1.0, seed=7),
+            seq([9], temperature=1.0, seed=7), seq([1], temperature=1.0, seed=8)]
+    first = sampler._draw(probs, rows).tolist()
+    again = Sampler(frozenset(), torch.Generator().manual_seed(99))._draw(probs, rows).tolist()
+    assert first == again  # the engine-wide generator plays no part in seeded rows
+    assert first[0] == first[2]  # same seed, same position: same token, whatever the prompt
+    draws = {tuple(sampler._draw(probs[:1], [seq([1], [2] * k, temperature=1.0, seed=7)]).tolist()) for k in range(40)}
+    assert len(draws) > 1  # the position moves the draw
