@@ -150,6 +150,23 @@ def test_sampled_logprobs_follow_the_temperature(client, hf):
     assert math.isclose(value, ref[token_id].item(), abs_tol=1e-4) and lp.token_logprobs[0] == value
 
 
+def assert_same_up_to_rounding(got, want, path: str = "") -> None:
+    """got == want, except that floats (logprobs) need only agree to 1e-5: two requests of one greedy prompt
+    can share a rank's step with different neighbours, and a float32 GEMM's rounding follows the batch."""
+    if isinstance(want, float) or isinstance(got, float):
+        assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5), (path, got, want)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (path, got, want)
+        for k in want:
+            assert_same_up_to_rounding(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), (path, got, want)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same_up_to_rounding(g, w, f"{path}[{i}]")
+    else:
+        assert got == want, (path, got, want)
+
+
 def test_chat_logprobs_shape_streamed_and_not(client, server, openai_schema):
     msgs = [{"role": "user", "content": "Tell me a story."}]
     body = {"model": "demo", "messages": msgs, "max_tokens": 5, "temperature": 0.0, "logprobs": True, "top_logprobs": 2}
@@ -163,7 +180,7 @@ def test_chat_logprobs_shape_streamed_and_not(client, server, openai_schema):
     for e in events:
         openai_schema(e, "CreateChatCompletionStreamResponse")
     streamed = [c for e in events for ch in e["choices"] if ch["logprobs"] for c in ch["logprobs"]["content"]]
-    assert streamed == content
+    assert_same_up_to_rounding(streamed, content)
     sdk = client.chat.completions.create(model="demo", messages=msgs, max_tokens=5, temperature=0.0, logprobs=True, top_logprobs=2)
     assert [c.token for c in sdk.choices[0].logprobs.content] == [c["token"] for c in content]
 
@@ -178,7 +195,7 @@ def test_streamed_completion_logprobs_equal_the_whole(server):
             if c["logprobs"]:
                 for key in merged:
                     merged[key] += c["logprobs"][key]
-    assert merged == whole["choices"][0]["logprobs"]
+    assert_same_up_to_rounding(merged, whole["choices"][0]["logprobs"])
 
 
 # ------------------------------------------------------------------ echo and prompt scoring

@@ -6,6 +6,7 @@ tests/data/vllm_openai/run.py starts a node for each of vLLM's server fixtures i
 each test on `vllm serve` with the same model (run.py --target vllm) and on dpserve: every test
 that passes on vLLM must pass here, except the recorded gaps (each with its reason, see
 tests/data/vllm_openai/RESULTS.md); a gap that starts to pass fails too, so the record follows.
+A test recorded as "luck" on dpserve may go either way: its outcome is a sampled draw's (each says why).
 Skips without the vLLM venv (DPSERVE_REQUIRE_VLLM=1 makes that a failure, as in CI).
 """
 
@@ -64,7 +65,7 @@ def test_vllm_openai_entrypoint_tests_pass_on_dpserve(venv):
     assert set(results) == set(chosen), f"tests ran that the record lacks, or the reverse: {set(results) ^ set(chosen)}"
     regressions, fixed = [], []
     for nodeid, record in sorted(chosen.items()):
-        if record["vllm"] != "passed":
+        if record["vllm"] != "passed" or record["dpserve"] == "luck":
             continue
         outcome = results[nodeid]["outcome"]
         if record["dpserve"] == "passed" and outcome != "passed":
