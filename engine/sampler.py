@@ -116,7 +116,7 @@ class Sampler:
 
         Exactly multinomial sampling, and one uniform a row, so a seeded row draws a single
         number from its own generator. (The exponential race it replaced drew one Exp(1) a
-        column: ~1 ms a row over a 49k vocabulary on a CPU, 15x this; benchmarks/RESULTS.md,
+        column: ~1.2 ms a row over a 49k vocabulary on a CPU, 13x this; benchmarks/RESULTS.md,
         issue 26 eighth round.) The running sum is float64, so rounding cannot move mass
         between tokens, and a zero-probability column (a token the grammar, min_p, top-k or
         top-p ruled out) has zero width: it is never picked, and the check below keeps that
