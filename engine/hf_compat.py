@@ -72,3 +72,30 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     `layer_idx` that layer_index() reads, whose class name says attention."""
     found = [m for m in model.modules() if hasattr(m, "layer_idx") and "attention" in type(m).__name__.lower()]
     return sorted(found, key=layer_index)
+
+
+def without_hub_kernel_wrappers(model: torch.nn.Module) -> list[str]:
+    """Run the model's own forwards, not the `kernels` package's dispatch around them; returns
+    the classes it unwrapped.
+
+    transformers 5.25 requires `kernels`, and with it installed, a module class that calls a
+    hub-replaceable function (Llama's attention calls apply_rotary_pos_emb) gets a forward that
+    first publishes a per-instance wrapper in a context variable, for kernels.kernelize() to swap
+    in a downloaded kernel. dpserve never kernelizes (its ranks load nothing from the hub), so the
+    dispatch only costs Python per layer call, and the compiled decode's saved artifact cannot hold
+    it (its guards reach a class defined inside a function, which torch refuses to save: every
+    start then traced the block again). The original forward is kept on the wrapper as __wrapped__
+    (functools.wraps), and goes back on the class: an instance attribute would be pickled into the
+    artifact with its closure, which torch's loader then cannot rebuild. A forward of any other
+    shape is left alone."""
+    unwrapped = []
+    for cls in {type(m) for m in model.modules()}:
+        forward = cls.__dict__.get("forward")
+        # functools.wraps copied the original's name and module onto the wrapper: where its code was
+        # defined is what tells it apart
+        if (getattr(forward, "__globals__", {}).get("__name__", "").startswith("kernels.")
+                and "use_kernelized_func" in getattr(getattr(forward, "__code__", None), "co_qualname", "")
+                and callable(getattr(forward, "__wrapped__", None))):
+            cls.forward = forward.__wrapped__
+            unwrapped.append(cls.__qualname__)
+    return sorted(unwrapped)

@@ -18,6 +18,8 @@ from dpserve.engine.common.config import EngineConfig, resolve_max_model_len
 from dpserve.engine.cpu_linear import pack_linears
 from dpserve.engine.kv_cache import KVShape
 
+log = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -226,6 +228,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = _from_pretrained(model_dir, dtype, device)
     model.eval()
     model.requires_grad_(False)
+    unwrapped = hf_compat.without_hub_kernel_wrappers(model)
+    if unwrapped:
+        log.info("running the model's own forwards, not the kernels package's dispatch, in %s", ", ".join(unwrapped))
     pack_linears(model, dtype, device)
     eos = read_eos_token_ids(model_dir)
     if not eos and model.generation_config.eos_token_id is not None:

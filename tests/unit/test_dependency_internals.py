@@ -6,7 +6,8 @@ aiohttp: every use lives in daemons/aiohttp_compat.py (its docstring says what e
 internal is and why); each has a test below, and the round trips run the real code
 on loopback. transformers: every use lives in engine/hf_compat.py (registering the
 paged attention, a module's layer_idx, the SDPA fallback outside an engine step, reading
-a refused attention implementation from the error's text); each has a test below.
+a refused attention implementation from the error's text, undoing the `kernels` package's
+dispatch around forwards); each has a test below.
 """
 
 from __future__ import annotations
@@ -218,6 +219,54 @@ def test_transformers_decoder_blocks_and_attention_modules_are_found():
     assert len(blocks) == 3 and len({type(b) for b in blocks}) == 1, f"{TRANSFORMERS_HINT}: decoder blocks {blocks}"
     assert [hf_compat.layer_index(m) for m in attention] == [0, 1, 2], f"{TRANSFORMERS_HINT}: attention {attention}"
     assert all(any(m is a for a in b.modules()) for m, b in zip(attention, blocks)), TRANSFORMERS_HINT
+
+
+def _kernels_code(model) -> list[str]:
+    return sorted({type(m).__qualname__ for m in model.modules()
+                   if getattr(type(m).forward, "__globals__", {}).get("__name__", "").startswith("kernels.")})
+
+
+def test_transformers_models_run_their_own_forwards_not_the_kernels_dispatch():
+    """hf_compat.without_hub_kernel_wrappers: with `kernels` installed (transformers 5.25 requires
+    it), no module of a loaded model runs kernels' dispatch (the compiled decode could not save it),
+    and the answers are the model's own."""
+    import torch
+    from dpserve.engine import hf_compat
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_llama(2), attn_implementation="sdpa").eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        hf_compat.without_hub_kernel_wrappers(model)
+        after = model(input_ids=ids).logits
+    assert _kernels_code(model) == [], f"{TRANSFORMERS_HINT}: kernels' dispatch still wraps {_kernels_code(model)}"
+    assert torch.equal(before, after)
+
+
+def test_kernels_use_kernelized_func_wrapper_is_recognised_and_undone():
+    """The wrapper's shape as kernels builds it (its code under kernels.*, the original as
+    __wrapped__), on a class of our own: recognised, put back on the class, same answer."""
+    kernels = pytest.importorskip("kernels")
+    import torch
+    from dpserve.engine import hf_compat
+
+    @kernels.use_kernel_forward_from_hub("DpserveTestDouble")
+    def double(x):
+        return 2 * x
+
+    @kernels.use_kernelized_func(double)
+    class Doubler(torch.nn.Module):
+        def forward(self, x):
+            return double(x) + 1
+
+    model = torch.nn.Sequential(Doubler())
+    assert _kernels_code(model) == ["test_kernels_use_kernelized_func_wrapper_is_recognised_and_undone.<locals>.Doubler"], (
+        "kernels changed how use_kernelized_func wraps a forward (engine/hf_compat.py)")
+    assert hf_compat.without_hub_kernel_wrappers(model) == [Doubler.__qualname__]
+    assert _kernels_code(model) == [] and "_kernel_funcs" not in Doubler.forward.__code__.co_names
+    assert model(torch.tensor([3.0])).item() == 7.0
 
 
 def test_transformers_sdpa_fallback_is_causal_attention():
