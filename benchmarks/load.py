@@ -226,6 +226,8 @@ class LoadConfig:
     rank_pin: int | None = None
     api_key: str | None = None
     temperature: float = 0.0
+    top_p: float | None = None  # sent when set
+    top_k: int | None = None  # sent when set
     seed: int = 0  # seeds prompt generation
     request_seed: int | None = None  # sent as the body's "seed" when set
     timeout: float = 60.0  # per request, total
@@ -396,6 +398,10 @@ class _Run:
                 body["messages"] = [{"role": "user", "content": prompt}]
             body["max_tokens"] = cfg.max_tokens
             body["temperature"] = cfg.temperature
+            if cfg.top_p is not None:
+                body["top_p"] = cfg.top_p
+            if cfg.top_k is not None:
+                body["top_k"] = cfg.top_k
             if cfg.request_seed is not None:
                 body["seed"] = cfg.request_seed
             if cfg.ignore_eos:
@@ -802,6 +808,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-pin", type=int, default=None, help=f"send header {RANK_HEADER}: R")
     p.add_argument("--api-key", default=None)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None, help="send as the body's top_p")
+    p.add_argument("--top-k", type=int, default=None, help="send as the body's top_k (vLLM's extension)")
     p.add_argument("--seed", type=int, default=0, help="seed for prompt generation")
     p.add_argument("--request-seed", type=int, default=None, help="send as the body's seed field")
     p.add_argument("--timeout", type=float, default=60.0, help="per-request total timeout (s)")
@@ -816,7 +824,8 @@ def config_from_args(a: argparse.Namespace) -> LoadConfig:
         duration=a.duration, warmup=a.warmup, num_requests=a.num_requests, max_time=a.max_time,
         max_tokens=a.max_tokens, stream=a.stream, ignore_eos=a.ignore_eos,
         prompt_words=a.prompt_words, prompt_mix=a.prompt_mix, num_prompts=a.num_prompts,
-        rank_pin=a.rank_pin, api_key=a.api_key, temperature=a.temperature, seed=a.seed,
+        rank_pin=a.rank_pin, api_key=a.api_key, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        seed=a.seed,
         request_seed=a.request_seed, timeout=a.timeout, allow_remote=a.allow_remote,
         request_rate=a.request_rate,
     )

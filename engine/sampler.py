@@ -14,6 +14,9 @@ from dpserve.engine.common.protocol import TokenLogprobs, seed_for
 from dpserve.engine.logits_processors import apply_bias_and_penalties, apply_grammar, apply_min_p, token_logprobs
 from dpserve.engine.sequence import Sequence
 
+# Top-p alone looks for its nucleus among this many of a row's most likely tokens first.
+CANDIDATES = 256
+
 
 class Sampler:
     """Batched sampling; greedy rows are exactly argmax of the (processed) logits.
@@ -65,30 +68,20 @@ class Sampler:
         if any(p.min_p > 0 and not p.is_greedy for p in params):
             scaled = scaled.clone()
             apply_min_p(scaled, seqs)
-        use_top_k = any(p.top_k > 0 for p in params)
-        use_top_p = any(p.top_p < 1.0 for p in params)
-        if use_top_k or use_top_p:
-            # Stable sort: among equal logits the lowest id comes first, as with
-            # argmax, so top_k=1 picks exactly the greedy token.
-            scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
-            if use_top_k:
-                vocab = scaled.shape[1]
-                ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-                beyond_k = torch.arange(vocab, device=device).unsqueeze(0) >= ks.unsqueeze(1)
-                scaled.masked_fill_(beyond_k, float("-inf"))
-            if use_top_p:
-                top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
-                probs = scaled.softmax(dim=-1)
-                # Drop a token when the more likely ones already cover top_p;
-                # the most likely token always stays.
-                beyond_p = (probs.cumsum(dim=-1) - probs) > top_p.unsqueeze(1)
-                scaled.masked_fill_(beyond_p, float("-inf"))
-            picked = order.gather(1, self._draw(scaled.softmax(dim=-1), seqs).unsqueeze(1)).squeeze(1)
+        truncated = [i for i, p in enumerate(params) if not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0)]
+        if truncated:
+            picked = torch.zeros(len(seqs), dtype=torch.long, device=device)
+            cut = set(truncated)
+            plain = [i for i, p in enumerate(params) if not p.is_greedy and i not in cut]
+            if plain:
+                picked[plain] = self._draw(scaled[plain].softmax(dim=-1), [seqs[i] for i in plain])
+            picked[truncated] = self._draw_truncated(scaled[truncated], [seqs[i] for i in truncated])
         else:
             picked = self._draw(scaled.softmax(dim=-1), seqs)
 
-        if any(p.is_greedy for p in params):
-            greedy = torch.tensor([p.is_greedy for p in params], device=device)
+        # top_k = 1 is the greedy token exactly (topk orders ties as it likes, argmax by lowest id)
+        if any(p.is_greedy or p.top_k == 1 for p in params):
+            greedy = torch.tensor([p.is_greedy or p.top_k == 1 for p in params], device=device)
             picked = torch.where(greedy, logits.argmax(dim=-1), picked)
         tokens = picked.tolist()
         return tokens, self._logprobs(logprob_source, seqs, tokens)
@@ -109,6 +102,57 @@ class Sampler:
         for i, lp in zip(rows, found):
             out[i] = lp
         return out
+
+    def _draw_truncated(self, scaled: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Draw each row among its top_k tokens, then among the most likely ones that cover top_p
+        (vLLM's order: top-p renormalises over the top-k set; the most likely token always stays).
+
+        Only the candidates are sorted: a row's top_k, or for top_p alone its CANDIDATES most likely
+        tokens, found by topk (a full sort costs ~4 ms a row over a 49k vocabulary on a CPU, topk
+        ~0.2 ms: benchmarks/RESULTS.md, issue 26 ninth round). A nucleus wider than the candidates
+        looks among 16x as many, then (a flat distribution) sorts the whole row. Candidates are in
+        descending order, so the draw picks what a draw over the fully sorted row would."""
+        vocab = scaled.shape[1]
+        params = [s.params for s in seqs]
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        wanted = max(k if p.top_k > 0 else min(CANDIDATES, k) for k, p in zip(ks, params))
+        while True:
+            if wanted < vocab:
+                values, ids = scaled.topk(wanted, dim=-1)
+            else:
+                # Stable: among equal logits the lowest id first, as argmax orders them.
+                values, ids = scaled.sort(dim=-1, descending=True, stable=True)
+            kept, fits = self._truncate(values, scaled, params, ks)
+            if fits:
+                break
+            wanted = wanted * 16 if wanted * 16 <= vocab // 4 else vocab
+        return ids.gather(1, self._draw(kept, seqs).unsqueeze(1)).squeeze(1)
+
+    @staticmethod
+    def _truncate(values: torch.Tensor, scaled: torch.Tensor, params: list, ks: list[int]) -> tuple[torch.Tensor, bool]:
+        """Probabilities (not normalised) over the sorted candidate `values`, zero beyond each row's
+        top_k and top_p; and whether the candidates held every token the row could keep."""
+        width = values.shape[1]
+        position = torch.arange(width, device=values.device).unsqueeze(0)
+        ks_t = torch.tensor(ks, device=values.device).unsqueeze(1)
+        values = values.masked_fill(position >= ks_t, float("-inf"))
+        # Normalised over the row's top-k set, or over the whole row when it has no top_k.
+        whole = torch.tensor([p.top_k == 0 or k >= scaled.shape[1] for p, k in zip(params, ks)],
+                             device=values.device)
+        norm = values.logsumexp(dim=-1)
+        if bool(whole.any()):
+            norm = torch.where(whole, scaled.logsumexp(dim=-1), norm)
+        probs = (values - norm.unsqueeze(1)).exp()
+        fits = True
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device).unsqueeze(1)
+            before = probs.cumsum(dim=-1) - probs
+            # The first token left out is dropped when the candidates already cover top_p.
+            if width < scaled.shape[1]:
+                open_rows = whole & (top_p.squeeze(1) < 1.0)
+                fits = not bool((open_rows & ~(before[:, -1] + probs[:, -1] > top_p.squeeze(1))).any())
+            probs = probs.masked_fill(before > top_p, 0.0)
+        return probs, fits
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Sample one column per row by inverse transform: the first column whose cumulative

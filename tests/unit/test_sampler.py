@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from dpserve.engine.common.config import EngineConfig
-from dpserve.engine.common.protocol import FINISH_ERROR, AddRequest, SamplingParams
+from dpserve.engine.common.protocol import FINISH_ERROR, AddRequest, SamplingParams, seed_for
 from dpserve.engine.core import EngineCore
 from dpserve.engine.logits_processors import LOGPROB_FLOOR, apply_bias_and_penalties, token_logprobs
 from dpserve.engine.sampler import Sampler
@@ -307,3 +307,60 @@ def test_a_seeded_draw_depends_on_its_seed_and_position_only():
     assert first[0] == first[2]  # same seed, same position: same token, whatever the prompt
     draws = {tuple(sampler._draw(probs[:1], [seq([1], [2] * k, temperature=1.0, seed=7)]).tolist()) for k in range(40)}
     assert len(draws) > 1  # the position moves the draw
+
+
+def _reference_truncated_pick(row: torch.Tensor, p: SamplingParams, u: float) -> tuple[int, set[int]]:
+    """The draw over the fully sorted row (the sampler's former path): top-k, then top-p over the
+    renormalised top-k set, then the first token whose running mass passes u x the kept total."""
+    values, order = row.sort(descending=True, stable=True)
+    if p.top_k > 0:
+        values[p.top_k:] = float("-inf")
+    probs = values.softmax(-1)
+    if p.top_p < 1.0:
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > p.top_p, 0.0)
+    cdf = probs.double().cumsum(-1)
+    pick = int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=torch.float64), right=True))
+    return int(order[pick]), {int(t) for t in order[probs > 0]}
+
+
+@pytest.mark.parametrize("shape, params", [
+    ("peaked", dict(top_k=20)),
+    ("peaked", dict(top_k=300)),  # wider than the top-p candidates
+    ("peaked", dict(top_p=0.9)),  # the nucleus fits the candidates
+    ("flat", dict(top_p=0.9)),  # it does not: the whole row is sorted
+    ("flat", dict(top_k=40, top_p=0.5)),
+    ("peaked", dict(top_k=60, top_p=0.95, min_p=0.01)),
+])
+def test_truncated_draws_equal_a_draw_over_the_fully_sorted_row(shape, params):
+    """top-k / top-p sort only their candidates, yet a seeded row picks exactly the token the
+    draw over the fully sorted vocabulary picks with the same uniform, and only kept tokens;
+    beside plain, greedy and other truncated rows of the batch."""
+    vocab, spread = 49_152, (4.0 if shape == "peaked" else 0.05)
+    gen = torch.Generator().manual_seed(3)
+    sampler = Sampler(frozenset(), torch.Generator().manual_seed(0))
+    for trial in range(12):
+        logits = torch.randn(4, vocab, generator=gen) * spread
+        rows = [seq([1], [2] * trial, temperature=0.8, seed=100 + trial, **params),
+                seq([1], temperature=1.0),  # plain
+                seq([1], temperature=0.0),  # greedy
+                seq([1], [3] * trial, temperature=1.3, top_k=7, seed=5)]
+        tokens, _ = sampler(logits, rows)
+        assert tokens[2] == int(logits[2].argmax())
+        for i in (0, 3):
+            s = rows[i]
+            g = torch.Generator().manual_seed(seed_for(s.params.seed, s.num_output_tokens))
+            u = torch.rand(1, generator=g, dtype=torch.float64).item()
+            scaled = logits[i] / s.params.temperature
+            if s.params.min_p > 0:
+                probs = scaled.softmax(-1)
+                scaled = scaled.masked_fill(probs < s.params.min_p * probs.max(), float("-inf"))
+            want, kept = _reference_truncated_pick(scaled, s.params, u)
+            assert tokens[i] in kept and tokens[i] == want, (trial, i, tokens[i], want)
+
+
+def test_top_k_one_is_the_argmax_even_among_ties():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, [4, 9, 30]] = 2.0  # a three-way tie for the most likely token
+    rows = [seq([1], temperature=1.5, top_k=1), seq([1], temperature=0.7, top_k=1, seed=3),
+            seq([1], temperature=1.0, top_k=1, top_p=0.2)]
+    assert Sampler(frozenset(), torch.Generator().manual_seed(0))(logits, rows)[0] == [4, 4, 4]
