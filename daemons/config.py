@@ -133,6 +133,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # vLLM's: a request's unset sampling parameters from the model's generation_config.json (auto),
+    # vLLM's neutral ones (vllm) or a directory's; the JSON object goes over either (api/sampling_defaults.py)
+    generation_config: str = "auto"
+    override_generation_config: str = ""
     # API servers: how long a request waits for a rank, for its first token, and HTTP limits
     wait_for_engine_s: float = 60.0
     request_first_token_timeout_s: float = 600.0
@@ -430,6 +434,8 @@ class ApiServerConfig(msgspec.Struct, kw_only=True):
     enable_auto_tool_choice: bool = _SERVE["enable_auto_tool_choice"]
     tool_call_parser: str | None = _SERVE["tool_call_parser"]
     reasoning_parser: str | None = _SERVE["reasoning_parser"]
+    generation_config: str = _SERVE["generation_config"]
+    override_generation_config: str = _SERVE["override_generation_config"]
 
 
 class CoordinatorConfig(msgspec.Struct, kw_only=True):

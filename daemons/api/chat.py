@@ -40,7 +40,7 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
         plan = None
         if req.tools is not None or req.tool_choice is not None:
             plan = tool_plan(req, self.cfg.enable_auto_tool_choice, self.cfg.tool_call_parser)
-        extras = uses_extras(req) or self.cfg.reasoning_parser is not None
+        extras = uses_extras(req) or self.cfg.reasoning_parser is not None or self.defaults.needs_processors
         num_top, num_prompt_top = chat_logprob_counts(req, self.vocab_size, self.cfg.max_logprobs)
         explicit = logprob_token_ids(req, self.vocab_size, self.cfg.max_logprobs)
         if explicit:  # vLLM shows every one of them after the chosen token, whatever top_logprobs says
@@ -50,7 +50,7 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
             template_args["tools"] = plan.tools
         ids = await self.tokenize(request, self.chat_ids, chat_messages(req), req.add_generation_prompt, template_args)
         ids = truncate_prompt(ids, req.truncate_prompt_tokens, self.max_model_len, req.truncation_side)
-        max_tokens = req.max_completion_tokens or req.max_tokens or max(self.max_model_len - len(ids), 1)
+        max_tokens = req.max_completion_tokens or req.max_tokens or self._default_max_tokens(len(ids))
         if not extras:
             return await self.generate_one(request, req, ids, max_tokens, chat=True, t0=t0)
         opts = choice_options(True, req, num_top, num_prompt_top, tokens_as_ids=self.cfg.return_tokens_as_token_ids)
@@ -95,6 +95,13 @@ class ChatServing(OneChoiceServing, ManyChoicesServing):
         if grammar is None or not thinking:
             return grammar
         return answer_grammar(grammar, self._think_tokens)
+
+    def _default_max_tokens(self, num_prompt: int) -> int:
+        """A chat request without max_tokens: the context left (vLLM's), or the generation
+        config's max_new_tokens when that is less."""
+        left = max(self.max_model_len - num_prompt, 1)
+        cap = self.defaults.max_new_tokens
+        return left if cap is None else min(left, cap)
 
     @cached_property
     def _think_tokens(self) -> bool:

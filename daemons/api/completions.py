@@ -28,10 +28,17 @@ class CompletionsServing(OneChoiceServing, ManyChoicesServing):
     async def completions(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         req = await self.read_request(request, CompletionRequest)
-        if uses_extras(req):
+        if uses_extras(req) or self.defaults.needs_processors:
             return await self._completions_with_extras(request, req, t0)
         ids = await self._completion_ids(request, req, completion_prompt(req))
         return await self.generate_one(request, req, ids, req.max_tokens or 16, chat=False, t0=t0)
+
+    def check_token_ids(self, ids: list[int]) -> list[int]:
+        """A prompt given as token ids: each must be in the vocabulary (vLLM's message)."""
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= self.vocab_size:
+            raise ApiError(400, f"Token id {low if low < 0 else high} is out of vocabulary (size {self.vocab_size}).", param="prompt")
+        return ids
 
     async def _completion_ids(self, request: web.Request, req: CompletionRequest, prompt: str | list[int]) -> list[int]:
         """One prompt's ids: text tokenized (with the suffix, as fill-in-the-middle), or

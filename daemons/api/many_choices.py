@@ -134,13 +134,14 @@ class ManyChoicesServing(ServingBase):
         score_only = max_tokens == 0
         engine_max = 1 if score_only else max_tokens  # vLLM's way: one token, dropped
         base = self.sampling(req, len(ids), engine_max)
+        defaults = self.defaults
         params = msgspec.structs.replace(
             base,
             seed=choice_seed(base.seed, j),
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            min_p=req.min_p or 0.0,
+            presence_penalty=defaults.presence_penalty if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=defaults.frequency_penalty if req.frequency_penalty is None else req.frequency_penalty,
+            repetition_penalty=defaults.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=defaults.min_p if req.min_p is None else req.min_p,
             logit_bias=logit_bias_pairs(req.logit_bias, self.vocab_size),
             logprobs=None if score_only else (len(logprob_ids) if logprob_ids else logprobs),
             prompt_logprobs=prompt_logprobs,

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import zmq
 from aiohttp import web
 from dpserve.daemons.aiohttp_compat import EventStream
+from dpserve.daemons.api import sampling_defaults
 from dpserve.daemons.api.admission import Admission, AdmissionCollector, HoldRefused, soonest_rank
 from dpserve.daemons.api.backpressure import StreamBudget, StreamCollector, StreamStalled
 from dpserve.daemons.api.engine_client import EngineClient
@@ -119,6 +120,8 @@ class ServingBase:
         self.log = log
         self.model_name = cfg.served_model_name
         self.max_model_len = cfg.max_model_len
+        # a request's unset sampling parameters (vLLM's --generation-config; checked at the CLI)
+        self.defaults = sampling_defaults.load(cfg.model_dir, cfg.generation_config, cfg.override_generation_config)
         self.vocab_size = tokenizer.vocab_size
         self.draining = False
         self.num_active = 0  # requests between routing and their response (the drain waits on them)
@@ -215,13 +218,6 @@ class ServingBase:
         if model != self.model_name:
             raise ApiError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r}.", param="model", code="model_not_found")
 
-    def check_token_ids(self, ids: list[int]) -> list[int]:
-        """A prompt given as token ids: each must be in the vocabulary (vLLM's message)."""
-        low, high = min(ids), max(ids)
-        if low < 0 or high >= self.vocab_size:
-            raise ApiError(400, f"Token id {low if low < 0 else high} is out of vocabulary (size {self.vocab_size}).", param="prompt")
-        return ids
-
     def sampling(self, req, num_prompt: int, max_tokens: int) -> SamplingParams:
         """The parameters every request has, checked against the model's limits."""
         limit = self.max_model_len
@@ -237,7 +233,8 @@ class ServingBase:
             )
         if req.min_tokens > max_tokens:
             raise ApiError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens}).", param="min_tokens")
-        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        defaults = self.defaults
+        top_k = max(defaults.top_k if req.top_k is None else req.top_k, 0)  # vLLM's -1 and 0: off
         stop_ids = tuple(req.stop_token_ids or ())
         if any(t >= self.vocab_size for t in stop_ids):
             raise ApiError(400, f"stop_token_ids must be in [0, {self.vocab_size}).", param="stop_token_ids")
@@ -250,8 +247,8 @@ class ServingBase:
                            f"{self.cfg.scheduling_policy} (first come, first served).", param="priority")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=defaults.temperature if req.temperature is None else req.temperature,
+            top_p=defaults.top_p if req.top_p is None else req.top_p,
             top_k=top_k,
             seed=req.seed,
             stop_token_ids=stop_ids,

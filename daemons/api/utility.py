@@ -165,7 +165,7 @@ class UtilityServing(ChatServing):
         if grammar is not None and thinking:
             grammar = answer_grammar(grammar, self._think_tokens)
         asked = req.max_completion_tokens or req.max_tokens
-        choices = [self.new_choice(req, i, ids, asked or max(self.max_model_len - len(ids), 1), 0, num_top, num_prompt_top, None, grammar,
+        choices = [self.new_choice(req, i, ids, asked or self._default_max_tokens(len(ids)), 0, num_top, num_prompt_top, None, grammar,
                                    explicit) for i, ids in enumerate(ids_list)]
         return await self.generate_many(request, req, choices, opts, sum(map(len, ids_list)), t0)
 

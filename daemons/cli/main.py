@@ -77,6 +77,18 @@ def _model(model: str | None, served: str | None, log) -> tuple[str, str]:
     return model, served or os.path.basename(os.path.normpath(model)) or model
 
 
+def check_sampling_defaults(cfg: ServeConfig, log) -> None:
+    """--generation-config / --override-generation-config read and checked before any child starts
+    (ValueError naming the file or flag); what they change is said once, as vLLM does."""
+    from dpserve.daemons.api.sampling_defaults import load
+
+    defaults = load(cfg.model, cfg.generation_config, cfg.override_generation_config)
+    if changed := defaults.differences():
+        log.info("requests that leave these unset sample with the model's recommended values "
+                 "(--generation-config vllm: the neutral ones)", source=cfg.generation_config,
+                 **{f"default_{k}": v for k, v in changed.items()})
+
+
 def check_tokenizer(model: str) -> None:
     """ValueError naming what is missing, before any child starts: an API server that
     cannot load the tokenizer would fail only after the engines began loading, and
@@ -168,6 +180,7 @@ def _run(role: str, model: str | None, opts: dict) -> None:
         cfg.validate()
         if cfg.runs_api_servers:  # a headless worker loads no tokenizer
             check_tokenizer(cfg.model)
+            check_sampling_defaults(cfg, log)
     except ValueError as exc:
         log.error("invalid configuration", error=str(exc))
         sys.exit(EXIT_CONFIG)

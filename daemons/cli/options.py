@@ -206,6 +206,8 @@ _SERVE = [
     flag("--enable-auto-tool-choice", default=False, extra={"is_flag": True}, help="tool_choice 'auto' (the default with tools): answers are parsed for tool calls with --tool-call-parser (vLLM's)."),
     flag("--tool-call-parser", default=None, type=click.Choice(TOOL_CALL_PARSERS), help="How a model writes tool calls: hermes (<tool_call> JSON: Qwen2.5/3, Hermes), llama3_json, mistral, pythonic (vLLM's names)."),
     flag("--reasoning-parser", default=None, type=click.Choice(REASONING_PARSERS), help="Put a thinking model's <think> text in reasoning_content, apart from content; structured output and tools bind the answer after it (vLLM's)."),
+    flag("--generation-config", help="vLLM's: where a request's unset temperature, top_p, top_k, min_p, penalties and (chat) max_tokens come from: auto, the model's generation_config.json (its maker's recommendation); vllm, the neutral values (temperature 1, no truncation); or a directory holding a generation_config.json."),
+    flag("--override-generation-config", shows="none", extra={"metavar": "JSON"}, help="vLLM's: a JSON object over those defaults, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 512}'."),
     flag("--wait-for-engine-s", type=click.FloatRange(min=0), help="How long a request waits for a rank to serve it (while none is ready) before 503."),
     flag("--max-migrations", type=click.IntRange(0), help="How often one request may move to another rank when its rank is lost or drained (0: never; it then fails with 503)."),
     flag("--migrate-pinned", default=False, extra={"is_flag": True}, help="Let a request pinned by X-data-parallel-rank move too when its rank is lost (default: it fails)."),
