@@ -122,37 +122,45 @@ class Sampler:
             else:
                 # Stable: among equal logits the lowest id first, as argmax orders them.
                 values, ids = scaled.sort(dim=-1, descending=True, stable=True)
-            kept, fits = self._truncate(values, scaled, params, ks)
-            if fits:
+            kept, short = self._truncate(values, scaled, params, ks)
+            if short is None:
                 break
-            wanted = wanted * 16 if wanted * 16 <= vocab // 4 else vocab
+            # The next width can hold a short row's nucleus only if its mass so far plus that many
+            # more tokens, none likelier than its least likely candidate, passes top_p.
+            mass, least, top_p = short
+            wider = wanted * 16
+            if wider > vocab // 4 or bool((mass + (wider - wanted) * least <= top_p).any()):
+                wider = vocab
+            wanted = wider
         return ids.gather(1, self._draw(kept, seqs).unsqueeze(1)).squeeze(1)
 
     @staticmethod
-    def _truncate(values: torch.Tensor, scaled: torch.Tensor, params: list, ks: list[int]) -> tuple[torch.Tensor, bool]:
+    def _truncate(values: torch.Tensor, scaled: torch.Tensor, params: list, ks: list[int]):
         """Probabilities (not normalised) over the sorted candidate `values`, zero beyond each row's
-        top_k and top_p; and whether the candidates held every token the row could keep."""
-        width = values.shape[1]
+        top_k and top_p; and None when the candidates held every token a row could keep, else the
+        short rows' (mass of the candidates, least likely candidate's probability, top_p)."""
+        width, vocab = values.shape[1], scaled.shape[1]
         position = torch.arange(width, device=values.device).unsqueeze(0)
         ks_t = torch.tensor(ks, device=values.device).unsqueeze(1)
         values = values.masked_fill(position >= ks_t, float("-inf"))
         # Normalised over the row's top-k set, or over the whole row when it has no top_k.
-        whole = torch.tensor([p.top_k == 0 or k >= scaled.shape[1] for p, k in zip(params, ks)],
-                             device=values.device)
+        whole = torch.tensor([p.top_k == 0 or k >= vocab for p, k in zip(params, ks)], device=values.device)
         norm = values.logsumexp(dim=-1)
         if bool(whole.any()):
             norm = torch.where(whole, scaled.logsumexp(dim=-1), norm)
         probs = (values - norm.unsqueeze(1)).exp()
-        fits = True
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device).unsqueeze(1)
-            before = probs.cumsum(dim=-1) - probs
+        if all(p.top_p >= 1.0 for p in params):
+            return probs, None
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
+        before = probs.cumsum(dim=-1) - probs
+        short = None
+        if width < vocab:
             # The first token left out is dropped when the candidates already cover top_p.
-            if width < scaled.shape[1]:
-                open_rows = whole & (top_p.squeeze(1) < 1.0)
-                fits = not bool((open_rows & ~(before[:, -1] + probs[:, -1] > top_p.squeeze(1))).any())
-            probs = probs.masked_fill(before > top_p, 0.0)
-        return probs, fits
+            mass = before[:, -1] + probs[:, -1]
+            rows = whole & (top_p < 1.0) & ~(mass > top_p)
+            if bool(rows.any()):
+                short = (mass[rows], probs[rows, -1], top_p[rows])
+        return probs.masked_fill(before > top_p.unsqueeze(1), 0.0), short
 
     def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Sample one column per row by inverse transform: the first column whose cumulative

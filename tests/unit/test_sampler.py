@@ -327,7 +327,8 @@ def _reference_truncated_pick(row: torch.Tensor, p: SamplingParams, u: float) ->
     ("peaked", dict(top_k=20)),
     ("peaked", dict(top_k=300)),  # wider than the top-p candidates
     ("peaked", dict(top_p=0.9)),  # the nucleus fits the candidates
-    ("flat", dict(top_p=0.9)),  # it does not: the whole row is sorted
+    ("wide", dict(top_p=0.9)),  # it does not: 16x as many candidates hold it
+    ("flat", dict(top_p=0.9)),  # they could not either: the whole row is sorted
     ("flat", dict(top_k=40, top_p=0.5)),
     ("peaked", dict(top_k=60, top_p=0.95, min_p=0.01)),
 ])
@@ -335,7 +336,7 @@ def test_truncated_draws_equal_a_draw_over_the_fully_sorted_row(shape, params):
     """top-k / top-p sort only their candidates, yet a seeded row picks exactly the token the
     draw over the fully sorted vocabulary picks with the same uniform, and only kept tokens;
     beside plain, greedy and other truncated rows of the batch."""
-    vocab, spread = 49_152, (4.0 if shape == "peaked" else 0.05)
+    vocab, spread = 49_152, {"peaked": 4.0, "wide": 3.0, "flat": 0.05}[shape]  # nucleus ~235, ~2,500, ~44,000
     gen = torch.Generator().manual_seed(3)
     sampler = Sampler(frozenset(), torch.Generator().manual_seed(0))
     for trial in range(12):
