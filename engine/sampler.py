@@ -16,6 +16,8 @@ from dpserve.engine.sequence import Sequence
 
 # Top-p alone looks for its nucleus among this many of a row's most likely tokens first.
 CANDIDATES = 256
+# The draw's running sum goes block by block (inverse_transform).
+BLOCK = 256
 
 
 class Sampler:
@@ -174,7 +176,6 @@ class Sampler:
         top-p ruled out) has zero width: it is never picked, and the check below keeps that
         true whatever the arithmetic does.
         """
-        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
         u = torch.rand((probs.shape[0], 1), generator=self.generator, dtype=torch.float64, device=probs.device)
         for row, seq in enumerate(seqs):
             if seq.generator is not None and not seq.params.is_greedy:
@@ -182,7 +183,7 @@ class Sampler:
                 # draws what this one would have (Sequence docstring).
                 seq.generator.manual_seed(seed_for(seq.params.seed, seq.num_output_tokens))
                 u[row] = torch.rand(1, generator=seq.generator, dtype=torch.float64, device=probs.device)
-        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+        picked = inverse_transform(probs, u)
         ruled_out = probs.gather(1, picked.unsqueeze(1)).squeeze(1) <= 0
         if bool(ruled_out.any()):
             picked = torch.where(ruled_out, probs.argmax(dim=-1), picked)
@@ -205,3 +206,29 @@ class Sampler:
         if rows:
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
         return logits
+
+
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row the first column whose running sum of `probs` (>= 0, any total) passes u x the total.
+
+    In two levels, so the float64 running sum covers BLOCK columns, not the vocabulary: the sums of
+    blocks of BLOCK columns (float64, a vectorised reduction), their running sum to find the block,
+    then the running sum inside that block alone. (A float64 cumsum of a 49k row is sequential and
+    cost ~350 us a row on a CPU, most of a plain draw: benchmarks/RESULTS.md, issue 26 ninth round.)
+    Only the order of the float64 additions differs from one running sum over the row."""
+    rows, width = probs.shape
+    full = width // BLOCK * BLOCK
+    parts = []
+    if full:
+        parts.append(probs[:, :full].reshape(rows, -1, BLOCK).sum(dim=-1, dtype=torch.float64))
+    if full < width:
+        parts.append(probs[:, full:].sum(dim=-1, keepdim=True, dtype=torch.float64))
+    block_cdf = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).cumsum(dim=-1)
+    target = u * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    cols = block * BLOCK + torch.arange(BLOCK, device=probs.device)
+    inside = probs.gather(1, cols.clamp(max=width - 1)).masked_fill(cols >= width, 0.0).cumsum(dim=-1, dtype=torch.float64)
+    offset = torch.searchsorted(inside, target - before, right=True).clamp_(max=BLOCK - 1)
+    return (block * BLOCK + offset).squeeze(1).clamp_(max=width - 1)
+

@@ -365,3 +365,25 @@ def test_top_k_one_is_the_argmax_even_among_ties():
     rows = [seq([1], temperature=1.5, top_k=1), seq([1], temperature=0.7, top_k=1, seed=3),
             seq([1], temperature=1.0, top_k=1, top_p=0.2)]
     assert Sampler(frozenset(), torch.Generator().manual_seed(0))(logits, rows)[0] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("width", [7, 256, 1000, 49_152, 50_257])
+def test_the_blocked_running_sum_picks_what_one_running_sum_over_the_row_picks(width):
+    """inverse_transform sums by blocks, then inside one; against searchsorted over the row's own
+    float64 cumsum: the same column for every u (ties of float64 rounding aside, none here), a
+    tail block shorter than the others included, and never a zero-probability column."""
+    from dpserve.engine.sampler import inverse_transform
+
+    gen = torch.Generator().manual_seed(width)
+    probs = torch.rand(6, width, generator=gen) ** 4
+    probs[:, ::3] = 0.0  # ruled-out columns between the others
+    probs[1, : width // 2] = 0.0  # mass only at the end of the row
+    probs[2, width // 3 + 1:] = 0.0  # only at its start
+    u = torch.rand(6, 1, generator=gen, dtype=torch.float64)
+    u[3] = 0.0
+    u[4] = 1.0 - 2 ** -53  # the largest uniform
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    want = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    got = inverse_transform(probs, u)
+    assert got.tolist() == want.tolist()
+    assert bool((probs.gather(1, got.unsqueeze(1)) > 0).all())
