@@ -77,7 +77,8 @@ class Sampler:
             plain = [i for i, p in enumerate(params) if not p.is_greedy and i not in cut]
             if plain:
                 picked[plain] = self._draw(scaled[plain].softmax(dim=-1), [seqs[i] for i in plain])
-            picked[truncated] = self._draw_truncated(scaled[truncated], [seqs[i] for i in truncated])
+            rows = scaled if len(truncated) == len(seqs) else scaled[truncated]
+            picked[truncated] = self._draw_truncated(rows, [seqs[i] for i in truncated])
         else:
             picked = self._draw(scaled.softmax(dim=-1), seqs)
 
@@ -112,19 +113,30 @@ class Sampler:
         Only the candidates are sorted: a row's top_k, or for top_p alone its CANDIDATES most likely
         tokens, found by topk (a full sort costs ~4 ms a row over a 49k vocabulary on a CPU, topk
         ~0.2 ms: benchmarks/RESULTS.md, issue 26 ninth round). A nucleus wider than the candidates
-        looks among 16x as many, then (a flat distribution) sorts the whole row. Candidates are in
+        looks among 16x as many, then sorts the whole row; a row whose most likely token is too
+        unlikely for the nucleus to fit (a flat distribution) starts there. Candidates are in
         descending order, so the draw picks what a draw over the fully sorted row would."""
         vocab = scaled.shape[1]
         params = [s.params for s in seqs]
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         wanted = max(k if p.top_k > 0 else min(CANDIDATES, k) for k, p in zip(ks, params))
+        whole = torch.tensor([p.top_k == 0 or k >= vocab for p, k in zip(params, ks)], device=scaled.device)
+        lse = scaled.logsumexp(dim=-1) if bool(whole.any()) else None
+        if lse is not None and wanted < vocab:
+            # No token is likelier than the row's most likely one: a nucleus needs at least
+            # top_p / p_max of them (a flat row goes straight to the full sort).
+            top_p = torch.tensor([p.top_p if w else 0.0 for p, w in zip(params, whole.tolist())], device=scaled.device)
+            ratio = (top_p / (scaled.amax(dim=-1) - lse).exp()).nan_to_num(nan=vocab, posinf=vocab)
+            needed = int(ratio.max().clamp(max=vocab).ceil())
+            while wanted < needed:
+                wanted = wanted * 16 if wanted * 16 <= vocab // 4 else vocab
         while True:
             if wanted < vocab:
                 values, ids = scaled.topk(wanted, dim=-1)
             else:
                 # Stable: among equal logits the lowest id first, as argmax orders them.
                 values, ids = scaled.sort(dim=-1, descending=True, stable=True)
-            kept, short = self._truncate(values, scaled, params, ks)
+            kept, short = self._truncate(values, params, ks, whole, lse, wanted < vocab)
             if short is None:
                 break
             # The next width can hold a short row's nucleus only if its mass so far plus that many
@@ -137,26 +149,31 @@ class Sampler:
         return ids.gather(1, self._draw(kept, seqs).unsqueeze(1)).squeeze(1)
 
     @staticmethod
-    def _truncate(values: torch.Tensor, scaled: torch.Tensor, params: list, ks: list[int]):
+    def _truncate(values: torch.Tensor, params: list, ks: list[int], whole: torch.Tensor, lse: torch.Tensor | None,
+                  partial: bool):
         """Probabilities (not normalised) over the sorted candidate `values`, zero beyond each row's
         top_k and top_p; and None when the candidates held every token a row could keep, else the
-        short rows' (mass of the candidates, least likely candidate's probability, top_p)."""
-        width, vocab = values.shape[1], scaled.shape[1]
-        position = torch.arange(width, device=values.device).unsqueeze(0)
-        ks_t = torch.tensor(ks, device=values.device).unsqueeze(1)
-        values = values.masked_fill(position >= ks_t, float("-inf"))
+        short rows' (mass of the candidates, least likely candidate's probability, top_p).
+        `whole`: the rows normalised over the whole row (no top_k), whose logsumexp `lse` holds;
+        `partial`: the candidates are not the whole row (some tokens were left out)."""
+        width = values.shape[1]
+        if min(ks) < width:
+            position = torch.arange(width, device=values.device).unsqueeze(0)
+            values = values.masked_fill(position >= torch.tensor(ks, device=values.device).unsqueeze(1), float("-inf"))
         # Normalised over the row's top-k set, or over the whole row when it has no top_k.
-        whole = torch.tensor([p.top_k == 0 or k >= vocab for p, k in zip(params, ks)], device=values.device)
-        norm = values.logsumexp(dim=-1)
-        if bool(whole.any()):
-            norm = torch.where(whole, scaled.logsumexp(dim=-1), norm)
+        if lse is None:
+            norm = values.logsumexp(dim=-1)
+        elif bool(whole.all()):
+            norm = lse
+        else:
+            norm = torch.where(whole, lse, values.logsumexp(dim=-1))
         probs = (values - norm.unsqueeze(1)).exp()
         if all(p.top_p >= 1.0 for p in params):
             return probs, None
         top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
         before = probs.cumsum(dim=-1) - probs
         short = None
-        if width < vocab:
+        if partial and lse is not None:
             # The first token left out is dropped when the candidates already cover top_p.
             mass = before[:, -1] + probs[:, -1]
             rows = whole & (top_p < 1.0) & ~(mass > top_p)
