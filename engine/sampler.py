@@ -111,8 +111,8 @@ class Sampler:
         (vLLM's order: top-p renormalises over the top-k set; the most likely token always stays).
 
         Only the candidates are sorted: a row's top_k, or for top_p alone its CANDIDATES most likely
-        tokens, found by topk (a full sort costs ~4 ms a row over a 49k vocabulary on a CPU, topk
-        ~0.2 ms: benchmarks/RESULTS.md, issue 26 ninth round). A nucleus wider than the candidates
+        tokens, found by topk (a stable sort of a 49k vocabulary costs 2.4-5 ms a row on a CPU, the
+        whole draw with top_k 50 ~0.1 ms: benchmarks/RESULTS.md, issue 26 ninth round). A nucleus wider than the candidates
         looks among 16x as many, then sorts the whole row; a row whose most likely token is too
         unlikely for the nucleus to fit (a flat distribution) starts there. Candidates are in
         descending order, so the draw picks what a draw over the fully sorted row would."""
