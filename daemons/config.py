@@ -133,9 +133,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
-    # vLLM's: a request's unset sampling parameters from the model's generation_config.json (auto),
-    # vLLM's neutral ones (vllm) or a directory's; the JSON object goes over either (api/sampling_defaults.py)
-    generation_config: str = "auto"
+    generation_config: str = "auto"  # vLLM's: a request's unset sampling values (api/sampling_defaults.py)
     override_generation_config: str = ""
     # API servers: how long a request waits for a rank, for its first token, and HTTP limits
     wait_for_engine_s: float = 60.0
@@ -178,8 +176,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     role: str = "serve"  # serve: one node; head: coordinator + local ranks; worker: joins a head
     data_parallel_size_local: int = 0  # 0: all ranks on this node
     data_parallel_start_rank: int = 0
-    # Ranks may join a running head up to this many (0: --data-parallel-size). Every node of a
-    # deployment gives the same value; --data-parallel-size stays the ranks the head starts with.
+    # Ranks may join a running head up to this many (0: --data-parallel-size; same on every node).
     data_parallel_size_max: int = 0
     data_parallel_address: str = "127.0.0.1"  # the head's address
     data_parallel_rpc_port: int = 29550
