@@ -1,7 +1,6 @@
 """The decode forward compiled by torch.compile (inductor's C++/OpenMP code on CPU), warmed at start.
 
-Owns when a step may take the compiled path (decodes only), the compile
-itself, its warm-up and its on-disk cache (the block compiled ahead of time
+Owns the compile itself, its warm-up and its on-disk cache (the block compiled ahead of time
 and saved whole, compiled_artifact.py, beside inductor's cache under the cache
 dir: a restarted rank loads it without tracing or building it again).
 Must never decide what runs nor allocate KV memory: it runs the model over a
@@ -10,9 +9,9 @@ step the model runner packed, with attention in place (paged_attention.py).
 The CPU analogue of vLLM's CUDA-graph capture sizes: there are no graphs to
 replay on a CPU, so one compiled block with a symbolic batch size and context
 width serves every decode step (inductor specializes sizes 0 and 1, so the model
-runner pads a batch of one to two rows): one compile, at start. Prefill chunks stay eager:
-their time is in the matmuls and SDPA (benchmarks/step_profile.py: Python is
-3-4% of a 512-token chunk), and their many shapes would each cost a compile.
+runner pads a batch of one to two rows): one compile, at start. A prompt's tokens run through it
+as rows of their own when they attend to little (model_runner.py decides); long chunks stay eager,
+where SDPA attends far faster than rows one by one and Python is 3-4% of a 512-token chunk.
 """
 
 from __future__ import annotations

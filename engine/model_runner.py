@@ -24,10 +24,14 @@ from dpserve.engine.sequence import Sequence
 # when sharing one would pad more than this many (row x position) cells; one
 # more call per layer costs about as much as attending over these.
 DECODE_PAD_CELLS = 8192
-# A step with decodes and at most this many prefill tokens runs through the compiled decode, each
-# prompt token as a row of its own (one query against its sequence's cache, as a decode): a new
-# request's chunks then cost the streams beside it a compiled step, not an eager one (issue 26).
-COMPILED_MAX_PREFILL_TOKENS = 64
+# A step whose prefill chunks are short, or attend to little, runs through the compiled decode, each
+# prompt token a row of its own (one query against its sequence's cache, as a decode): the eager
+# forward's ~50 ms of per-op overhead a step goes, and the rows' attention costs ~60 ns per (row,
+# position) cell a layer against SDPA's few. Measured on the 135M model in bf16, one thread
+# (RESULTS, tenth round): a 70-token prompt alone 145 -> 115 ms, eight 114 -> 86 ms each, one of 200
+# tokens (20k cells) even, one of 300 (45k) 11% slower, one of 512 (131k) 19% slower.
+COMPILED_MAX_PREFILL_TOKENS = 64  # at most this many prefill tokens always (the per-row attention is small)
+COMPILED_MAX_PREFILL_CELLS = 16_384  # or at most this many (row, position) cells among the prefill rows
 
 
 def group_decodes(lengths: list[int], pad_cells: int = DECODE_PAD_CELLS) -> list[tuple[int, int]]:
@@ -118,7 +122,7 @@ class ModelRunner:
         decodes = sorted((s for s, n in scheduled if n == 1), key=lambda s: s.num_computed_tokens)
         prefills = [(s, n) for s, n in scheduled if n > 1]
         step = _PackedStep()
-        if self.compiled is not None and decodes and self._compiled_can_take(prefills):
+        if self.compiled is not None and self._compiled_can_take(prefills):
             return self._execute_compiled(decodes, prefills, step, on_layer)
         if self.graphs is not None and decodes and not prefills:
             width = -(-(decodes[-1].num_computed_tokens + 1) // self.block_size)
@@ -144,10 +148,16 @@ class ModelRunner:
         return logits, step.sampled
 
     def _compiled_can_take(self, prefills: list[tuple[Sequence, int]]) -> bool:
-        """Whether the step's prefill chunks may run as rows of the compiled decode: few tokens,
-        and no prompt logprobs (those want every chunk position's logits)."""
-        return (sum(n for _, n in prefills) <= COMPILED_MAX_PREFILL_TOKENS
-                and all(seq.prompt_logprobs is None for seq, _ in prefills))
+        """Whether the step's prefill chunks may run as rows of the compiled decode: few tokens, or
+        few (row, position) cells for their rows to attend over, and no prompt logprobs (those want
+        every chunk position's logits)."""
+        if any(seq.prompt_logprobs is not None for seq, _ in prefills):
+            return False
+        if sum(n for _, n in prefills) <= COMPILED_MAX_PREFILL_TOKENS:
+            return True
+        # chunk of n from position f: rows attend over f + 1 ... f + n positions
+        cells = sum(n * seq.num_computed_tokens + n * (n + 1) // 2 for seq, n in prefills)
+        return cells <= COMPILED_MAX_PREFILL_CELLS
 
     def _execute_compiled(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]], step: _PackedStep,
                           on_layer: Callable[[], None] | None = None) -> tuple[torch.Tensor, list[Sequence]]:

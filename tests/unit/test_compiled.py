@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 from dpserve.engine import compiled as compiled_mod
-from dpserve.engine import compiled_artifact
+from dpserve.engine import compiled_artifact, model_runner
 from dpserve.engine.common.config import EngineConfig
 from dpserve.engine.core import EngineCore
 
@@ -69,8 +69,8 @@ def test_compiled_decode_equals_eager_and_generate(loaded_demo_model, compiled_e
 
 
 def test_compiled_decode_took_the_compiled_path(loaded_demo_model, compiled_engine_factory, monkeypatch):
-    """Steps with decodes go through CompiledDecode, a small prefill chunk beside them as rows of its own;
-    a step of prefills alone stays eager."""
+    """Steps with decodes go through CompiledDecode, a small prefill chunk beside them as rows of its own, and
+    so does a short prompt alone; a prompt whose rows would attend over too many cells stays eager."""
     engine = compiled_engine_factory()
     calls = []
     real = compiled_mod.CompiledDecode.__call__
@@ -79,15 +79,22 @@ def test_compiled_decode_took_the_compiled_path(loaded_demo_model, compiled_engi
                         or real(self, ids, pos, step, keep, on_block))
     add(engine, request("a", random_prompt(1, 9), max_tokens=5, ignore_eos=True))
     out = Collector()
-    out.feed(engine.step())  # the prompt alone: eager
+    out.feed(engine.step())  # the prompt alone, its 9 tokens as rows (the last one's logits kept)
     out.feed(engine.step())
     add(engine, request("b", random_prompt(2, 7), max_tokens=2, ignore_eos=True))
     out.run(engine)
     # a batch of one padded to two rows (the padding's logits skipped); a's decode beside b's 7 prompt tokens
     # (only the last one's logits kept); then both decode, then a alone
-    assert calls == [(2, [0]), (8, [0, 7]), (2, None), (2, [0])]
+    assert calls == [(9, [8]), (2, [0]), (8, [0, 7]), (2, None), (2, [0])]
     alone = request("b", random_prompt(2, 7), max_tokens=2, ignore_eos=True)
     assert out.tokens["b"] == Collector().run(_alone(engine, alone)).tokens["b"]
+    # 181 rows from position 0 attend over 16,471 cells, past COMPILED_MAX_PREFILL_CELLS: eager, the decode compiled
+    assert 181 * 182 // 2 > model_runner.COMPILED_MAX_PREFILL_CELLS >= 180 * 181 // 2
+    calls.clear()
+    got = Collector().run(_alone(engine, request("c", random_prompt(3, 181), max_tokens=2, ignore_eos=True)))
+    assert calls == [(2, [0])]  # the prompt eager, then its one decode step
+    eager = make(loaded_demo_model, True)
+    assert got.tokens["c"] == Collector().run(_alone(eager, request("c", random_prompt(3, 181), max_tokens=2, ignore_eos=True))).tokens["c"]
 
 
 def _alone(engine, req):
