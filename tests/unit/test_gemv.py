@@ -125,10 +125,10 @@ def test_float32_decode_rows_take_the_kernel_and_larger_batches_onednn(kernel, m
 @pytest.mark.skipif(fast_bf16(torch.device("cpu")), reason="oneDNN packs bf16 on this CPU: the kernel is not used")
 def test_bf16_groups_on_the_kernel_fuse_without_a_copy(kernel):
     """bf16 q/k/v and gate/up on the kernel fuse as one call on the members' own weights (no concatenated
-    copy); compiled, one linear_cat a group; eager (prefill), each member still on the kernel."""
+    copy); compiled, one linear_cat a group; eager (prefill), one kernel call a group too."""
     from dpserve.engine.compiled_artifact import PASSES
 
-    from tests.unit.test_cpu_linear import _Block, _linear_cat_calls
+    from tests.unit.test_cpu_linear import _Block, _op_calls
 
     torch.manual_seed(2)
     block = _Block(bias=True).bfloat16().requires_grad_(False)
@@ -143,4 +143,4 @@ def test_bf16_groups_on_the_kernel_fuse_without_a_copy(kernel):
         eager = block(x)
         torch.testing.assert_close(eager.float(), want, rtol=3e-2, atol=3e-2)
         torch.testing.assert_close(fn(block, x).float(), want, rtol=3e-2, atol=3e-2)
-        assert _linear_cat_calls(fn, block, x) == 2
+        assert _op_calls(fn, block, x) == 2
