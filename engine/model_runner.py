@@ -28,8 +28,8 @@ DECODE_PAD_CELLS = 8192
 # prompt token a row of its own (one query against its sequence's cache, as a decode): the eager
 # forward's ~50 ms of per-op overhead a step goes, and the rows' attention costs ~60 ns per (row,
 # position) cell a layer against SDPA's few. Measured on the 135M model in bf16, one thread
-# (RESULTS, tenth round): a 70-token prompt alone 145 -> 115 ms, eight 114 -> 86 ms each, one of 200
-# tokens (20k cells) even, one of 300 (45k) 11% slower, one of 512 (131k) 19% slower.
+# (RESULTS, tenth round), CPU ms: a 70-token prompt alone 145 -> 115, four 442 -> 381, one of 200
+# tokens (20k cells) 374 -> 355, one of 300 (45k) 528 -> 588, one of 512 (131k) 994 -> 1,179.
 COMPILED_MAX_PREFILL_TOKENS = 64  # at most this many prefill tokens always (the per-row attention is small)
 COMPILED_MAX_PREFILL_CELLS = 16_384  # or at most this many (row, position) cells among the prefill rows
 
