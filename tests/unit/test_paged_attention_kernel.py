@@ -87,6 +87,31 @@ def test_kernel_head_shapes(built, kv_heads, group, dim):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+# Head sizes of 32, 64 and 128 take the AVX-512 path on a CPU that has it (16 positions' scores at a time,
+# bf16 keys by vdpbf16ps where the CPU has AVX512_BF16): runs of positions that end inside and on a
+# 16-position chunk and a block, blocks of 16 and of 4 (a chunk's positions from several blocks), windows,
+# groups wider than one values pass (128: 2 query heads a pass; 64: 4).
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 8, 64), (2, 3, 128), (1, 1, 32)])
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_kernel_vector_head_sizes(built, dtype, tol, kv_heads, group, dim, block_size):
+    gen = torch.Generator().manual_seed(dim * 10 + group + block_size)
+    lengths = [1, 15, 16, 17, 33, 100]
+    width = max(-(-n // block_size) for n in lengths)
+    blocks = len(lengths) * width + 3
+    k_cache = torch.randn(blocks * block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks * block_size, kv_heads, dim, generator=gen).to(dtype)
+    query = (torch.randn(len(lengths), kv_heads * group, dim, generator=gen) * 3).to(dtype)
+    tables = torch.randperm(blocks, generator=gen)[: len(lengths) * width].view(len(lengths), width)
+    for window in (None, 5, 20):
+        args = (query, k_cache, v_cache, tables, torch.tensor(lengths), block_size, dim**-0.5, window)
+        got = built(*args)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), paged_decode(*args).float(), atol=tol, rtol=tol)
+        exact = paged_decode(query.float(), k_cache.float(), v_cache.float(), *args[3:])
+        torch.testing.assert_close(got.float(), exact, atol=2 * tol, rtol=2 * tol)
+
+
 def test_kernel_inside_compiled_code_without_graph_break(built):
     """The compiled decode block calls it: Dynamo must trace it as one op (fullgraph)."""
 
@@ -154,7 +179,8 @@ kernel.build_and_register(sys.argv[1], ("-march=native", sys.argv[2]))
 gen = torch.Generator().manual_seed(0)
 BS = 16
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-2)):
-    for kvh, group, dim, lengths in ((3, 3, 64, [1, 7, 16, 17, 100]), (2, 4, 40, [3, 33]), (1, 1, 24, [9])):
+    for kvh, group, dim, lengths in ((3, 3, 64, [1, 7, 16, 17, 100]), (2, 3, 128, [16, 50]), (2, 4, 40, [3, 33]),
+                                     (1, 1, 24, [9])):
         width = max(-(-n // BS) for n in lengths)
         blocks = len(lengths) * width + 2
         k = torch.randn(blocks * BS, kvh, dim, generator=gen).to(dtype)
@@ -168,16 +194,34 @@ print("variant ok")
 """
 
 
+def _build_and_check(tmp_path, variant: str) -> None:
+    proc = subprocess.run([sys.executable, "-c", VARIANT_CHECK, str(tmp_path), variant], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0 and "variant ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def _cpu_flags() -> list[str]:
+    return open("/proc/cpuinfo", encoding="utf-8").read().split() if os.path.exists("/proc/cpuinfo") else []
+
+
 def test_the_next_vector_path_down_matches(tmp_path):
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
-    flags = open("/proc/cpuinfo", encoding="utf-8").read().split() if os.path.exists("/proc/cpuinfo") else []
+    flags = _cpu_flags()
     if "avx512f" in flags:
         variant = "-mno-avx512f"  # the AVX2 + FMA code
     elif "avx2" in flags:
         variant = "-mno-avx2"  # the generic code
     else:
         pytest.skip("not an x86 CPU with AVX2: -march=native already builds the generic code")
-    proc = subprocess.run([sys.executable, "-c", VARIANT_CHECK, str(tmp_path), variant], capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0 and "variant ok" in proc.stdout, proc.stderr[-3000:]
+    _build_and_check(tmp_path, variant)
+
+
+def test_the_avx512_path_without_bf16_dot_products_matches(tmp_path):
+    """On a CPU with AVX512_BF16 the native build scores bf16 keys with vdpbf16ps; an AVX-512 CPU without
+    it converts them to float first: that code, built here, against the PyTorch path."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    if "avx512_bf16" not in _cpu_flags():
+        pytest.skip("no AVX512_BF16: -march=native already builds the float path")
+    _build_and_check(tmp_path, "-mno-avx512bf16")
