@@ -271,7 +271,7 @@ void attend(const T* q, T* out, const T* kc, const T* vc, const int64_t* table, 
 // sums) and the scale comes after; otherwise the keys go through float. Values: a KV head's row is
 // converted once and added into the accumulators of up to 16 / DV of its query heads at once.
 // Measured on a 2-core EPYC (avx512_bf16), 16 rows x 100 positions, 9/3 heads of 64, bf16, one thread:
-// 323 us a call before (attend), see RESULTS (issue 26, eleventh round) for after.
+// 323 -> 105 us a call (one thread; 208 -> 46 us on two), RESULTS (issue 26, eleventh round).
 
 template <typename T, int DV>
 inline void load_vec(const T* src, __m512* out);
