@@ -273,24 +273,17 @@ void attend(const T* q, T* out, const T* kc, const T* vc, const int64_t* table, 
 // Measured on a 2-core EPYC (avx512_bf16), 16 rows x 100 positions, 9/3 heads of 64, bf16, one thread:
 // 323 -> 105 us a call (one thread; 208 -> 46 us on two), RESULTS (issue 26, eleventh round).
 
-template <typename T, int DV>
-inline void load_vec(const T* src, __m512* out);
-template <>
-inline void load_vec<float, 2>(const float* s, __m512* o) { for (int c = 0; c < 2; ++c) o[c] = _mm512_loadu_ps(s + 16 * c); }
-template <>
-inline void load_vec<float, 4>(const float* s, __m512* o) { for (int c = 0; c < 4; ++c) o[c] = _mm512_loadu_ps(s + 16 * c); }
-template <>
-inline void load_vec<float, 8>(const float* s, __m512* o) { for (int c = 0; c < 8; ++c) o[c] = _mm512_loadu_ps(s + 16 * c); }
-inline __m512 bf16x16(const c10::BFloat16* s) {
+// 16 lanes of a cache row as floats.
+inline __m512 x16(const float* s) { return _mm512_loadu_ps(s); }
+inline __m512 x16(const c10::BFloat16* s) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))), 16));
 }
-inline __m512 f16x16(const c10::Half* s) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))); }
-template <> inline void load_vec<c10::BFloat16, 2>(const c10::BFloat16* s, __m512* o) { for (int c = 0; c < 2; ++c) o[c] = bf16x16(s + 16 * c); }
-template <> inline void load_vec<c10::BFloat16, 4>(const c10::BFloat16* s, __m512* o) { for (int c = 0; c < 4; ++c) o[c] = bf16x16(s + 16 * c); }
-template <> inline void load_vec<c10::BFloat16, 8>(const c10::BFloat16* s, __m512* o) { for (int c = 0; c < 8; ++c) o[c] = bf16x16(s + 16 * c); }
-template <> inline void load_vec<c10::Half, 2>(const c10::Half* s, __m512* o) { for (int c = 0; c < 2; ++c) o[c] = f16x16(s + 16 * c); }
-template <> inline void load_vec<c10::Half, 4>(const c10::Half* s, __m512* o) { for (int c = 0; c < 4; ++c) o[c] = f16x16(s + 16 * c); }
-template <> inline void load_vec<c10::Half, 8>(const c10::Half* s, __m512* o) { for (int c = 0; c < 8; ++c) o[c] = f16x16(s + 16 * c); }
+inline __m512 x16(const c10::Half* s) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))); }
+
+template <typename T, int DV>
+inline void load_vec(const T* s, __m512* o) {
+  for (int c = 0; c < DV; ++c) o[c] = x16(s + 16 * c);
+}
 
 // Lane j of the result = the sum of v[j]'s 16 lanes (v is overwritten).
 inline __m512 sum16(__m512* v) {
@@ -415,14 +408,15 @@ void attend_avx512(const T* q, T* out, const T* kc, const T* vc, const int64_t* 
 template <typename T>
 bool attend_fast(const T* q, T* out, const T* kc, const T* vc, const int64_t* table, int64_t first, int64_t last,
                  int64_t bs, int64_t KVH, int64_t G, int64_t D, float scale, std::vector<float>& buf) {
-  if constexpr (!std::is_same_v<T, float> && !std::is_same_v<T, c10::BFloat16> && !std::is_same_v<T, c10::Half>)
-    return false;  // float64
-  switch (D) {
-    case 32: attend_avx512<T, 2>(q, out, kc, vc, table, first, last, bs, KVH, G, scale, buf); return true;
-    case 64: attend_avx512<T, 4>(q, out, kc, vc, table, first, last, bs, KVH, G, scale, buf); return true;
-    case 128: attend_avx512<T, 8>(q, out, kc, vc, table, first, last, bs, KVH, G, scale, buf); return true;
-    default: return false;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
+    switch (D) {
+      case 32: attend_avx512<T, 2>(q, out, kc, vc, table, first, last, bs, KVH, G, scale, buf); return true;
+      case 64: attend_avx512<T, 4>(q, out, kc, vc, table, first, last, bs, KVH, G, scale, buf); return true;
+      case 128: attend_avx512<T, 8>(q, out, kc, vc, table, first, last, bs, KVH, G, scale, buf); return true;
+      default: return false;
+    }
   }
+  return false;  // float64
 }
 #else
 template <typename T>
