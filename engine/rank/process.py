@@ -170,10 +170,11 @@ class EngineProcess:
             self._report_load()
         return EXIT_OK
 
-    def _more_urgent_arrived(self, floor: int) -> bool:
+    def _more_urgent_arrived(self, bar: int) -> bool:
         """Called from inside a step: read what the API servers sent meanwhile (kept for after
-        the step) and say whether a new request is more urgent than every one in the step, which
-        then gives way to it (engine/step_yield.py): it waits for a layer, not for a whole step."""
+        the step) and say whether a new request is more urgent than `bar` (the step's least urgent
+        work), which then gives way to it (engine/step_yield.py): it waits for a layer, not for a
+        whole step, and the urgent step after leaves the less urgent work out."""
         now = time.monotonic()
         if now - self._last_peek < PEEK_EVERY_S:
             return False
@@ -184,7 +185,7 @@ class EngineProcess:
                 continue  # the coordinator, a monitor, a signal: the loop's, after the step
             for index, msg in self.io.read(sock):
                 self._early.append((index, msg))
-                urgent = urgent or (isinstance(msg, AddRequest) and msg.params.priority < floor
+                urgent = urgent or (isinstance(msg, AddRequest) and msg.params.priority < bar
                                     and msg.params.guided_grammar is None)  # (a grammar compiles first)
         if urgent and not self._said_yield:
             self._said_yield = True

@@ -171,9 +171,9 @@ def test_a_compiled_step_gives_way_after_a_block(loaded_demo_model, compiled_eng
     add(engine, *reqs)
     out = Collector()
     out.feed(engine.step())  # the prompts (eager)
-    floors = []
-    engine.yield_check = lambda floor: floors.append(floor) or True
-    assert engine.step() == [] and floors == [2] and engine.giving_way.num_yielded == 1  # a compiled decode step
+    bars = []
+    engine.yield_check = lambda bar: bars.append(bar) or True
+    assert engine.step() == [] and bars == [2] and engine.giving_way.num_yielded == 1  # a compiled decode step
     urgent = request("urgent", random_prompt(550, 5), max_tokens=4, priority=0)
     add(engine, urgent)
     out.run(engine)

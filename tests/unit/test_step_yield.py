@@ -1,8 +1,8 @@
 """A step in progress gives way to a more urgent request (priority policy, issue 28).
 
-The native engine calls `yield_check` after every layer with the step's most urgent
+The native engine calls `yield_check` after every layer with the step's least urgent
 priority; the rank's check peeks at its API servers' sockets and says True when a
-newly arrived request is more urgent than all of the step. The step is then dropped
+newly arrived request is more urgent than some of the step. The step is then dropped
 whole: no token counted, no block cached, the keys and values it wrote written again
 when it is redone. fp32, greedy: the answers of a run with a step given way equal
 generate()'s alone. Real sockets for the rank's peek.
@@ -37,12 +37,12 @@ class Check:
     """A yield_check that says True while `arrived` holds a request more urgent than the step."""
 
     def __init__(self) -> None:
-        self.floors: list[int] = []
+        self.bars: list[int] = []  # the least urgent priority of each step that looked
         self.arrived: list[int] = []  # priorities of requests that came in during the step
 
-    def __call__(self, floor: int) -> bool:
-        self.floors.append(floor)
-        return any(p < floor for p in self.arrived)
+    def __call__(self, bar: int) -> bool:
+        self.bars.append(bar)
+        return any(p < bar for p in self.arrived)
 
 
 def bulk(n: int) -> list[AddRequest]:
@@ -58,21 +58,21 @@ def test_a_step_gives_way_to_a_more_urgent_request_and_leaves_no_trace(loaded_de
     out = Collector()
     for _ in range(3):  # prompts, then decodes: nothing more urgent came, nothing gives way
         out.feed(engine.step())
-    assert engine.giving_way.num_yielded == 0 and set(check.floors) == {3}
+    assert engine.giving_way.num_yielded == 0 and set(check.bars) == {3}
     before = {r.request_id: len(out.tokens.get(r.request_id, [])) for r in reqs}
     computed = {s.request_id: s.num_computed_tokens for s in engine.scheduler.running}
 
     check.arrived.append(0)  # an urgent request reaches the rank while the next step runs
-    calls = len(check.floors)
+    calls = len(check.bars)
     assert engine.step() == []  # it gave way after its first layer
-    assert engine.giving_way.num_yielded == 1 and len(check.floors) == calls + 1
+    assert engine.giving_way.num_yielded == 1 and len(check.bars) == calls + 1
     assert {s.request_id: s.num_computed_tokens for s in engine.scheduler.running} == computed
     urgent = request("urgent", random_prompt(700, 11), max_tokens=6, priority=0)
     add(engine, urgent)
 
-    calls = len(check.floors)
+    calls = len(check.bars)
     got = engine.step()  # the urgent step: the urgent request alone, never given way
-    assert [o.request_id for o in got] == ["urgent"] and len(check.floors) == calls
+    assert [o.request_id for o in got] == ["urgent"] and len(check.bars) == calls
     out.feed(got)
     got = engine.step()  # the plain step after it runs whole, whatever arrives
     assert {o.request_id for o in got} == {"urgent", *before} and engine.giving_way.num_yielded == 1
@@ -85,29 +85,57 @@ def test_a_step_gives_way_to_a_more_urgent_request_and_leaves_no_trace(loaded_de
 
 
 def test_only_the_priority_policy_s_plain_steps_look(loaded_demo_model):
-    """fcfs never looks; under priority, a step with work as urgent as the newcomer's is not dropped for it."""
+    """fcfs never looks; under priority, a step with no work less urgent than the newcomer is not dropped for it."""
     fcfs = make(loaded_demo_model, "fcfs")
     check = Check()
     check.arrived.append(-5)
     fcfs.yield_check = check
     add(fcfs, *bulk(2))
     Collector().run(fcfs)
-    assert check.floors == [] and fcfs.giving_way.num_yielded == 0
+    assert check.bars == [] and fcfs.giving_way.num_yielded == 0
 
     engine = make(loaded_demo_model)
     check = Check()
     check.arrived.append(1)
     engine.yield_check = check
-    add(engine, request("first", random_prompt(800, 7), max_tokens=20, priority=1, ignore_eos=True), *bulk(1))  # outlives bulk0
+    add(engine, request("first", random_prompt(800, 7), max_tokens=20, priority=1, ignore_eos=True),
+        request("more", random_prompt(801, 9), max_tokens=6, priority=0))  # none of the step less urgent than it
     Collector().run(engine)
-    assert engine.giving_way.num_yielded == 0 and min(check.floors) == 1
+    assert engine.giving_way.num_yielded == 0 and set(check.bars) == {1}
+
+
+def test_a_step_gives_way_when_it_holds_less_urgent_work_beside_work_as_urgent(loaded_demo_model, reference):
+    """A quiet request decoding beside a flood's does not shield the flood's step from a second
+    quiet request: the step gives way, and the urgent step after runs both quiet ones, not the flood."""
+    engine = make(loaded_demo_model)
+    check = Check()
+    engine.yield_check = check
+    quiet = request("quiet", random_prompt(900, 8), max_tokens=12, priority=0, ignore_eos=True)
+    reqs = [*bulk(2), quiet]
+    add(engine, *reqs)
+    out = Collector()
+    for _ in range(3):
+        out.feed(engine.step())
+    assert engine.giving_way.num_yielded == 0 and set(check.bars) == {3}  # the flood's bulk at 3, quiet at 0
+    check.arrived.append(0)
+    assert engine.step() == [] and engine.giving_way.num_yielded == 1
+    second = request("second", random_prompt(901, 10), max_tokens=5, priority=0)
+    add(engine, second)
+    got = engine.step()  # the urgent step: the two quiet requests, the flood left out
+    assert {o.request_id for o in got} == {"quiet", "second"}
+    out.feed(got)
+    check.arrived.clear()
+    out.run(engine)
+    for r in [*reqs, second]:
+        assert out.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
+    assert_all_blocks_free(engine)
 
 
 def test_the_rank_reads_on_inside_a_step_and_finds_the_more_urgent_request(tmp_path):
     """The rank's check (EngineProcess._more_urgent_arrived) on real sockets: it reads every waiting
     message into `_early`, in order, for the loop to deliver after the step, says True only for a new
-    request more urgent than the step's floor (not for a guided one, whose grammar compiles first),
-    and looks at most every PEEK_EVERY_S."""
+    request more urgent than the bar it is given (the step's least urgent priority; not for a guided
+    one, whose grammar compiles first), and looks at most every PEEK_EVERY_S."""
     ctx = zmq.Context()
     api_address = f"ipc://{tmp_path}/api-engines"
     api = ctx.socket(zmq.ROUTER)
