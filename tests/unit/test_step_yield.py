@@ -45,6 +45,15 @@ class Check:
         return any(p < bar for p in self.arrived)
 
 
+def finish_as_alone(engine: EngineCore, check: Check, out: Collector, reqs: list[AddRequest], reference) -> None:
+    """Nothing more arrives: run to the end; every answer is generate()'s alone, every block free."""
+    check.arrived.clear()
+    out.run(engine)
+    for r in reqs:
+        assert out.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
+    assert_all_blocks_free(engine)
+
+
 def bulk(n: int) -> list[AddRequest]:
     return [request(f"bulk{i}", random_prompt(600 + i, 9 + 4 * i), max_tokens=14, priority=3) for i in range(n)]
 
@@ -77,11 +86,7 @@ def test_a_step_gives_way_to_a_more_urgent_request_and_leaves_no_trace(loaded_de
     got = engine.step()  # the plain step after it runs whole, whatever arrives
     assert {o.request_id for o in got} == {"urgent", *before} and engine.giving_way.num_yielded == 1
     out.feed(got)
-    check.arrived.clear()
-    out.run(engine)
-    for r in [*reqs, urgent]:
-        assert out.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
-    assert_all_blocks_free(engine)
+    finish_as_alone(engine, check, out, [*reqs, urgent], reference)
 
 
 def test_only_the_priority_policy_s_plain_steps_look(loaded_demo_model):
@@ -124,11 +129,7 @@ def test_a_step_gives_way_when_it_holds_less_urgent_work_beside_work_as_urgent(l
     got = engine.step()  # the urgent step: the two quiet requests, the flood left out
     assert {o.request_id for o in got} == {"quiet", "second"}
     out.feed(got)
-    check.arrived.clear()
-    out.run(engine)
-    for r in [*reqs, second]:
-        assert out.tokens[r.request_id] == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
-    assert_all_blocks_free(engine)
+    finish_as_alone(engine, check, out, [*reqs, second], reference)
 
 
 def test_the_rank_reads_on_inside_a_step_and_finds_the_more_urgent_request(tmp_path):
