@@ -27,7 +27,8 @@ measured speeds on this CPU (benchmarks/prefix_sim.py: prefill 245 tokens/s, a
 decode step of 215 ms + 5.3 ms a sequence, taken at --max-num-seqs). native / vllm:
 the realistic model (`dpserve demo-model --size small`) on one node, DP 1,
 --scheduling-policy priority (vllm: vLLM's engine in the rank, which sees
-`priority`). --hold N: --hold-waiting-per-rank; --hold -1 turns the frontend's
+`priority`); the scenarios' rates are shares of the capacity measured first (requests/s
+finished with every place taken; --capacity sets it). --hold N: --hold-waiting-per-rank; --hold -1 turns the frontend's
 hold off (--no-admission-hold: every request straight to a rank's FIFO), for the comparison.
 --reserve S [S ...]: --reserve-window-s (0: no places reserved by recent demand); with several,
 one cluster each, in turn, --rounds times (e.g. `--reserve 5 0 --rounds 3`: the throughput
@@ -275,6 +276,14 @@ async def fair_tokens(url, model, args, slots: int) -> dict:
             "requests": {n: sum(r.tenant == n and r.status == 200 for r in res) for n in names}}
 
 
+async def measure_capacity(url, model, args, slots: int, warm_s: float = 5.0, seconds: float = 15.0) -> float:
+    """Requests/s the cluster finishes with every batch place taken (t0 alone, closed loop, twice the
+    places in clients): the noisy and priority scenarios' rates are shares of it."""
+    t0 = time.monotonic()
+    res = await phase(url, model, warm_s + seconds, 0.0, closed_loops=[("t0", 2 * slots, args.max_tokens)])
+    return sum(r.status == 200 and t0 + warm_s <= r.t_end < t0 + warm_s + seconds for r in res) / seconds
+
+
 async def priority(url, model, args, slots: int, capacity: float) -> dict:
     rate = capacity / 8
     alone, loaded, pairs = [], [], []
@@ -339,6 +348,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=1, help="run the --reserve values in turn this many times")
     p.add_argument("--env", nargs="+", default=["-"], help="environments for the node's processes, one cluster each, in turn "
                    "(\"K=V,K=V\"; \"-\": none), e.g. the levers' switches for an A/B within one run")
+    p.add_argument("--capacity", type=float, default=0.0, help="requests/s the cluster finishes when full (default: sim: "
+                   "from its step model; native / vllm: measured first, t0 alone filling every place)")
     p.add_argument("--phase-s", type=float, default=15.0)
     p.add_argument("--jain-s", type=float, default=30.0)
     p.add_argument("--pairs", type=int, default=1, help="noisy / priority: alone and loaded phases, alternated, this many times (pooled)")
@@ -367,7 +378,10 @@ def run_once(args, run, reserve: float, env: str) -> dict:
         url, model, stop, step_s = start_cluster(args, TENANTS.write(tmp), reserve, env_of(env))
         try:
             slots = args.ranks * args.max_num_seqs
-            capacity = slots / ((args.max_tokens + 1) * step_s)  # requests/s the batch places finish
+            capacity = args.capacity or slots / ((args.max_tokens + 1) * step_s)  # requests/s the batch places finish
+            if args.engine != "sim" and not args.capacity:  # a real engine's speed depends on the CPU: measured, not assumed
+                run.log("measuring the cluster's capacity ...")
+                capacity = asyncio.run(measure_capacity(url, model, args, slots))
             out = {"engine": args.engine, "hold": args.hold, "reserve": reserve, "env": env, "ranks": args.ranks, "slots": slots, "capacity_req_s": capacity}
             for name in args.only:
                 run.log(f"{name} (reserve {reserve:g} s) ...")
