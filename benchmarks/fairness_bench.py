@@ -231,10 +231,12 @@ async def noisy(url, model, args, capacity: float) -> dict:
     quiet = ("t1", "t2", "t3")
     solo = quiet if args.alone_group else ("t1",)  # alone: the quiet tenants without the noisy one, or t1 by itself
     alone, loaded, pairs = [], [], []
+    flood = [("t0", 10 * share, args.max_tokens)] + [(t, rate, args.max_tokens) for t in quiet]
+    if args.warmup_s:  # a loaded phase first, not counted: the rank's first preemptions and urgent steps
+        await phase(url, model, args.warmup_s, drain, open_loops=flood)
     for _ in range(args.pairs):  # alone and loaded alternate: a drift in the machine's load hits both
         a = await phase(url, model, args.alone_s or args.phase_s, drain, open_loops=[(t, rate, args.max_tokens) for t in solo])
-        b = await phase(url, model, args.phase_s, drain, open_loops=[("t0", 10 * share, args.max_tokens)]
-                        + [(t, rate, args.max_tokens) for t in quiet])
+        b = await phase(url, model, args.phase_s, drain, open_loops=flood)
         alone += a
         loaded += b
         pairs.append(([x for t in solo for x in ttfts(a, t)], [x for t in quiet for x in ttfts(b, t)], delivered(b, args.phase_s)))
@@ -277,8 +279,7 @@ async def fair_tokens(url, model, args, slots: int) -> dict:
 
 
 async def measure_capacity(url, model, args, slots: int, warm_s: float = 5.0, seconds: float = 15.0) -> float:
-    """Requests/s the cluster finishes with every batch place taken (t0 alone, closed loop, twice the
-    places in clients): the noisy and priority scenarios' rates are shares of it."""
+    """Requests/s finished with every place taken (t0 alone, twice the places in clients, closed loop)."""
     t0 = time.monotonic()
     res = await phase(url, model, warm_s + seconds, 0.0, closed_loops=[("t0", 2 * slots, args.max_tokens)])
     return sum(r.status == 200 and t0 + warm_s <= r.t_end < t0 + warm_s + seconds for r in res) / seconds
@@ -350,6 +351,7 @@ def main(argv=None) -> None:
                    "(\"K=V,K=V\"; \"-\": none), e.g. the levers' switches for an A/B within one run")
     p.add_argument("--capacity", type=float, default=0.0, help="requests/s the cluster finishes when full (default: sim: "
                    "from its step model; native / vllm: measured first, t0 alone filling every place)")
+    p.add_argument("--warmup-s", type=float, default=0.0, help="noisy: a loaded phase this long before the pairs, not counted")
     p.add_argument("--phase-s", type=float, default=15.0)
     p.add_argument("--jain-s", type=float, default=30.0)
     p.add_argument("--pairs", type=int, default=1, help="noisy / priority: alone and loaded phases, alternated, this many times (pooled)")
