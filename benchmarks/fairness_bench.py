@@ -380,10 +380,11 @@ def run_once(args, run, reserve: float, env: str) -> dict:
         url, model, stop, step_s = start_cluster(args, TENANTS.write(tmp), reserve, env_of(env))
         try:
             slots = args.ranks * args.max_num_seqs
-            capacity = args.capacity or slots / ((args.max_tokens + 1) * step_s)  # requests/s the batch places finish
-            if args.engine != "sim" and not args.capacity:  # a real engine's speed depends on the CPU: measured, not assumed
+            # requests/s the batch places finish: the simulated engine's by its step model
+            capacity = args.capacity or (slots / ((args.max_tokens + 1) * step_s) if args.engine == "sim" else 0.0)
+            if not capacity:  # a real engine's depends on the CPU: measured, once a run (every cluster gets one load)
                 run.log("measuring the cluster's capacity ...")
-                capacity = asyncio.run(measure_capacity(url, model, args, slots))
+                capacity = args.capacity = asyncio.run(measure_capacity(url, model, args, slots))
             out = {"engine": args.engine, "hold": args.hold, "reserve": reserve, "env": env, "ranks": args.ranks, "slots": slots, "capacity_req_s": capacity}
             for name in args.only:
                 run.log(f"{name} (reserve {reserve:g} s) ...")

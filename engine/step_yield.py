@@ -13,8 +13,9 @@ less urgent work always advances: at worst one dropped part-step for each urgent
 "Some", not "all": a quiet tenant's request that arrives while a flood's step also
 decodes another quiet request (as urgent as it) used to wait for that whole step.
 Measured (benchmarks/RESULTS.md, "Fair shares, seventh round"), two runs: the quiet
-tenants' TTFT p90 beside a flood (one short of filling the rank) 0.091 / 0.072 -> 0.065 / 0.073 s, p99 over their
-p99 without the flood 1.28 / 1.19 -> 1.19 / 1.00, at the flood's throughput.
+tenants' TTFT p90 beside a flood 0.091 / 0.072 -> 0.065 / 0.073 s, p99 over their
+p99 without the flood 1.28 / 1.19 -> 1.19 / 1.00, at the flood's throughput (a flood
+that did not fill the rank: the eighth round's, which does, is not met yet).
 DPSERVE_YIELD_PAST_ALL=1 keeps the old rule (more urgent than all of the step), for A/B.
 """
 
