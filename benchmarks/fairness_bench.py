@@ -166,10 +166,8 @@ async def phase(url: str, model: str, seconds: float, drain_s: float, open_loops
 
 
 def p99(values: list[float]) -> float | None:
-    if not values:
-        return None
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
+    return values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))] if values else None
 
 
 def ttfts(results: list[Result], tenant: str) -> list[float]:
@@ -371,9 +369,8 @@ def main(argv=None) -> None:
 
 
 def run_once(args, run, reserve: float, env: str) -> dict:
-    """The scenarios of --only on one cluster with --reserve-window-s `reserve` and the
-    environment `env` ("K=V,K=V" or "-") for its processes. Every cluster gets the same
-    arrivals (the phases' seeds restart): the settings compared see one load."""
+    """The scenarios of --only on one cluster with --reserve-window-s `reserve` and the environment `env`
+    ("K=V,K=V" or "-") for its processes. Every cluster gets the same arrivals (the phases' seeds restart)."""
     global _PHASES
     _PHASES = itertools.count()
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
@@ -382,9 +379,10 @@ def run_once(args, run, reserve: float, env: str) -> dict:
             slots = args.ranks * args.max_num_seqs
             # requests/s the batch places finish: the simulated engine's by its step model
             capacity = args.capacity or (slots / ((args.max_tokens + 1) * step_s) if args.engine == "sim" else 0.0)
-            if not capacity:  # a real engine's depends on the CPU: measured, once a run (every cluster gets one load)
+            if not capacity:  # a real engine's: measured, once a run (every cluster gets one load), on seeds of its own
                 run.log("measuring the cluster's capacity ...")
                 capacity = args.capacity = asyncio.run(measure_capacity(url, model, args, slots))
+                _PHASES = itertools.count()  # (they made the first cluster's arrivals other than the next ones')
             out = {"engine": args.engine, "hold": args.hold, "reserve": reserve, "env": env, "ranks": args.ranks, "slots": slots, "capacity_req_s": capacity}
             for name in args.only:
                 run.log(f"{name} (reserve {reserve:g} s) ...")

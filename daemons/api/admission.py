@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable
 
 import msgspec
-from dpserve.daemons.api.reserve import HOLD, NOW, Reservations
+from dpserve.daemons.api.reserve import FAIR_BURSTS, HOLD, NOW, TURN, Reservations
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, Router
 from dpserve.daemons.api.tenants import Tenant
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -123,6 +123,7 @@ class Admission:
         self._classes: dict[int, _Class] = {}
         self._seq = 0
         self._release_pending = False
+        self.free_place: Callable[[], bool] = lambda: True  # a rank has a batch place free (serving.py sets it)
         self.stats: dict[str, TenantStats] = {}
         self._rate = 0.0  # releases per second (decaying), for Retry-After
         self._rate_t = clock()
@@ -178,17 +179,25 @@ class Admission:
         is 2 x its class + 0 when it goes under its share (NOW), + 1 otherwise (held, a free place in
         fair order, or alone: past its share once another comes). Classes keep their order; within
         one, the engine runs (and preempts for) a quiet or new tenant's request before a flood's."""
-        if not (SHARE_URGENCY and self.in_flight is not None and self.reserve is not None) or abs(add.params.priority) >= 2**61:
+        if not self._by_share() or abs(add.params.priority) >= 2**61:
             return add  # (a priority near int64's bounds, which vLLM's engine takes, is sent as it came)
         params = msgspec.structs.replace(add.params, priority=2 * add.params.priority + (go != NOW))
         return msgspec.structs.replace(add, params=params)
 
     def may_pass(self, tenant: Tenant, priority: int) -> int:
-        """With reservations: whether a new request may try a rank now (under its account's
-        reservation, or below its cap with nothing held) rather than wait in its queue:
-        reserve.check's answer, HOLD (0) for wait."""
+        """With reservations: whether a new request may try a rank now rather than wait in its queue:
+        reserve.check's answer, HOLD (0) for wait. With nothing held here (no flood backlogged), one at
+        its cap still takes a free place where the engines order by share, as over-share work, the
+        first to give way (held, a quiet tenant's burst waited 1-1.3 s for its own answers to end while
+        the rank had places free: benchmarks/RESULTS.md, ninth round)."""
         go = self.reserve.check(priority, tenant.name, tenant.weight)
-        return go if go >= NOW or not self.num_held else HOLD
+        if go >= NOW or self.num_held:
+            return go if go >= NOW else HOLD
+        return TURN if go == HOLD and FAIR_BURSTS and self._by_share() and self.free_place() else go
+
+    def _by_share(self) -> bool:
+        """The engines order by share: under-share work first, preempting (urgency)."""
+        return SHARE_URGENCY and self.in_flight is not None and self.reserve is not None
 
     def remote(self, origin: str, tenant: Tenant, in_flight: int, delivered: int) -> None:
         """Another API server's report of `tenant` (tenants/sync.py): its requests in flight
@@ -396,23 +405,21 @@ class Admission:
         return max(1, min(60, math.ceil(num_ahead / rate)))
 
 
-def soonest_rank(router: Router) -> int:
-    """The routable eligible rank with the fewest sequences running and waiting (the
-    table's, plus this API server's sends since, never less than its own in flight there), full or not: where a request that
-    preempts starts soonest. A scan: only such requests pay for it. Raises NoRankAvailable."""
-    best, best_key = -1, None
-    for rank in router.eligible:
-        if not 0 <= rank < router.size or not router.routable(rank):
-            continue
-        load = router.loads[rank]
-        key = load.num_running + load.num_waiting + router.sent[rank]
-        if key < router.inflight[rank]:  # (a table older than our last sends, which reset `sent`)
-            key = router.inflight[rank]
-        if best_key is None or key < best_key:
-            best, best_key = rank, key
-    if best_key is None:
+def soonest_rank(router: Router, below: int | None = None) -> int:
+    """Router.soonest's rank, full or not: where a request that preempts starts soonest. A scan:
+    only such requests pay for it. Raises NoRankAvailable, or QueueFull when it has `below` or more."""
+    best, count = router.soonest()
+    if count is None:
         raise NoRankAvailable()
+    if below is not None and count >= below:
+        raise QueueFull(below)
     return best
+
+
+def has_place(router: Router, places: int) -> bool:
+    """Whether a routable rank has a batch place free (fewer than `places` running and waiting)."""
+    count = router.soonest()[1]
+    return count is not None and count < places
 
 
 class AdmissionCollector:

@@ -395,6 +395,22 @@ class Router:
                 self._pending_credit = depth * block
         return best
 
+    def soonest(self) -> tuple[int, int | None]:
+        """(rank, count) of the routable eligible rank with the fewest sequences running and waiting
+        (the table's, plus this API server's sends since, never less than its own in flight there);
+        (-1, None) when none is routable. A scan (admission.py's soonest_rank, has_place)."""
+        best, best_key = -1, None
+        for rank in self.eligible:
+            if not 0 <= rank < self.size or not self.routable(rank):
+                continue
+            load = self.loads[rank]
+            key = load.num_running + load.num_waiting + self.sent[rank]
+            if key < self.inflight[rank]:  # (a table older than our last sends, which reset `sent`)
+                key = self.inflight[rank]
+            if best_key is None or key < best_key:
+                best, best_key = rank, key
+        return best, best_key
+
     def pick_urgent(self, pinned: int | None = None, prompt: list[int] | None = None) -> int:
         """The rank where a request more urgent than the default (priority < 0, under
         --scheduling-policy priority) starts soonest. It passes every waiting request of a

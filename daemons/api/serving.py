@@ -24,7 +24,7 @@ import zmq
 from aiohttp import web
 from dpserve.daemons.aiohttp_compat import EventStream
 from dpserve.daemons.api import sampling_defaults
-from dpserve.daemons.api.admission import Admission, AdmissionCollector, HoldRefused, soonest_rank
+from dpserve.daemons.api.admission import Admission, AdmissionCollector, HoldRefused, has_place, soonest_rank
 from dpserve.daemons.api.backpressure import StreamBudget, StreamCollector, StreamStalled
 from dpserve.daemons.api.engine_client import EngineClient
 from dpserve.daemons.api.generation import EngineFailure, Generation
@@ -155,6 +155,7 @@ class ServingBase:
                 split = 1 if len(cfg.eligible_ranks) == 1 or cfg.tenants_file else cfg.api_server_count
                 reserve = Reservations.of_router(self.router, cfg.reserve_window_s, cfg.max_num_seqs, split, cfg.api_server_count - 1 if cfg.tenants_file else 0)
             self.admission = Admission(cfg.max_held_per_tenant, by_class=by_class, reserve=reserve)
+            self.admission.free_place = lambda: has_place(self.router, cfg.max_num_seqs)
             self.router.on_room = self.admission.on_room
             metrics.registry.register(AdmissionCollector(self.admission, cfg.index))
 
