@@ -186,14 +186,15 @@ class Admission:
 
     def may_pass(self, tenant: Tenant, priority: int) -> int:
         """With reservations: whether a new request may try a rank now rather than wait in its queue:
-        reserve.check's answer, HOLD (0) for wait. With nothing held here (no flood backlogged), one at
-        its cap still takes a free place where the engines order by share, as over-share work, the
-        first to give way (held, a quiet tenant's burst waited 1-1.3 s for its own answers to end while
-        the rank had places free: benchmarks/RESULTS.md, ninth round)."""
+        reserve.check's answer, HOLD (0) for wait. With nothing held here (no flood backlogged) and no
+        more urgent class active, one at its cap still takes a free place where the engines order by
+        share, as over-share work, the first to give way (held, a quiet tenant's burst waited 1-1.8 s
+        for its own answers to end while the rank had places free: benchmarks/RESULTS.md, ninth round)."""
         go = self.reserve.check(priority, tenant.name, tenant.weight)
-        if go >= NOW or self.num_held:
-            return go if go >= NOW else HOLD
-        return TURN if go == HOLD and FAIR_BURSTS and self._by_share() and self.free_place() else go
+        if go >= NOW or self.num_held or go != HOLD or not (FAIR_BURSTS and self._by_share()):
+            return go if go >= NOW or not self.num_held else HOLD
+        # (a more urgent class's reserved places stay free: its requests need not preempt)
+        return TURN if not self.reserve.more_urgent_active(priority) and self.free_place() else HOLD
 
     def _by_share(self) -> bool:
         """The engines order by share: under-share work first, preempting (urgency)."""

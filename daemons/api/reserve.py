@@ -282,6 +282,10 @@ class Reservations:
         held = (d for d in active.values() if d.is_held and d.priority == priority)
         return NOW if FAIR_BURSTS and any((d.num_in_flight + d.num_remote) / d.weight >= past for d in held) else TURN
 
+    def more_urgent_active(self, priority: int) -> bool:
+        """An account of a class more urgent than `priority` is active (its reservation holds)."""
+        return any(d.priority < priority for d in self._active(self.clock(), priority).values())
+
     def next_expiry(self) -> float | None:
         """When the next idle account stops being active (its reservation lapses), or None."""
         now = self.clock()

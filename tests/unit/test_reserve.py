@@ -157,8 +157,8 @@ def test_a_burst_past_its_reservation_goes_while_it_holds_no_more_places_than_a_
 def test_with_nothing_held_an_account_at_its_cap_takes_a_free_place_where_the_engines_order_by_share(monkeypatch):
     """admission.may_pass: at its cap with no flood backlogged here, a request takes a free batch place
     as over-share work (TURN: engine priority + 1, the first to give its place) under the priority
-    policy; held while anything is held or no place is free, and always under fcfs (no preemption
-    protects the reserved places)."""
+    policy; held while anything is held, no place is free or a more urgent class is active (whose
+    requests would have to preempt it), and always under fcfs (no preemption protects the reserved places)."""
     import asyncio
 
     import dpserve.daemons.api.admission as admission
@@ -186,6 +186,9 @@ def test_with_nothing_held_an_account_at_its_cap_takes_a_free_place_where_the_en
                 monkeypatch.setattr(admission, "FAIR_BURSTS", False)
                 assert adm.may_pass(t2, 0) == HOLD
                 monkeypatch.setattr(admission, "FAIR_BURSTS", True)
+                res.started(-1, "interactive", 1)
+                assert adm.may_pass(t2, 0) == HOLD  # a more urgent class is active: its reserved places stay free
+                res.ended(-1, "interactive")
                 held = adm.enqueue(Tenant("flood"), 0, 16, lambda: 0)
                 assert adm.num_held == 1 and res.check(0, "t2", 1) == HOLD  # (at its cap of 8 - 2 x 2 among four)
                 assert adm.may_pass(t2, 0) == HOLD  # a flood is backlogged: in fair order
