@@ -30,10 +30,10 @@ accounts use fewer places than R_c goes at once, even past its own share (1 plac
 headroom an account, pooled, and 2 at least: 2 an account, not lent, idled 6 places for 3
 quiet tenants and cost the flood 18-23% of its tokens/s; 2 a class left too few while
 their demand ramped up, and a tenant's next request waited for a place).
-A request of an account under its own reservation goes at once, past held ones; so does
-one past it while its account holds no more places (by weight, this one counted) than a
-backlogged account of its class (max-min: a quiet tenant's burst of 3 beside a flood
-squeezed to 3 places waited 1-5 s in the flood's held queue, then behind its queued work).
+A request of an account under its own reservation goes at once, past held ones. (Past it,
+one whose account held no more places than a backlogged one's also went at once, for a
+quiet tenant's burst; max-min by places fought the fair order by tokens: the simulated
+Jain's first window fell from 0.998 to 0.926. Withdrawn: benchmarks/RESULTS.md, ninth round.)
 The cost is O(active accounts) per request, paid only with a tenants file or the
 priority policy (serving.py): the one-tenant plain path never gets here.
 """
@@ -56,10 +56,9 @@ LINGER_WINDOWS = 12  # an idle account of a class more urgent than an active one
 # make each step shorter, so a quiet request waits less for the step in flight, at the cost of
 # the flood's tokens/s (benchmarks/fairness_bench.py measures both; DPSERVE_CAP_SHARE_X sets it).
 CAP_SHARE_X = float(os.environ.get("DPSERVE_CAP_SHARE_X", "0"))
-# A burst of a tenant that is not backlogged: past its reservation, it goes at once while it holds
-# no more places than a backlogged account of its class (check); at its cap, with nothing held,
-# it takes a free place as over-share work (admission.may_pass). DPSERVE_FAIR_BURSTS=0: held
-# instead, as before (benchmarks' A/B).
+# A burst of a tenant at its cap, with nothing held and no more urgent class active, takes a free
+# batch place as over-share work where the engines order by share (admission.may_pass).
+# DPSERVE_FAIR_BURSTS=0: held instead, as before (benchmarks' A/B).
 FAIR_BURSTS = os.environ.get("DPSERVE_FAIR_BURSTS", "1") != "0"
 
 # at its cap / may take a free place in fair order / under its reservation: at once, to where it
@@ -273,14 +272,7 @@ class Reservations:
             return TURN  # behind its own held requests
         g = groups.get(priority, (0.0, 0.0, 0.0, 0))
         pool = min(g[0] + share, g[1] + min(share, num) + max(h_min, h * (g[3] + 1)))  # its class's quiet accounts' reservation
-        if mine < min(share, num + max(h_min, h)) or g[2] + mine < pool:
-            return NOW
-        # Past its reservation, yet holding no more places (by weight, this one counted) than a backlogged
-        # account of its class: max-min fair, it goes now, and the engine takes the place from the larger
-        # (a quiet tenant's burst no longer waits behind the flood's held requests, then behind its queued ones)
-        past = (mine + 1) / max(weight, 1e-9)  # its places by weight, this one counted
-        held = (d for d in active.values() if d.is_held and d.priority == priority)
-        return NOW if FAIR_BURSTS and any((d.num_in_flight + d.num_remote) / d.weight >= past for d in held) else TURN
+        return NOW if mine < min(share, num + max(h_min, h)) or g[2] + mine < pool else TURN
 
     def more_urgent_active(self, priority: int) -> bool:
         """An account of a class more urgent than `priority` is active (its reservation holds)."""

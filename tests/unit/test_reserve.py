@@ -117,43 +117,6 @@ def test_with_a_cap_at_its_share_a_flood_holds_no_more_than_its_share_while_othe
     assert flood_cap(0.5) == 4
 
 
-def _flood_beside_three_quiet(clock: Clock, flood_places: int) -> Reservations:
-    """8 places, 4 tenants of weight 1 (a share of 2 each): t2 and t3 with 2 in flight each,
-    the flood backlogged (held here) with `flood_places` in flight."""
-    res = Reservations(5.0, lambda: 8, clock)
-    for name in ("t2", "t3"):
-        for _ in range(2):
-            res.started(0, name, 1)
-    res.set_held(0, "flood", 1, True)
-    for _ in range(flood_places):
-        res.started(0, "flood", 1)
-    return res
-
-
-def test_a_burst_past_its_reservation_goes_while_it_holds_no_more_places_than_a_backlogged_flood(monkeypatch):
-    """Max-min fair (reserve.FAIR_BURSTS): a quiet tenant past its reservation goes at once (NOW: the
-    engine preempts the flood for it) while it would hold no more places than the flood; past that it
-    takes its turn in fair order like the flood's held requests."""
-    import dpserve.daemons.api.reserve as reserve
-
-    clock = Clock()
-    res = _flood_beside_three_quiet(clock, 3)
-    for _ in range(2):
-        res.started(0, "t1", 1)  # its share: the class's quiet use 2 + 2 + 2 fills its reservation (6)
-    assert res.check(0, "t1", 1) == NOW  # 3 places against the flood's 3
-    res.started(0, "t1", 1)
-    assert res.check(0, "t1", 1) == TURN  # 4 against 3: the flood's held requests are as deserving
-    res.ended(0, "t1")
-    monkeypatch.setattr(reserve, "FAIR_BURSTS", False)
-    assert res.check(0, "t1", 1) == TURN  # the old rule: past its reservation, its turn in fair order
-    monkeypatch.setattr(reserve, "FAIR_BURSTS", True)
-    assert _flood_beside_three_quiet(clock, 2).check(0, "t1", 1) == NOW  # (t1 idle: under its own share)
-    res2 = _flood_beside_three_quiet(clock, 2)
-    for _ in range(2):
-        res2.started(0, "t1", 1)
-    assert res2.check(0, "t1", 1) == TURN  # 3 against a flood squeezed to 2
-
-
 def test_with_nothing_held_an_account_at_its_cap_takes_a_free_place_where_the_engines_order_by_share(monkeypatch):
     """admission.may_pass: at its cap with no flood backlogged here, a request takes a free batch place
     as over-share work (TURN: engine priority + 1, the first to give its place) under the priority
