@@ -175,9 +175,8 @@ def ttfts(results: list[Result], tenant: str) -> list[float]:
 
 
 def delivered(results: list[Result], seconds: float) -> float:
-    """Tokens (prompt + completion) delivered per second of a phase's load, within it (a
-    request's tokens spread evenly from its first token to its end: the drain after the
-    load stops, when reserved places no longer idle, is left out)."""
+    """Tokens (prompt + completion) delivered per second of a phase's load, within it (spread evenly
+    from a request's first token to its end: the drain after the load stops is left out)."""
     start = min((r.t0 for r in results), default=0.0)
     return sum(r.tokens * overlap(r, start, start + seconds) for r in results if r.status == 200 and r.t_end) / seconds
 
@@ -193,8 +192,7 @@ def jain(xs: list[float]) -> float | None:
 
 
 def windows_jain(results: list[Result], tenants: list[str], start: float, end: float) -> list[float]:
-    """Jain's index per 10 s window of the tokens delivered to each tenant, a request's
-    tokens spread evenly from its first token to its end."""
+    """Jain's index per 10 s window of the tokens delivered to each tenant (spread as delivered's)."""
     out = []
     t = start
     while t + WINDOW_S <= end:
@@ -209,8 +207,7 @@ def windows_jain(results: list[Result], tenants: list[str], start: float, end: f
 
 
 def log_ttfts(args, scenario: str, phases: dict[str, list[Result]], *tenants: str) -> None:
-    """With --ttft-log: one line a request of `tenants` (scenario, phase, tenant, start on the
-    monotonic clock, which the API server's and ranks' logs share, TTFT, status), appended."""
+    """With --ttft-log: a line a request of `tenants` (scenario, phase, tenant, monotonic start, TTFT, status)."""
     if not args.ttft_log:
         return
     with open(args.ttft_log, "a") as f:
@@ -252,8 +249,7 @@ async def noisy(url, model, args, capacity: float) -> dict:
 
 
 def spread(base: list[float], under: list[float], pairs: list[tuple[list[float], list[float], float]]) -> dict:
-    """The pooled ratio of p99s, with the sample counts, p50 / p90 of each side, each pair's
-    ratio, and a bootstrap 90% interval of the pooled ratio (resampling both sides)."""
+    """The pooled ratio of p99s, sample counts, each side's p50 / p90, each pair's ratio, a bootstrap 90% interval."""
     if not base or not under:
         return {"pooled_ratio": None}
     rng = random.Random(28)
@@ -317,7 +313,13 @@ def start_cluster(args, tenants_file: str, reserve: float, env: dict[str, str]):
                        decode_step_ms=step_ms, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, max_num_seqs=args.max_num_seqs,
                        api_options={"tenants_file": tenants_file, "admission_hold": args.hold >= 0, "api_server_count": args.api_servers,
                                     "hold_waiting_per_rank": max(0, args.hold), "reserve_window_s": reserve})
-        c.start()
+        saved = dict(os.environ)
+        os.environ.update(env)  # its processes inherit the environment: --env reaches them
+        try:
+            c.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
         c.wait_routable(args.ranks, timeout=60)
         return c.url.removesuffix("/v1"), "sim", c.stop, step_ms / 1000
     from benchmarks.engine_realistic import small_model_dir
@@ -369,8 +371,7 @@ def main(argv=None) -> None:
 
 
 def run_once(args, run, reserve: float, env: str) -> dict:
-    """The scenarios of --only on one cluster with --reserve-window-s `reserve` and the environment `env`
-    ("K=V,K=V" or "-") for its processes. Every cluster gets the same arrivals (the phases' seeds restart)."""
+    """--only's scenarios on one cluster (--reserve-window-s `reserve`, environment `env`), on the same arrivals."""
     global _PHASES
     _PHASES = itertools.count()
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
