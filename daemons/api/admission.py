@@ -191,10 +191,11 @@ class Admission:
         share, as over-share work, the first to give way (held, a quiet tenant's burst waited 1-1.8 s
         for its own answers to end while the rank had places free: benchmarks/RESULTS.md, ninth round)."""
         go = self.reserve.check(priority, tenant.name, tenant.weight)
-        if go >= NOW or self.num_held or go != HOLD or not (FAIR_BURSTS and self._by_share()):
-            return go if go >= NOW or not self.num_held else HOLD
-        # (a more urgent class's reserved places stay free: its requests need not preempt)
-        return TURN if not self.reserve.more_urgent_active(priority) and self.free_place() else HOLD
+        if go >= NOW or not self.num_held:
+            if go == HOLD and FAIR_BURSTS and self._by_share() and not self.reserve.more_urgent_active(priority) and self.free_place():
+                return TURN  # (a more urgent class's reserved places stay free: its requests need not preempt)
+            return go
+        return HOLD
 
     def _by_share(self) -> bool:
         """The engines order by share: under-share work first, preempting (urgency)."""
@@ -406,14 +407,12 @@ class Admission:
         return max(1, min(60, math.ceil(num_ahead / rate)))
 
 
-def soonest_rank(router: Router, below: int | None = None) -> int:
+def soonest_rank(router: Router) -> int:
     """Router.soonest's rank, full or not: where a request that preempts starts soonest. A scan:
-    only such requests pay for it. Raises NoRankAvailable, or QueueFull when it has `below` or more."""
+    only such requests pay for it. Raises NoRankAvailable."""
     best, count = router.soonest()
     if count is None:
         raise NoRankAvailable()
-    if below is not None and count >= below:
-        raise QueueFull(below)
     return best
 
 
