@@ -15,10 +15,10 @@ next (ties: the request held first). A tenant that becomes backlogged starts at 
 class's virtual time, so idleness banks no credit. When a released request finishes,
 the tokens it did not use (max_tokens is an upper bound) are credited back to its
 tenant's tag. Lower `priority` classes go strictly first. With reservations (reserve.py),
-an account (class, tenant) at its cap of places is passed over even while a rank has
-room, and one under its own reservation is not held at all. Under the engines' priority
-scheduling a request more urgent than a held one is not held at all (serving.py): it goes
-to the rank where it starts soonest (soonest_rank), whose engine preempts for it.
+an account (class, tenant) at its cap of places is passed over even while a rank has room;
+one under its own reservation, or within its share by tokens (may_pass), is not held.
+Under the engines' priority scheduling a request more urgent than a held one is not held
+(serving.py): it goes where it starts soonest (soonest_rank); the engine preempts for it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import msgspec
 from dpserve.daemons.api.reserve import FAIR_BURSTS, HOLD, NOW, TURN, Reservations
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, Router
 from dpserve.daemons.api.tenants import Tenant
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 HELD_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATE_TAU_S = 5.0  # the release rate behind Retry-After: an exponential average over about this long
@@ -153,6 +152,7 @@ class Admission:
         if self.reserve is not None:
             if state.held is None:  # (a held one was counted as release sent it: release() sends many)
                 self.reserve.started(priority, state.tenant.name, state.tenant.weight)
+            self.reserve.charge(priority, state.tenant.name, state.tenant.weight, state.remaining)
             state.urgency = priority
         return rank
 
@@ -168,6 +168,7 @@ class Admission:
                     del self.in_flight[state.urgency]
             if self.reserve is not None:
                 self.reserve.ended(state.urgency, state.tenant.name)
+                self.reserve.charge(state.urgency, state.tenant.name, state.tenant.weight, -state.remaining)  # (unused)
                 self.on_room()  # a place of its account freed: a held request at its cap may go
             state.urgency = None
         if state.held is not None:
@@ -186,16 +187,19 @@ class Admission:
 
     def may_pass(self, tenant: Tenant, priority: int) -> int:
         """With reservations: whether a new request may try a rank now rather than wait in its queue:
-        reserve.check's answer, HOLD (0) for wait. With nothing held here (no flood backlogged) and no
-        more urgent class active, one at its cap still takes a free place where the engines order by
-        share, as over-share work, the first to give way (held, a quiet tenant's burst waited 1-1.8 s
-        for its own answers to end while the rank had places free: benchmarks/RESULTS.md, ninth round)."""
+        reserve.check's answer, HOLD (0) for wait. Where the engines order by share and no more urgent
+        class is active, past its reservation: one within its share by tokens (reserve.under_share), with
+        nothing of its own held, goes at once as under-share work (NOW: the engine preempts over-share
+        work for it); one at its cap, with nothing held here, takes a free place as over-share work (TURN).
+        Held, quiet tenants' bursts waited 1-5 s (benchmarks/RESULTS.md, ninth and tenth rounds)."""
         go = self.reserve.check(priority, tenant.name, tenant.weight)
-        if go >= NOW or not self.num_held:
-            if go == HOLD and FAIR_BURSTS and self._by_share() and not self.reserve.more_urgent_active(priority) and self.free_place():
+        if go < NOW and FAIR_BURSTS and self._by_share() and not self.reserve.more_urgent_active(priority):
+            cls = self._classes.get(priority)
+            if self.reserve.under_share(priority, tenant.name, tenant.weight) and (cls is None or tenant.name not in cls.backlogged):
+                return NOW
+            if go == HOLD and not self.num_held and self.free_place():
                 return TURN  # (a more urgent class's reserved places stay free: its requests need not preempt)
-            return go
-        return HOLD
+        return go if go >= NOW or not self.num_held else HOLD
 
     def _by_share(self) -> bool:
         """The engines order by share: under-share work first, preempting (urgency)."""
@@ -207,6 +211,7 @@ class Admission:
         tenant's finish tags here, so that N API servers give the shares together."""
         if self.reserve is not None:
             self.reserve.remote(origin, tenant.priority, tenant.name, tenant.weight, in_flight)
+            self.reserve.charge(tenant.priority, tenant.name, tenant.weight, delivered)
         if delivered:
             for cls in self._classes.values():
                 acct = cls.accounts.get(tenant.name)
@@ -420,30 +425,3 @@ def has_place(router: Router, places: int) -> bool:
     """Whether a routable rank has a batch place free (fewer than `places` running and waiting)."""
     count = router.soonest()[1]
     return count is not None and count < places
-
-
-class AdmissionCollector:
-    """Admission's figures on /metrics, per tenant (the key file's names: a bounded set)."""
-
-    def __init__(self, admission: Admission, index: int) -> None:
-        self.admission, self.index = admission, str(index)
-
-    def collect(self):
-        labels = ["api_server", "tenant"]
-        depth = GaugeMetricFamily("dpserve_api_admission_held_requests", "Requests held now at this API server (every rank full).", labels=labels)
-        held = CounterMetricFamily("dpserve_api_admission_held", "Requests that were held before a rank had room.", labels=labels)
-        refused = CounterMetricFamily("dpserve_api_admission_refused", "Requests refused (429): their tenant's held queue was full.", labels=labels)
-        gone = CounterMetricFamily("dpserve_api_admission_abandoned", "Held requests whose clients went away.", labels=labels)
-        wait = HistogramMetricFamily("dpserve_api_admission_held_seconds", "Time held before release, of released requests.", labels=labels)
-        for name, s in self.admission.stats.items():
-            label = [self.index, name]
-            depth.add_metric(label, s.num_held)
-            held.add_metric(label, s.num_held_total)
-            refused.add_metric(label, s.num_refused)
-            gone.add_metric(label, s.num_abandoned)
-            cumulative, total = [], 0
-            for bound, n in zip((*map(str, HELD_SECONDS_BUCKETS), "+Inf"), s.buckets):
-                total += n
-                cumulative.append((bound, total))
-            wait.add_metric(label, cumulative, s.held_seconds)
-        yield from (depth, held, refused, gone, wait)

@@ -24,7 +24,7 @@ import zmq
 from aiohttp import web
 from dpserve.daemons.aiohttp_compat import EventStream
 from dpserve.daemons.api import sampling_defaults
-from dpserve.daemons.api.admission import Admission, AdmissionCollector, HoldRefused, has_place, soonest_rank
+from dpserve.daemons.api.admission import Admission, HoldRefused, has_place, soonest_rank
 from dpserve.daemons.api.backpressure import StreamBudget, StreamCollector, StreamStalled
 from dpserve.daemons.api.engine_client import EngineClient
 from dpserve.daemons.api.generation import EngineFailure, Generation
@@ -39,6 +39,7 @@ from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligib
 from dpserve.daemons.api.tenants import DEFAULT_TENANT, Tenant
 from dpserve.daemons.api.tenants.gate import CALL as TENANT_CALL
 from dpserve.daemons.api.tenants.gate import UNAUTHORIZED, TenantGate
+from dpserve.daemons.api.tenants.metrics import AdmissionCollector
 from dpserve.daemons.api.tokenizer import TextTokenizer
 from dpserve.daemons.config import ApiServerConfig
 from dpserve.engine.common.protocol import AddRequest, SamplingParams

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from dpserve.daemons.api.admission import Admission, AdmissionCollector, HoldRefused
+from dpserve.daemons.api.admission import Admission, HoldRefused
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull
 from dpserve.daemons.api.tenants import Tenant
+from dpserve.daemons.api.tenants.metrics import AdmissionCollector
 
 A, B, C = Tenant("a"), Tenant("b"), Tenant("c")
 

@@ -157,3 +157,63 @@ def test_with_nothing_held_an_account_at_its_cap_takes_a_free_place_where_the_en
                 assert adm.may_pass(t2, 0) == HOLD  # a flood is backlogged: in fair order
                 held.future.cancel()
     asyncio.run(main())
+
+
+def test_a_tenant_within_its_share_by_tokens_goes_at_once_past_a_flood_held_whatever_its_burst(monkeypatch):
+    """admission.may_pass with reserve.under_share: a quiet tenant past its place cap, whose tokens of
+    the last USAGE_TAU_S per weight are below UNDER_SHARE x its class's, goes at once as under-share
+    work (NOW) even while a flood is held; the flood, far past its share, waits in fair order; so does
+    the quiet one once its own burst takes it past the mark, or while its own requests are held, or a
+    more urgent class is active, or under fcfs (no preemption)."""
+    import asyncio
+
+    import dpserve.daemons.api.admission as admission
+    from dpserve.daemons.api.admission import Admission
+    from dpserve.daemons.api.reserve import UNDER_SHARE, USAGE_TAU_S
+    from dpserve.daemons.api.tenants import Tenant
+
+    class State:  # what Admission.started / ended read of a request
+        def __init__(self, tenant, tokens):
+            self.tenant, self.remaining, self.held, self.urgency = tenant, tokens, None, None
+
+    async def main():
+        clock = Clock()
+        quiet, flood = Tenant("quiet"), Tenant("flood")
+        for by_class in (True, False):
+            res = Reservations(5.0, lambda: 4, clock)  # 4 places: a share of 2 each
+            adm = Admission(10, clock=clock, by_class=by_class, reserve=res)
+            for _ in range(6):  # the flood holds 6 places and has sent 6 x 100 tokens
+                adm.started(State(flood, 100), 0, 0)
+            held = adm.enqueue(flood, 0, 100, lambda: 0)
+            states = []
+            for _ in range(3):  # the quiet tenant's burst of 3 x 100 tokens
+                states.append(State(quiet, 100))
+                adm.started(states[-1], 0, 0)
+            assert res.check(0, "quiet", 1) != NOW and res.check(0, "flood", 1) == HOLD  # quiet past its reservation
+            # 300 / 1 < 0.75 x (600 + 300) / 2: within its share by tokens
+            assert adm.may_pass(quiet, 0) == (NOW if by_class else HOLD)
+            if not by_class:
+                held.future.cancel()
+                continue
+            assert adm.may_pass(flood, 0) == HOLD
+            adm.started(State(quiet, 100), 0, 0)  # 400 < 0.75 x 1000 / 2 = 375 no longer
+            assert not res.under_share(0, "quiet", 1) and adm.may_pass(quiet, 0) == HOLD
+            for s in states:  # its answers ended having used 20 of their 100 tokens each
+                s.remaining = 80
+                adm.ended(s)
+            for _ in range(2):  # and it sent 2 short ones: 3 places again, 160 + 20 tokens
+                adm.started(State(quiet, 10), 0, 0)
+            assert res.check(0, "quiet", 1) != NOW and res.under_share(0, "quiet", 1) and adm.may_pass(quiet, 0) == NOW
+            clock.now += 3 * USAGE_TAU_S  # both decay alike: the ratio stays
+            assert res.under_share(0, "quiet", 1) and UNDER_SHARE < 1
+            res.started(-1, "interactive", 1)
+            assert adm.may_pass(quiet, 0) == HOLD  # a more urgent class is active
+            res.ended(-1, "interactive")
+            monkeypatch.setattr(admission, "FAIR_BURSTS", False)
+            assert adm.may_pass(quiet, 0) == HOLD
+            monkeypatch.setattr(admission, "FAIR_BURSTS", True)
+            own = adm.enqueue(quiet, 0, 100, lambda: 0)
+            assert adm.may_pass(quiet, 0) == HOLD  # its own requests held first: fifo within a tenant
+            own.future.cancel()
+            held.future.cancel()
+    asyncio.run(main())

@@ -1,9 +1,11 @@
-"""Per-tenant figures on /metrics (held-queue depth and time: admission.py's collector). The label set is bounded: the tenant names of
-the key file (reloads add and remove them), never anything a client sends."""
+"""Per-tenant figures on /metrics: limits and usage (TenantCollector), held-queue depth and time (AdmissionCollector, of
+admission.py's figures). The label set is bounded: the tenant names of the key file (reloads add and remove them), never
+anything a client sends."""
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from dpserve.daemons.api.admission import HELD_SECONDS_BUCKETS, Admission
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 
 class TenantCollector:
@@ -36,3 +38,30 @@ class TenantCollector:
             cluster_rps.add_metric([name], rps)
             cluster_flying.add_metric([name], flying)
         yield from (requests, tokens, limited, in_flight, cluster, cluster_rps, cluster_flying)
+
+
+class AdmissionCollector:
+    """Admission's figures on /metrics, per tenant (the key file's names: a bounded set)."""
+
+    def __init__(self, admission: Admission, index: int) -> None:
+        self.admission, self.index = admission, str(index)
+
+    def collect(self):
+        labels = ["api_server", "tenant"]
+        depth = GaugeMetricFamily("dpserve_api_admission_held_requests", "Requests held now at this API server (every rank full).", labels=labels)
+        held = CounterMetricFamily("dpserve_api_admission_held", "Requests that were held before a rank had room.", labels=labels)
+        refused = CounterMetricFamily("dpserve_api_admission_refused", "Requests refused (429): their tenant's held queue was full.", labels=labels)
+        gone = CounterMetricFamily("dpserve_api_admission_abandoned", "Held requests whose clients went away.", labels=labels)
+        wait = HistogramMetricFamily("dpserve_api_admission_held_seconds", "Time held before release, of released requests.", labels=labels)
+        for name, s in self.admission.stats.items():
+            label = [self.index, name]
+            depth.add_metric(label, s.num_held)
+            held.add_metric(label, s.num_held_total)
+            refused.add_metric(label, s.num_refused)
+            gone.add_metric(label, s.num_abandoned)
+            cumulative, total = [], 0
+            for bound, n in zip((*map(str, HELD_SECONDS_BUCKETS), "+Inf"), s.buckets):
+                total += n
+                cumulative.append((bound, total))
+            wait.add_metric(label, cumulative, s.held_seconds)
+        yield from (depth, held, refused, gone, wait)
