@@ -152,7 +152,7 @@ class Admission:
         if self.reserve is not None:
             if state.held is None:  # (a held one was counted as release sent it: release() sends many)
                 self.reserve.started(priority, state.tenant.name, state.tenant.weight)
-            self.reserve.charge(priority, state.tenant.name, state.tenant.weight, state.remaining)
+            state.charged_t = self.reserve.charge(priority, state.tenant.name, state.tenant.weight, state.remaining)
             state.urgency = priority
         return rank
 
@@ -168,7 +168,7 @@ class Admission:
                     del self.in_flight[state.urgency]
             if self.reserve is not None:
                 self.reserve.ended(state.urgency, state.tenant.name)
-                self.reserve.charge(state.urgency, state.tenant.name, state.tenant.weight, -state.remaining)  # (unused)
+                self.reserve.charge(state.urgency, state.tenant.name, state.tenant.weight, -state.remaining, state.charged_t)  # unused
                 self.on_room()  # a place of its account freed: a held request at its cap may go
             state.urgency = None
         if state.held is not None:

@@ -287,14 +287,17 @@ class Reservations:
         pool = min(g[0] + share, g[1] + min(share, num) + max(h_min, h * (g[3] + 1)))  # its class's quiet accounts' reservation
         return NOW if mine < min(share, num + max(h_min, h)) or g[2] + mine < pool else TURN
 
-    def charge(self, priority: int, name: str, weight: float, tokens: float) -> None:
-        """The account used `tokens` more (sent here or delivered at another API server; less:
-        an estimate corrected as a request ended)."""
+    def charge(self, priority: int, name: str, weight: float, tokens: float, at: float | None = None) -> float:
+        """The account used `tokens` more (sent here or delivered at another API server; less: an
+        estimate charged `at` then, corrected as its request ended, decayed alike). Returns now."""
         now = self.clock()
         d = self.accounts.get((priority, name))
         if d is None:
             d = self.accounts[(priority, name)] = Demand(priority, weight, now)
+        if at is not None:
+            tokens *= math.exp((at - now) / USAGE_TAU_S)
         d.used, d.used_t = max(0.0, d.used_at(now) + tokens), now
+        return now
 
     def under_share(self, priority: int, name: str, weight: float) -> bool:
         """The account's recent tokens per weight are below UNDER_SHARE x its class's active

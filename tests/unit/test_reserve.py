@@ -174,7 +174,7 @@ def test_a_tenant_within_its_share_by_tokens_goes_at_once_past_a_flood_held_what
 
     class State:  # what Admission.started / ended read of a request
         def __init__(self, tenant, tokens):
-            self.tenant, self.remaining, self.held, self.urgency = tenant, tokens, None, None
+            self.tenant, self.remaining, self.held, self.urgency, self.charged_t = tenant, tokens, None, None, 0.0
 
     async def main():
         clock = Clock()
@@ -217,3 +217,17 @@ def test_a_tenant_within_its_share_by_tokens_goes_at_once_past_a_flood_held_what
             own.future.cancel()
             held.future.cancel()
     asyncio.run(main())
+
+
+def test_an_estimate_corrected_late_is_decayed_as_it_was_so_it_never_wipes_the_rest_of_a_tenants_use():
+    import math
+
+    from dpserve.daemons.api.reserve import USAGE_TAU_S
+
+    clock = Clock()
+    res = Reservations(5.0, lambda: 8, clock)
+    t0 = res.charge(0, "a", 1, 1000)  # a long request's estimate
+    res.charge(0, "a", 1, 50)
+    clock.now += 2 * USAGE_TAU_S
+    res.charge(0, "a", 1, -1000, t0)  # it ended at once (a stop string): all of it unused
+    assert math.isclose(res.accounts[(0, "a")].used_at(clock.now), 50 * math.exp(-2), rel_tol=1e-9)
