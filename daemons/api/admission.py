@@ -15,10 +15,10 @@ next (ties: the request held first). A tenant that becomes backlogged starts at 
 class's virtual time, so idleness banks no credit. When a released request finishes,
 the tokens it did not use (max_tokens is an upper bound) are credited back to its
 tenant's tag. Lower `priority` classes go strictly first. With reservations (reserve.py),
-an account (class, tenant) at its cap of places is passed over even while a rank has room;
-one under its own reservation, or within its share by tokens (may_pass), is not held.
-Under the engines' priority scheduling a request more urgent than a held one is not held
-(serving.py): it goes where it starts soonest (soonest_rank); the engine preempts for it.
+an account (class, tenant) at its cap of places is passed over even while a rank has
+room, and one under its own reservation is not held at all. Under the engines' priority
+scheduling a request more urgent than a held one is not held at all (serving.py): it goes
+to the rank where it starts soonest (soonest_rank), whose engine preempts for it.
 """
 
 from __future__ import annotations
@@ -152,7 +152,6 @@ class Admission:
         if self.reserve is not None:
             if state.held is None:  # (a held one was counted as release sent it: release() sends many)
                 self.reserve.started(priority, state.tenant.name, state.tenant.weight)
-            state.charged_t = self.reserve.charge(priority, state.tenant.name, state.tenant.weight, state.remaining)
             state.urgency = priority
         return rank
 
@@ -168,7 +167,6 @@ class Admission:
                     del self.in_flight[state.urgency]
             if self.reserve is not None:
                 self.reserve.ended(state.urgency, state.tenant.name)
-                self.reserve.charge(state.urgency, state.tenant.name, state.tenant.weight, -state.remaining, state.charged_t)  # unused
                 self.on_room()  # a place of its account freed: a held request at its cap may go
             state.urgency = None
         if state.held is not None:
@@ -187,19 +185,16 @@ class Admission:
 
     def may_pass(self, tenant: Tenant, priority: int) -> int:
         """With reservations: whether a new request may try a rank now rather than wait in its queue:
-        reserve.check's answer, HOLD (0) for wait. Where the engines order by share and no more urgent
-        class is active, past its reservation: one within its share by tokens (reserve.under_share), with
-        nothing of its own held, goes at once as under-share work (NOW: the engine preempts over-share
-        work for it); one at its cap, with nothing held here, takes a free place as over-share work (TURN).
-        Held, quiet tenants' bursts waited 1-5 s (benchmarks/RESULTS.md, ninth and tenth rounds)."""
+        reserve.check's answer, HOLD (0) for wait. With nothing held here (no flood backlogged) and no
+        more urgent class active, one at its cap still takes a free place where the engines order by
+        share, as over-share work, the first to give way (held, a quiet tenant's burst waited 1-1.8 s
+        for its own answers to end while the rank had places free: benchmarks/RESULTS.md, ninth round)."""
         go = self.reserve.check(priority, tenant.name, tenant.weight)
-        if go < NOW and FAIR_BURSTS and self._by_share() and not self.reserve.more_urgent_active(priority):
-            cls = self._classes.get(priority)
-            if self.reserve.under_share(priority, tenant.name, tenant.weight) and (cls is None or tenant.name not in cls.backlogged):
-                return NOW
-            if go == HOLD and not self.num_held and self.free_place():
+        if go >= NOW or not self.num_held:
+            if go == HOLD and FAIR_BURSTS and self._by_share() and not self.reserve.more_urgent_active(priority) and self.free_place():
                 return TURN  # (a more urgent class's reserved places stay free: its requests need not preempt)
-        return go if go >= NOW or not self.num_held else HOLD
+            return go
+        return HOLD
 
     def _by_share(self) -> bool:
         """The engines order by share: under-share work first, preempting (urgency)."""
@@ -211,7 +206,6 @@ class Admission:
         tenant's finish tags here, so that N API servers give the shares together."""
         if self.reserve is not None:
             self.reserve.remote(origin, tenant.priority, tenant.name, tenant.weight, in_flight)
-            self.reserve.charge(tenant.priority, tenant.name, tenant.weight, delivered)
         if delivered:
             for cls in self._classes.values():
                 acct = cls.accounts.get(tenant.name)

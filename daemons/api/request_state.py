@@ -44,7 +44,6 @@ class RequestState:
         "tenant",
         "held",
         "urgency",
-        "charged_t",
     )
 
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
@@ -82,7 +81,6 @@ class RequestState:
         self.tenant = DEFAULT_TENANT
         self.held = None
         self.urgency = None  # its priority, while admission counts it in flight (priority policy)
-        self.charged_t = 0.0  # when admission charged its tokens to its tenant's recent use (reserve.charge)
 
     @property
     def is_finished(self) -> bool:

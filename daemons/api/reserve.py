@@ -30,12 +30,10 @@ accounts use fewer places than R_c goes at once, even past its own share (1 plac
 headroom an account, pooled, and 2 at least: 2 an account, not lent, idled 6 places for 3
 quiet tenants and cost the flood 18-23% of its tokens/s; 2 a class left too few while
 their demand ramped up, and a tenant's next request waited for a place).
-A request of an account under its own reservation goes at once, past held ones; so does,
-under the priority policy, one of an account within its share by tokens (`under_share`), so
-that a quiet tenant's burst of places is not held behind a flood. (By places instead, one
-whose account held no more places than a backlogged one's, it fought the fair order by
-tokens: the simulated Jain's first window fell from 0.998 to 0.926; benchmarks/RESULTS.md,
-ninth round.)
+A request of an account under its own reservation goes at once, past held ones. (Past it,
+one whose account held no more places than a backlogged one's also went at once, for a
+quiet tenant's burst; max-min by places fought the fair order by tokens: the simulated
+Jain's first window fell from 0.998 to 0.926. Withdrawn: benchmarks/RESULTS.md, ninth round.)
 The cost is O(active accounts) per request, paid only with a tenants file or the
 priority policy (serving.py): the one-tenant plain path never gets here.
 """
@@ -62,12 +60,6 @@ CAP_SHARE_X = float(os.environ.get("DPSERVE_CAP_SHARE_X", "0"))
 # batch place as over-share work where the engines order by share (admission.may_pass).
 # DPSERVE_FAIR_BURSTS=0: held instead, as before (benchmarks' A/B).
 FAIR_BURSTS = os.environ.get("DPSERVE_FAIR_BURSTS", "1") != "0"
-# And one whose tokens of the last USAGE_TAU_S (decaying) per weight are below UNDER_SHARE x its
-# class's active accounts' goes at once as under-share work, past held ones (the virtual clock's
-# rule: a tenant within its rate is not delayed by one far past it; by tokens, so a tenant of
-# cheap requests gets no more than one of dear ones). DPSERVE_FAIR_BURSTS=0 turns both off.
-USAGE_TAU_S = 10.0
-UNDER_SHARE = 0.75
 
 # at its cap / may take a free place in fair order / under its reservation: at once, to where it
 # starts soonest (a rank with a free batch place, not a full one's waiting place) / alone: no cap
@@ -77,7 +69,7 @@ HOLD, TURN, NOW, ALONE = 0, 1, 2, 3
 class Demand:
     """One (class, tenant) account's recent demand at this API server."""
 
-    __slots__ = ("priority", "weight", "num_in_flight", "num_remote", "remote", "num_unreported", "unreported_t", "matched", "peak", "peak_t", "last_t", "is_held", "used", "used_t")
+    __slots__ = ("priority", "weight", "num_in_flight", "num_remote", "remote", "num_unreported", "unreported_t", "matched", "peak", "peak_t", "last_t", "is_held")
 
     def __init__(self, priority: int, weight: float, now: float) -> None:
         self.priority, self.weight = priority, max(weight, 1e-9)
@@ -91,11 +83,6 @@ class Demand:
         self.peak_t = now
         self.last_t = now  # the last start or end
         self.is_held = False  # it has requests held at the frontend: the fair order serves it, no reservation
-        self.used = 0.0  # tokens charged (sent, estimated; corrected as they end), as of used_t, decaying by e every USAGE_TAU_S
-        self.used_t = now
-
-    def used_at(self, now: float) -> float:
-        return self.used * math.exp((self.used_t - now) / USAGE_TAU_S)
 
     def peak_at(self, now: float, tau: float) -> float:
         """The highest count of the last `tau` seconds; older peaks decay by e every tau."""
@@ -286,31 +273,6 @@ class Reservations:
         g = groups.get(priority, (0.0, 0.0, 0.0, 0))
         pool = min(g[0] + share, g[1] + min(share, num) + max(h_min, h * (g[3] + 1)))  # its class's quiet accounts' reservation
         return NOW if mine < min(share, num + max(h_min, h)) or g[2] + mine < pool else TURN
-
-    def charge(self, priority: int, name: str, weight: float, tokens: float, at: float | None = None) -> float:
-        """The account used `tokens` more (sent here or delivered at another API server; less: an
-        estimate charged `at` then, corrected as its request ended, decayed alike). Returns now."""
-        now = self.clock()
-        d = self.accounts.get((priority, name))
-        if d is None:
-            d = self.accounts[(priority, name)] = Demand(priority, weight, now)
-        if at is not None:
-            tokens *= math.exp((at - now) / USAGE_TAU_S)
-        d.used, d.used_t = max(0.0, d.used_at(now) + tokens), now
-        return now
-
-    def under_share(self, priority: int, name: str, weight: float) -> bool:
-        """The account's recent tokens per weight are below UNDER_SHARE x its class's active
-        accounts' (itself counted): it sends within its share, whatever its burst of places."""
-        now = self.clock()
-        me = self.accounts.get((priority, name))
-        used, total_used, total_weight = (me.used_at(now) if me is not None else 0.0), 0.0, 0.0
-        for d in self._active(now, priority).values():
-            if d.priority == priority and d is not me:
-                total_used += d.used_at(now)
-                total_weight += d.weight
-        weight = max(weight, 1e-9)
-        return used / weight < UNDER_SHARE * (total_used + used) / (total_weight + weight)
 
     def more_urgent_active(self, priority: int) -> bool:
         """An account of a class more urgent than `priority` is active (its reservation holds)."""
