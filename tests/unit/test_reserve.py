@@ -157,3 +157,63 @@ def test_with_nothing_held_an_account_at_its_cap_takes_a_free_place_where_the_en
                 assert adm.may_pass(t2, 0) == HOLD  # a flood is backlogged: in fair order
                 held.future.cancel()
     asyncio.run(main())
+
+
+def test_a_quiet_tenants_burst_that_the_fair_order_would_release_next_goes_at_once_past_a_held_flood(monkeypatch):
+    """admission.may_pass under the priority policy: with a flood held, a request of a tenant past its
+    reservation whose start tag is below every backlogged tenant's (the fair order would release it before
+    any held one) goes at once as under-share work (NOW), charged in fair order as a release is; its next
+    one, tied with the flood, waits its turn, until what the first did not use comes back. Not when its
+    own requests are held, a more urgent class is held, or under fcfs."""
+    import asyncio
+
+    import dpserve.daemons.api.admission as admission
+    from dpserve.daemons.api.admission import Admission
+    from dpserve.daemons.api.request_state import RequestState
+    from dpserve.daemons.api.router import QueueFull
+    from dpserve.daemons.api.tenants import Tenant
+
+    quiet, flood = Tenant("quiet"), Tenant("flood")
+
+    def state_of(tenant, max_tokens=92):  # 8 prompt tokens: a cost of 100
+        state = RequestState(tenant.name, 8, max_tokens)
+        state.tenant = tenant
+        return state
+
+    def full():
+        raise QueueFull(4)
+
+    async def main():
+        for by_class in (True, False):
+            clock = Clock()
+            adm = Admission(100, clock=clock, by_class=by_class, reserve=Reservations(5.0, lambda: 4, clock))
+            for _ in range(3):  # the flood: 3 released (its tag at 300, the class's virtual time at 200), 1 held
+                adm.enqueue(flood, 0, 100, lambda: 0)
+            adm.release()
+            held = adm.enqueue(flood, 0, 100, full)
+            running = [adm.started(state_of(quiet), 0, 0) for _ in range(2)]  # (its 2 places: its share of 4)
+            assert adm.reserve.check(0, "quiet", 1) != NOW  # past its reservation
+            assert adm.may_pass(quiet, 0) == (NOW if by_class else HOLD)
+            if not by_class:
+                held.future.cancel()
+                continue
+            first = state_of(quiet)
+            adm.started(first, 0, 0)  # sent: its tag moves from 200 to 300, tied with the flood's
+            assert first.held is not None and adm.may_pass(quiet, 0) == HOLD
+            first.num_output_tokens, first.remaining = 12, 80  # it ended having used 20 of its 100 tokens
+            adm.ended(first)
+            assert adm.may_pass(quiet, 0) == NOW  # 220 < 300
+            adm._due = None
+            monkeypatch.setattr(admission, "FAIR_BURSTS", False)
+            assert adm.may_pass(quiet, 0) == HOLD
+            monkeypatch.setattr(admission, "FAIR_BURSTS", True)
+            own = adm.enqueue(quiet, 0, 100, full)
+            assert adm.may_pass(quiet, 0) == HOLD  # its own held first: fifo within a tenant
+            own.future.cancel()
+            adm.leave(own)
+            urgent = adm.enqueue(Tenant("interactive"), -1, 100, full)
+            assert adm.may_pass(quiet, 0) == HOLD  # a more urgent class is held: it goes first
+            adm.leave(urgent)
+            assert adm.may_pass(quiet, 0) == HOLD and len(running) == 2  # (and its reservation lingers: active)
+            held.future.cancel()
+    asyncio.run(main())
