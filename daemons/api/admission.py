@@ -122,7 +122,6 @@ class Admission:
         self._classes: dict[int, _Class] = {}
         self._seq = 0
         self._release_pending = False
-        self._due: tuple[int, str] | None = None  # may_pass's answer NOW in fair order: (class, tenant), until started()
         self.free_place: Callable[[], bool] = lambda: True  # a rank has a batch place free (serving.py sets it)
         self.stats: dict[str, TenantStats] = {}
         self._rate = 0.0  # releases per second (decaying), for Retry-After
@@ -151,9 +150,7 @@ class Admission:
             self.in_flight[priority] = self.in_flight.get(priority, 0) + 1
             state.urgency = priority
         if self.reserve is not None:
-            if self._due == (priority, state.tenant.name) and state.held is None:
-                self._go_due(state, priority)
-            elif state.held is None:  # (a held one was counted as release sent it: release() sends many)
+            if state.held is None:  # (a held one was counted as release sent it: release() sends many)
                 self.reserve.started(priority, state.tenant.name, state.tenant.weight)
             state.urgency = priority
         return rank
@@ -192,43 +189,12 @@ class Admission:
         more urgent class active, one at its cap still takes a free place where the engines order by
         share, as over-share work, the first to give way (held, a quiet tenant's burst waited 1-1.8 s
         for its own answers to end while the rank had places free: benchmarks/RESULTS.md, ninth round)."""
-        self._due = None
         go = self.reserve.check(priority, tenant.name, tenant.weight)
-        if go < NOW and self.num_held and FAIR_BURSTS and self._by_share() and self._is_due(priority, tenant.name):
-            self._due = (priority, tenant.name)  # (charged in fair order as started() sees it sent)
-            return NOW
         if go >= NOW or not self.num_held:
             if go == HOLD and FAIR_BURSTS and self._by_share() and not self.reserve.more_urgent_active(priority) and self.free_place():
                 return TURN  # (a more urgent class's reserved places stay free: its requests need not preempt)
             return go
         return HOLD
-
-    def _is_due(self, priority: int, name: str) -> bool:
-        """The fair order would release the account's next request before any held one: its class is the
-        most urgent held, it holds nothing itself, and its start tag is below every backlogged tag."""
-        cls = self._classes.get(priority)
-        if cls is None or not cls.backlogged or name in cls.backlogged or min(p for p, c in self._classes.items() if c.backlogged) < priority:
-            return False
-        acct = cls.accounts.get(name)
-        start = max(acct.finish, cls.vtime) if acct is not None else cls.vtime
-        return all(start < cls.accounts[n].finish for n in cls.backlogged) and not self.reserve.more_urgent_active(priority)
-
-    def _go_due(self, state, priority: int) -> None:
-        """Send `state` as may_pass's due request: in fair order, as a release would (its tag moves by its
-        cost; `held`, not queued, gets back what it does not use)."""
-        self._due = None
-        tenant, cls = state.tenant, self._classes.get(priority)
-        if cls is None:  # (its flood left meanwhile: nothing to go before)
-            return self.reserve.started(priority, tenant.name, tenant.weight)
-        acct = cls.accounts.get(tenant.name)
-        if acct is None:
-            acct = cls.accounts[tenant.name] = _Account(cls.vtime)
-        start = cls.vtime = max(acct.finish, cls.vtime)
-        acct.finish = start + state.remaining / max(tenant.weight, 1e-9)
-        acct.num_released += 1
-        self._seq += 1
-        state.held = Held(tenant, priority, state.remaining, self._seq, None, self.clock())
-        self.reserve.started(priority, tenant.name, tenant.weight)
 
     def _by_share(self) -> bool:
         """The engines order by share: under-share work first, preempting (urgency)."""
