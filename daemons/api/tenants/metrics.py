@@ -4,8 +4,13 @@ anything a client sends."""
 
 from __future__ import annotations
 
-from dpserve.daemons.api.admission import HELD_SECONDS_BUCKETS, Admission
+from typing import TYPE_CHECKING
+
+from dpserve.daemons.api.admission import HELD_SECONDS_BUCKETS
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+if TYPE_CHECKING:
+    from dpserve.daemons.api.admission import Admission
 
 
 class TenantCollector:
