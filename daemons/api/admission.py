@@ -40,6 +40,11 @@ _RATE_TAU_S = 5.0  # the release rate behind Retry-After: an exponential average
 # Priority policy with reservations: a request under its share goes to the engine as more urgent
 # than over-share work of its class (DPSERVE_SHARE_URGENCY=0 turns it off, for benchmarks' A/B).
 SHARE_URGENCY = os.environ.get("DPSERVE_SHARE_URGENCY", "1") != "0"
+# ... and a held request released in fair order goes as under its share, room or not, while its tenant
+# holds fewer places than a backlogged one of its class (Admission._under; 0: as before, for the A/B).
+RELEASE_UNDER = os.environ.get("DPSERVE_RELEASE_UNDER", "1") != "0"
+# ... and, with no room left for the fair order's next, those under their share still go, in that order
+RELEASE_PAST = os.environ.get("DPSERVE_RELEASE_PAST", "1") != "0"
 
 
 class HoldRefused(Exception):
@@ -52,14 +57,16 @@ class HoldRefused(Exception):
 
 class Held:
     """One held request: what it costs, whose it is, and the send that releases it.
-    `future` gets the rank it went to, or the RoutingError its send raised."""
+    `future` gets the rank it went to, or the RoutingError its send raised; `go` is how the
+    release sends it (TURN: a free place, over its share; NOW: where it starts soonest, under it)."""
 
-    __slots__ = ("tenant", "priority", "cost", "seq", "send", "future", "t_held")
+    __slots__ = ("tenant", "priority", "cost", "seq", "send", "future", "t_held", "go")
 
     def __init__(self, tenant: Tenant, priority: int, cost: int, seq: int, send: Callable[[], int], t_held: float) -> None:
         self.tenant, self.priority, self.cost, self.seq, self.send = tenant, priority, cost, seq, send
         self.future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.t_held = t_held
+        self.go = TURN
 
 
 class _Account:
@@ -278,12 +285,16 @@ class Admission:
         self.release()
 
     def release(self) -> int:
-        """Send held requests in fair order until the router has no room; returns how many left."""
+        """Send held requests in fair order until the router has no room; then, where the engines
+        order by share, those of tenants under their share (_under) in the same order, as such;
+        returns how many left."""
         released = 0
+        room = True
         while self.num_held:
-            pick = self._next()
-            if pick is None:  # every held request's account is at its cap
-                self._wake_at_expiry()
+            pick = self._next(under_only=not room)
+            if pick is None:  # every held request's account is at its cap (or none is under its share)
+                if room:
+                    self._wake_at_expiry()
                 break
             cls, name, acct = pick
             held = acct.queue[0]
@@ -292,10 +303,14 @@ class Admission:
                 self._dequeued(cls, held, acct)
                 self.stats[held.tenant.name].num_abandoned += 1
                 continue
+            held.go = NOW if not room or self._under(cls, name, held) else TURN
             try:
                 rank = held.send()
             except QueueFull:
-                break
+                if not RELEASE_PAST:
+                    break
+                room = False
+                continue
             except Exception as exc:  # noqa: BLE001 - a routing error is the request's answer
                 acct.queue.popleft()
                 self._dequeued(cls, held, acct)
@@ -326,9 +341,10 @@ class Admission:
             acct.finish -= (held.cost - used) / max(held.tenant.weight, 1e-9)
         self._forget_idle(cls, held.priority, held.tenant.name, acct)
 
-    def _next(self) -> tuple[_Class, str, _Account] | None:
+    def _next(self, under_only: bool = False) -> tuple[_Class, str, _Account] | None:
         """The most urgent class with a held request; in it, the lowest finish tag.
-        With reservations, accounts at their cap are passed over (None: all are)."""
+        With reservations, accounts at their cap are passed over (None: all are), and,
+        `under_only`, those not under their share."""
         reserve = self.reserve
         for priority in sorted(p for p, c in self._classes.items() if c.backlogged):
             cls = self._classes[priority]
@@ -340,10 +356,29 @@ class Admission:
                     continue
                 if reserve is not None and reserve.check(priority, name, acct.queue[0].tenant.weight) == HOLD:
                     continue
+                if under_only and not self._under(cls, name, acct.queue[0]):
+                    continue
                 best = (key, name, acct)
             if best is not None:
                 return cls, best[1], best[2]
         return None
+
+    def _under(self, cls: _Class, name: str, held: Held) -> bool:
+        """Where the engines order by share: whether `held`, the fair order's next, goes as under its
+        share (NOW: engine priority 2 x class, to where it starts soonest, full or not: the engine
+        preempts over-share work for it). So it does while its tenant, this request counted, holds
+        fewer places by weight than another backlogged tenant of its class: a quiet tenant's burst
+        behind a flood's onset then passes the flood's preempted requests instead of queueing behind
+        them for seconds (benchmarks/RESULTS.md, ninth to eleventh rounds). Strictly fewer: tenants
+        level within a place do not preempt each other, and the release order stays the fair one."""
+        if not (RELEASE_UNDER and self._by_share()) or len(cls.backlogged) < 2:
+            return False
+        reserve, priority = self.reserve, held.priority
+        mine = (reserve.in_flight(priority, name) + 1) / max(held.tenant.weight, 1e-9)
+        for other in cls.backlogged:
+            if other != name and reserve.in_flight(priority, other) / max(cls.accounts[other].queue[0].tenant.weight, 1e-9) > mine:
+                return not reserve.more_urgent_active(priority)
+        return False
 
     def _wake_at_expiry(self) -> None:
         """Held requests wait on caps alone: release again when the next idle account's

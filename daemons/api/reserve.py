@@ -204,6 +204,11 @@ class Reservations:
         d.num_in_flight -= 1
         d.last_t = self.clock()
 
+    def in_flight(self, priority: int, name: str) -> int:
+        """The account's requests in flight, here and (their last word) at the other API servers."""
+        d = self.accounts.get((priority, name))
+        return 0 if d is None else d.num_in_flight + d.num_remote
+
     def _active(self, now: float, priority: float = -math.inf) -> dict[tuple[int, str], Demand]:
         """The accounts active now, seen by a request of class `priority` (it makes its class
         active: an idle more urgent one lingers from its first request). An account is

@@ -414,7 +414,7 @@ class ServingBase:
             return self._send_once(state, add, pinned)
         priority = add.params.priority
         go = (HOLD if admission.num_held else ALONE) if admission.reserve is None else admission.may_pass(state.tenant, priority)
-        add = admission.urgency(add, go)
+        base, add = add, admission.urgency(add, go)
         if go:  # (under its reservation, NOW: the rank with the fewest running + waiting, which a fcfs rank serves first)
             try:
                 return admission.started(state, priority, self._send_once(state, add, soonest_rank(self.router) if go == NOW else None))
@@ -422,7 +422,8 @@ class ServingBase:
                 pass
         if priority < admission.least_urgent():  # (priority policy) less urgent work is held or runs
             return admission.started(state, priority, self._send_once(state, add, soonest_rank(self.router)))
-        held = admission.enqueue(state.tenant, priority, state.remaining, lambda: self._send_once(state, add, None))
+        held = admission.enqueue(state.tenant, priority, state.remaining, lambda: self._send_once(
+            state, admission.urgency(base, held.go), soonest_rank(self.router) if held.go == NOW else None))
         state.held = held
         try:
             return admission.started(state, priority, await admission.wait(held))

@@ -157,3 +157,66 @@ def test_with_nothing_held_an_account_at_its_cap_takes_a_free_place_where_the_en
                 assert adm.may_pass(t2, 0) == HOLD  # a flood is backlogged: in fair order
                 held.future.cancel()
     asyncio.run(main())
+
+
+def test_a_held_burst_of_a_tenant_with_fewer_places_than_a_backlogged_flood_is_released_under_its_share(monkeypatch):
+    """admission._under: the fair order's next held request goes as under its share (NOW: engine priority
+    2 x class, to where it starts soonest, room or not) while its tenant, it counted, holds fewer places
+    than a backlogged one, and with no room left for the fair order's next, the next under its share goes;
+    a tenant level with the largest waits for room as over-share work (TURN), so tenants within a place
+    of each other do not preempt each other; never under fcfs or with the switch off."""
+    import asyncio
+
+    import dpserve.daemons.api.admission as admission
+    from dpserve.daemons.api.admission import Admission
+    from dpserve.daemons.api.router import QueueFull
+    from dpserve.daemons.api.tenants import Tenant
+
+    flood, quiet = Tenant("flood"), Tenant("quiet")
+    sent: list[tuple[str, int]] = []
+    room = [0]
+
+    def send_of(tenant: Tenant, box: list):
+        def send() -> int:
+            go = box[0].go
+            if go != NOW:  # a request sent where it starts soonest (pinned) goes, full or not
+                if room[0] <= 0:
+                    raise QueueFull(1)
+                room[0] -= 1
+            sent.append((tenant.name, go))
+            return 0
+        return send
+
+    def enqueue(adm: Admission, tenant: Tenant) -> admission.Held:
+        box: list = []
+        box.append(adm.enqueue(tenant, 0, 16, send_of(tenant, box)))
+        return box[0]
+
+    async def main(by_class: bool, switch: bool, past: bool = True) -> list[str]:
+        monkeypatch.setattr(admission, "RELEASE_UNDER", switch)
+        monkeypatch.setattr(admission, "RELEASE_PAST", past)
+        sent.clear()
+        clock = Clock()
+        res = Reservations(5.0, lambda: 9, clock)  # (the quiet tenant's reservation, 2 + 2, leaves the flood 5)
+        adm = Admission(10, clock=clock, by_class=by_class, reserve=res)
+        for name, n in (("flood", 4), ("quiet", 2)):
+            for _ in range(n):
+                res.started(0, name, 1)
+        helds = [enqueue(adm, flood) for _ in range(5)]
+        room[0] = 2
+        adm.release()
+        assert sent == [("flood", TURN)]  # the flood alone held: room, over its share (now 5 places, its cap)
+        sent.clear()
+        room[0] = 0  # every rank full from here
+        helds += [enqueue(adm, quiet) for _ in range(4)]
+        adm.release()  # the quiet tenant's tag is the lowest (backlogged at the class's virtual time)
+        for held in helds:
+            held.future.cancel()
+        return [name for name, _ in sent]
+
+    # 2 -> 3 and 3 -> 4 places against the flood's 5 go at once; the fourth would be level with it (5): held
+    assert asyncio.run(main(True, True)) == ["quiet", "quiet"]
+    # in fair order only: the first (the lowest tag), then the flood's turn, which waits for room
+    assert asyncio.run(main(True, True, past=False)) == ["quiet"]
+    assert asyncio.run(main(True, False)) == []
+    assert asyncio.run(main(False, True)) == []  # fcfs ranks: no preemption makes the place
