@@ -43,8 +43,6 @@ SHARE_URGENCY = os.environ.get("DPSERVE_SHARE_URGENCY", "1") != "0"
 # ... and a held request released in fair order goes as under its share, room or not, while its tenant
 # holds fewer places than a backlogged one of its class (Admission._under; 0: as before, for the A/B).
 RELEASE_UNDER = os.environ.get("DPSERVE_RELEASE_UNDER", "1") != "0"
-# ... and, with no room left for the fair order's next, those under their share still go, in that order
-RELEASE_PAST = os.environ.get("DPSERVE_RELEASE_PAST", "1") != "0"
 
 
 class HoldRefused(Exception):
@@ -285,16 +283,12 @@ class Admission:
         self.release()
 
     def release(self) -> int:
-        """Send held requests in fair order until the router has no room; then, where the engines
-        order by share, those of tenants under their share (_under) in the same order, as such;
-        returns how many left."""
+        """Send held requests in fair order until the router has no room; returns how many left."""
         released = 0
-        room = True
         while self.num_held:
-            pick = self._next(under_only=not room)
-            if pick is None:  # every held request's account is at its cap (or none is under its share)
-                if room:
-                    self._wake_at_expiry()
+            pick = self._next()
+            if pick is None:  # every held request's account is at its cap
+                self._wake_at_expiry()
                 break
             cls, name, acct = pick
             held = acct.queue[0]
@@ -303,14 +297,11 @@ class Admission:
                 self._dequeued(cls, held, acct)
                 self.stats[held.tenant.name].num_abandoned += 1
                 continue
-            held.go = NOW if not room or self._under(cls, name, held) else TURN
+            held.go = NOW if self._under(cls, name, held) else TURN
             try:
                 rank = held.send()
             except QueueFull:
-                if not RELEASE_PAST:
-                    break
-                room = False
-                continue
+                break
             except Exception as exc:  # noqa: BLE001 - a routing error is the request's answer
                 acct.queue.popleft()
                 self._dequeued(cls, held, acct)
@@ -341,10 +332,9 @@ class Admission:
             acct.finish -= (held.cost - used) / max(held.tenant.weight, 1e-9)
         self._forget_idle(cls, held.priority, held.tenant.name, acct)
 
-    def _next(self, under_only: bool = False) -> tuple[_Class, str, _Account] | None:
+    def _next(self) -> tuple[_Class, str, _Account] | None:
         """The most urgent class with a held request; in it, the lowest finish tag.
-        With reservations, accounts at their cap are passed over (None: all are), and,
-        `under_only`, those not under their share."""
+        With reservations, accounts at their cap are passed over (None: all are)."""
         reserve = self.reserve
         for priority in sorted(p for p, c in self._classes.items() if c.backlogged):
             cls = self._classes[priority]
@@ -355,8 +345,6 @@ class Admission:
                 if best is not None and key >= best[0]:
                     continue
                 if reserve is not None and reserve.check(priority, name, acct.queue[0].tenant.weight) == HOLD:
-                    continue
-                if under_only and not self._under(cls, name, acct.queue[0]):
                     continue
                 best = (key, name, acct)
             if best is not None:

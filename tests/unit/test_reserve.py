@@ -162,9 +162,9 @@ def test_with_nothing_held_an_account_at_its_cap_takes_a_free_place_where_the_en
 def test_a_held_burst_of_a_tenant_with_fewer_places_than_a_backlogged_flood_is_released_under_its_share(monkeypatch):
     """admission._under: the fair order's next held request goes as under its share (NOW: engine priority
     2 x class, to where it starts soonest, room or not) while its tenant, it counted, holds fewer places
-    than a backlogged one, and with no room left for the fair order's next, the next under its share goes;
-    a tenant level with the largest waits for room as over-share work (TURN), so tenants within a place
-    of each other do not preempt each other; never under fcfs or with the switch off."""
+    than a backlogged one; a tenant level with the largest waits for room as over-share work (TURN), so
+    tenants within a place of each other do not preempt each other. The order stays the fair one: the
+    flood's turn waits for room, and what is behind it too. Never under fcfs or with the switch off."""
     import asyncio
 
     import dpserve.daemons.api.admission as admission
@@ -187,14 +187,13 @@ def test_a_held_burst_of_a_tenant_with_fewer_places_than_a_backlogged_flood_is_r
             return 0
         return send
 
-    def enqueue(adm: Admission, tenant: Tenant) -> admission.Held:
+    def enqueue(adm: Admission, tenant: Tenant, cost: int) -> admission.Held:
         box: list = []
-        box.append(adm.enqueue(tenant, 0, 16, send_of(tenant, box)))
+        box.append(adm.enqueue(tenant, 0, cost, send_of(tenant, box)))
         return box[0]
 
-    async def main(by_class: bool, switch: bool, past: bool = True) -> list[str]:
+    async def main(by_class: bool, switch: bool, flood_cost: int) -> list[tuple[str, int]]:
         monkeypatch.setattr(admission, "RELEASE_UNDER", switch)
-        monkeypatch.setattr(admission, "RELEASE_PAST", past)
         sent.clear()
         clock = Clock()
         res = Reservations(5.0, lambda: 9, clock)  # (the quiet tenant's reservation, 2 + 2, leaves the flood 5)
@@ -202,21 +201,27 @@ def test_a_held_burst_of_a_tenant_with_fewer_places_than_a_backlogged_flood_is_r
         for name, n in (("flood", 4), ("quiet", 2)):
             for _ in range(n):
                 res.started(0, name, 1)
-        helds = [enqueue(adm, flood) for _ in range(5)]
+        helds = [enqueue(adm, flood, flood_cost) for _ in range(5)]
         room[0] = 2
         adm.release()
         assert sent == [("flood", TURN)]  # the flood alone held: room, over its share (now 5 places, its cap)
         sent.clear()
         room[0] = 0  # every rank full from here
-        helds += [enqueue(adm, quiet) for _ in range(4)]
+        helds += [enqueue(adm, quiet, 16) for _ in range(4)]
         adm.release()  # the quiet tenant's tag is the lowest (backlogged at the class's virtual time)
+        out = list(sent)
+        room[0] = 1  # a flood's answer ended: its turn, then the quiet tenant's next again as under its share
+        sent.clear()
+        adm.release()
         for held in helds:
             held.future.cancel()
-        return [name for name, _ in sent]
+        return out + [("|", 0)] + sent
 
-    # 2 -> 3 and 3 -> 4 places against the flood's 5 go at once; the fourth would be level with it (5): held
-    assert asyncio.run(main(True, True)) == ["quiet", "quiet"]
-    # in fair order only: the first (the lowest tag), then the flood's turn, which waits for room
-    assert asyncio.run(main(True, True, past=False)) == ["quiet"]
-    assert asyncio.run(main(True, False)) == []
-    assert asyncio.run(main(False, True)) == []  # fcfs ranks: no preemption makes the place
+    q, f, bar = ("quiet", NOW), ("flood", TURN), ("|", 0)
+    # a dear flood request moves its tag past four of the quiet tenant's: 2 -> 3 and 3 -> 4 places
+    # against the flood's 5 go at once; the next would be level with it (5): it waits for room
+    assert asyncio.run(main(True, True, 64)) == [q, q, bar, ("quiet", TURN)]
+    # by tokens the two alternate: one, then the flood's turn, which waits for room; then both
+    assert asyncio.run(main(True, True, 16)) == [q, bar, f, q]
+    assert asyncio.run(main(True, False, 16)) == [bar, ("quiet", TURN)]
+    assert asyncio.run(main(False, True, 16)) == [bar, ("quiet", TURN)]  # fcfs ranks: no preemption makes the place
