@@ -18,7 +18,9 @@ tenant's tag. Lower `priority` classes go strictly first. With reservations (res
 an account (class, tenant) at its cap of places is passed over even while a rank has
 room, and one under its own reservation is not held at all. Under the engines' priority
 scheduling a request more urgent than a held one is not held at all (serving.py): it goes
-to the rank where it starts soonest (soonest_rank), whose engine preempts for it.
+to the rank where it starts soonest (soonest_rank), whose engine preempts for it; and the
+fair order's next goes so too, room or not, while its tenant holds fewer places than a
+backlogged one of its class (_under: a quiet tenant's burst at a flood's onset).
 """
 
 from __future__ import annotations
@@ -180,8 +182,9 @@ class Admission:
 
     def urgency(self, add, go: int):
         """The AddRequest to send: under the priority policy with reservations, its engine priority
-        is 2 x its class + 0 when it goes under its share (NOW), + 1 otherwise (held, a free place in
-        fair order, or alone: past its share once another comes). Classes keep their order; within
+        is 2 x its class + 0 when it goes under its share (NOW: under its reservation, or released
+        by _under), + 1 otherwise (held, a free place in fair order, or alone: past its share once
+        another comes). Classes keep their order; within
         one, the engine runs (and preempts for) a quiet or new tenant's request before a flood's."""
         if not self._by_share() or abs(add.params.priority) >= 2**61:
             return add  # (a priority near int64's bounds, which vLLM's engine takes, is sent as it came)
