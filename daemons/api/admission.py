@@ -184,8 +184,8 @@ class Admission:
         """The AddRequest to send: under the priority policy with reservations, its engine priority
         is 2 x its class + 0 when it goes under its share (NOW: under its reservation, or released
         by _under), + 1 otherwise (held, a free place in fair order, or alone: past its share once
-        another comes). Classes keep their order; within
-        one, the engine runs (and preempts for) a quiet or new tenant's request before a flood's."""
+        another comes). Classes keep their order; within one, the engine runs (and preempts for)
+        a quiet or new tenant's request before a flood's."""
         if not self._by_share() or abs(add.params.priority) >= 2**61:
             return add  # (a priority near int64's bounds, which vLLM's engine takes, is sent as it came)
         params = msgspec.structs.replace(add.params, priority=2 * add.params.priority + (go != NOW))
