@@ -20,7 +20,11 @@ room, and one under its own reservation is not held at all. Under the engines' p
 scheduling a request more urgent than a held one is not held at all (serving.py): it goes
 to the rank where it starts soonest (soonest_rank), whose engine preempts for it; and the
 fair order's next goes so too, room or not, while its tenant holds fewer places than a
-backlogged one of its class (_under: a quiet tenant's burst at a flood's onset).
+backlogged one of its class (_under: a quiet tenant's burst at a flood's onset). An account past
+its reservation that asked for fewer places than its share on average (reserve.check's BURST: a
+quiet tenant's Poisson burst) is not held either, nor passed over: it goes as a burst, which the
+engine runs before over-share work (urgency). A tenant without a window's history (a flood's onset)
+is lent no quiet tenant's reserved place, and its own go less urgently than theirs (FRESH).
 """
 
 from __future__ import annotations
@@ -29,15 +33,14 @@ import asyncio
 import math
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 
 import msgspec
-from dpserve.daemons.api.reserve import FAIR_BURSTS, HOLD, NOW, TURN, Reservations
+from dpserve.daemons.api.held import HELD_SECONDS_BUCKETS, Account, Held, HoldRefused, PriorityClass, TenantStats
+from dpserve.daemons.api.reserve import BURST, FAIR_BURSTS, FRESH, HOLD, NOW, TURN, Reservations
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, Router
 from dpserve.daemons.api.tenants import Tenant
 
-HELD_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATE_TAU_S = 5.0  # the release rate behind Retry-After: an exponential average over about this long
 # Priority policy with reservations: a request under its share goes to the engine as more urgent
 # than over-share work of its class (DPSERVE_SHARE_URGENCY=0 turns it off, for benchmarks' A/B).
@@ -45,66 +48,6 @@ SHARE_URGENCY = os.environ.get("DPSERVE_SHARE_URGENCY", "1") != "0"
 # ... and a held request released in fair order goes as under its share, room or not, while its tenant
 # holds fewer places than a backlogged one of its class (Admission._under; 0: as before, for the A/B).
 RELEASE_UNDER = os.environ.get("DPSERVE_RELEASE_UNDER", "1") != "0"
-
-
-class HoldRefused(Exception):
-    """The tenant already has `limit` requests held here: 429 with `retry_after_s`."""
-
-    def __init__(self, tenant: str, limit: int, retry_after_s: int) -> None:
-        self.tenant, self.limit, self.retry_after_s = tenant, limit, retry_after_s
-        super().__init__(f"tenant {tenant!r} has {limit} requests held")
-
-
-class Held:
-    """One held request: what it costs, whose it is, and the send that releases it.
-    `future` gets the rank it went to, or the RoutingError its send raised; `go` is how the
-    release sends it (TURN: a free place, over its share; NOW: where it starts soonest, under it)."""
-
-    __slots__ = ("tenant", "priority", "cost", "seq", "send", "future", "t_held", "go")
-
-    def __init__(self, tenant: Tenant, priority: int, cost: int, seq: int, send: Callable[[], int], t_held: float) -> None:
-        self.tenant, self.priority, self.cost, self.seq, self.send = tenant, priority, cost, seq, send
-        self.future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.t_held = t_held
-        self.go = TURN
-
-
-class _Account:
-    """One tenant's place in one class: its virtual finish tag, its held requests (in
-    arrival order) and its released ones not yet finished (the account lives while
-    either is nonzero)."""
-
-    __slots__ = ("finish", "queue", "num_released")
-
-    def __init__(self, finish: float) -> None:
-        self.finish = finish
-        self.queue: deque[Held] = deque()
-        self.num_released = 0
-
-
-class _Class:
-    """One priority class: its virtual time and its tenants' accounts."""
-
-    __slots__ = ("vtime", "accounts", "backlogged")
-
-    def __init__(self) -> None:
-        self.vtime = 0.0
-        self.accounts: dict[str, _Account] = {}
-        self.backlogged: set[str] = set()  # accounts with a held request
-
-
-class TenantStats:
-    """What /metrics shows of one tenant's holds (admission's own figures)."""
-
-    __slots__ = ("num_held", "num_held_total", "num_refused", "num_abandoned", "buckets", "held_seconds")
-
-    def __init__(self) -> None:
-        self.num_held = 0
-        self.num_held_total = 0
-        self.num_refused = 0
-        self.num_abandoned = 0
-        self.buckets = [0] * (len(HELD_SECONDS_BUCKETS) + 1)
-        self.held_seconds = 0.0
 
 
 class Admission:
@@ -126,7 +69,7 @@ class Admission:
         self.in_flight: dict[int, int] | None = {} if by_class else None
         self.clock = clock
         self.num_held = 0
-        self._classes: dict[int, _Class] = {}
+        self._classes: dict[int, PriorityClass] = {}
         self._seq = 0
         self._release_pending = False
         self.free_place: Callable[[], bool] = lambda: True  # a rank has a batch place free (serving.py sets it)
@@ -182,13 +125,16 @@ class Admission:
 
     def urgency(self, add, go: int):
         """The AddRequest to send: under the priority policy with reservations, its engine priority
-        is 2 x its class + 0 when it goes under its share (NOW: under its reservation, or released
-        by _under), + 1 otherwise (held, a free place in fair order, or alone: past its share once
-        another comes). Classes keep their order; within one, the engine runs (and preempts for)
-        a quiet or new tenant's request before a flood's."""
-        if not self._by_share() or abs(add.params.priority) >= 2**61:
+        is 4 x its class + 0 when it goes under its share (NOW: under its reservation, or released
+        by _under), + 1 as a burst of a tenant below its share on average (BURST), + 2 under its
+        reservation without a window's history (FRESH: a flood's onset, or a newcomer), + 3 otherwise
+        (held, a free place in fair order, or alone: past its share once another comes). Classes
+        keep their order; within one, the engine runs (and preempts for) a quiet or new tenant's
+        request before a flood's, and a reserved one of a tenant with a record before a burst."""
+        if not self._by_share() or abs(add.params.priority) >= 2**60:
             return add  # (a priority near int64's bounds, which vLLM's engine takes, is sent as it came)
-        params = msgspec.structs.replace(add.params, priority=2 * add.params.priority + (go != NOW))
+        level = 0 if go == NOW else 1 if go == BURST else 2 if go == FRESH else 3
+        params = msgspec.structs.replace(add.params, priority=4 * add.params.priority + level)
         return msgspec.structs.replace(add, params=params)
 
     def may_pass(self, tenant: Tenant, priority: int) -> int:
@@ -197,12 +143,17 @@ class Admission:
         more urgent class active, one at its cap still takes a free place where the engines order by
         share, as over-share work, the first to give way (held, a quiet tenant's burst waited 1-1.8 s
         for its own answers to end while the rank had places free: benchmarks/RESULTS.md, ninth round)."""
-        go = self.reserve.check(priority, tenant.name, tenant.weight)
+        # (behind its own held requests, it waits for them (no BURST): released as bursts too, if owed)
+        go = self.reserve.check(priority, tenant.name, tenant.weight, self._by_share() and not self._holds(priority, tenant.name))
         if go >= NOW or not self.num_held:
             if go == HOLD and FAIR_BURSTS and self._by_share() and not self.reserve.more_urgent_active(priority) and self.free_place():
                 return TURN  # (a more urgent class's reserved places stay free: its requests need not preempt)
             return go
         return HOLD
+
+    def _holds(self, priority: int, name: str) -> bool:
+        cls = self._classes.get(priority)
+        return cls is not None and name in cls.backlogged
 
     def _by_share(self) -> bool:
         """The engines order by share: under-share work first, preempting (urgency)."""
@@ -231,18 +182,18 @@ class Admission:
             raise HoldRefused(tenant.name, self.max_held_per_tenant, self.retry_after_s(stats.num_held))
         cls = self._classes.get(priority)
         if cls is None:
-            cls = self._classes[priority] = _Class()
+            cls = self._classes[priority] = PriorityClass()
         acct = cls.accounts.get(tenant.name)
         if acct is None:
-            acct = cls.accounts[tenant.name] = _Account(cls.vtime)
+            acct = cls.accounts[tenant.name] = Account(cls.vtime)
         if not acct.queue:
             acct.finish = max(acct.finish, cls.vtime)  # no credit banked while idle
             cls.backlogged.add(tenant.name)
-            if self.reserve is not None:
-                self.reserve.set_held(priority, tenant.name, tenant.weight, True)
         self._seq += 1
         held = Held(tenant, priority, cost, self._seq, send, self.clock())
         acct.queue.append(held)
+        if self.reserve is not None:
+            self.reserve.set_held(priority, tenant.name, tenant.weight, len(acct.queue))
         self.num_held += 1
         stats.num_held += 1
         stats.num_held_total += 1
@@ -293,14 +244,14 @@ class Admission:
             if pick is None:  # every held request's account is at its cap
                 self._wake_at_expiry()
                 break
-            cls, name, acct = pick
+            cls, name, acct, owed = pick
             held = acct.queue[0]
             if held.future.done():  # cancelled: its client left, and its handler has not run yet
                 acct.queue.popleft()
                 self._dequeued(cls, held, acct)
                 self.stats[held.tenant.name].num_abandoned += 1
                 continue
-            held.go = NOW if self._under(cls, name, held) else TURN
+            held.go = NOW if self._under(cls, name, held) else BURST if owed else TURN
             try:
                 rank = held.send()
             except QueueFull:
@@ -335,9 +286,10 @@ class Admission:
             acct.finish -= (held.cost - used) / max(held.tenant.weight, 1e-9)
         self._forget_idle(cls, held.priority, held.tenant.name, acct)
 
-    def _next(self) -> tuple[_Class, str, _Account] | None:
-        """The most urgent class with a held request; in it, the lowest finish tag.
-        With reservations, accounts at their cap are passed over (None: all are)."""
+    def _next(self) -> tuple[PriorityClass, str, Account, bool] | None:
+        """The most urgent class with a held request; in it, the lowest finish tag, and whether its
+        account is owed places (reserve.check's BURST, where _by_share). With reservations, accounts at
+        their cap are passed over, unless owed places (None: all are)."""
         reserve = self.reserve
         for priority in sorted(p for p, c in self._classes.items() if c.backlogged):
             cls = self._classes[priority]
@@ -347,16 +299,17 @@ class Admission:
                 key = (acct.finish, acct.queue[0].seq)
                 if best is not None and key >= best[0]:
                     continue
-                if reserve is not None and reserve.check(priority, name, acct.queue[0].tenant.weight) == HOLD:
+                go = TURN if reserve is None else reserve.check(priority, name, acct.queue[0].tenant.weight, self._by_share())
+                if go == HOLD:
                     continue
-                best = (key, name, acct)
+                best = (key, name, acct, go == BURST)
             if best is not None:
-                return cls, best[1], best[2]
+                return cls, best[1], best[2], best[3]
         return None
 
-    def _under(self, cls: _Class, name: str, held: Held) -> bool:
+    def _under(self, cls: PriorityClass, name: str, held: Held) -> bool:
         """Where the engines order by share: whether `held`, the fair order's next, goes as under its
-        share (NOW: engine priority 2 x class, to where it starts soonest, full or not: the engine
+        share (NOW: engine priority 4 x class, to where it starts soonest, full or not: the engine
         preempts over-share work for it). So it does while its tenant, this request counted, holds
         fewer places by weight than another backlogged tenant of its class: a quiet tenant's burst
         behind a flood's onset then passes the flood's preempted requests instead of queueing behind
@@ -383,18 +336,18 @@ class Admission:
         self._wake = None
         self.release()
 
-    def _dequeued(self, cls: _Class, held: Held, acct: _Account) -> None:
+    def _dequeued(self, cls: PriorityClass, held: Held, acct: Account) -> None:
         held.send = None  # (it holds the request's state: no cycle outlives the hold)
         name = held.tenant.name
         self.num_held -= 1
         self.stats[name].num_held -= 1
+        if self.reserve is not None:
+            self.reserve.set_held(held.priority, name, held.tenant.weight, len(acct.queue))
         if not acct.queue:
             cls.backlogged.discard(name)
-            if self.reserve is not None:
-                self.reserve.set_held(held.priority, name, held.tenant.weight, False)
             self._forget_idle(cls, held.priority, name, acct)
 
-    def _forget_idle(self, cls: _Class, priority: int, name: str, acct: _Account) -> None:
+    def _forget_idle(self, cls: PriorityClass, priority: int, name: str, acct: Account) -> None:
         """Accounts and classes live while they hold or run something (a client may send
         any number of distinct priorities: none may leave state behind)."""
         if acct.queue or acct.num_released > 0:

@@ -4,7 +4,7 @@ Pure functions from the typed failures to OpenAI-style ApiErrors; nothing else."
 
 from __future__ import annotations
 
-from dpserve.daemons.api.admission import HoldRefused
+from dpserve.daemons.api.held import HoldRefused
 from dpserve.daemons.api.openai_types import ApiError
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankLost, RankNotEligible, RoutingError
 

@@ -60,16 +60,29 @@ CAP_SHARE_X = float(os.environ.get("DPSERVE_CAP_SHARE_X", "0"))
 # batch place as over-share work where the engines order by share (admission.may_pass).
 # DPSERVE_FAIR_BURSTS=0: held instead, as before (benchmarks' A/B).
 FAIR_BURSTS = os.environ.get("DPSERVE_FAIR_BURSTS", "1") != "0"
+# A request past its reservation whose tenant asked for fewer places than its share on average over
+# the window (Reservations._owed: a quiet tenant's burst) goes at once as a burst, between under- and
+# over-share work, where the engines order by share (admission._bursts). DPSERVE_SHARE_BURSTS=0: off.
+SHARE_BURSTS = os.environ.get("DPSERVE_SHARE_BURSTS", "1") != "0"
+# Quiet accounts lend each other their free reserved places only once active for window_s: a flood's
+# onset (an account (re)started after HISTORY_GAP_WINDOWS idle) takes its own reservation, not the
+# quiet ones' places, and that at less urgency than theirs and their bursts (FRESH; benchmarks/RESULTS.md,
+# twelfth round). 0: lent to all, NOW to all (A/B).
+LEND_HISTORY = os.environ.get("DPSERVE_LEND_HISTORY", "1") != "0"
+HISTORY_GAP_WINDOWS = 2  # idle this many windows, an account starts afresh: no average, no lending
 
 # at its cap / may take a free place in fair order / under its reservation: at once, to where it
-# starts soonest (a rank with a free batch place, not a full one's waiting place) / alone: no cap
-HOLD, TURN, NOW, ALONE = 0, 1, 2, 3
+# starts soonest (a rank with a free batch place, not a full one's waiting place) / alone: no cap /
+# past its reservation but owed places (below its share on average): at once, where it starts soonest /
+# under its reservation without a window's history (a flood's onset, or a newcomer): as NOW, less urgent
+HOLD, TURN, NOW, ALONE, BURST, FRESH = 0, 1, 2, 3, 4, 5
+SOONEST = (NOW, BURST, FRESH)  # sent to where they start soonest, full or not: the engine preempts for them
 
 
 class Demand:
     """One (class, tenant) account's recent demand at this API server."""
 
-    __slots__ = ("priority", "weight", "num_in_flight", "num_remote", "remote", "num_unreported", "unreported_t", "matched", "peak", "peak_t", "last_t", "is_held")
+    __slots__ = ("priority", "weight", "num_in_flight", "num_remote", "remote", "num_unreported", "unreported_t", "matched", "peak", "peak_t", "last_t", "is_held", "num_held", "mean", "mean_t", "active_t")
 
     def __init__(self, priority: int, weight: float, now: float) -> None:
         self.priority, self.weight = priority, max(weight, 1e-9)
@@ -83,6 +96,24 @@ class Demand:
         self.peak_t = now
         self.last_t = now  # the last start or end
         self.is_held = False  # it has requests held at the frontend: the fair order serves it, no reservation
+        self.num_held = 0  # how many (admission.py says)
+        self.mean = 0.0  # its demand's (in flight + held) time average over about window_s, as of mean_t
+        self.mean_t = now
+        self.active_t = now  # since when it is active without a break (a request at least every window_s)
+
+    def mean_at(self, now: float, tau: float) -> float:
+        """Its demand's average over about the last `tau` seconds (exponentially weighted)."""
+        keep = math.exp(min(0.0, self.mean_t - now) / tau)
+        return self.mean * keep + (self.num_in_flight + self.num_remote + self.num_held) * (1.0 - keep)
+
+    def demand_changes(self, now: float, tau: float) -> None:
+        """Called before its demand changes: the average so far is kept as of now. One idle for
+        HISTORY_GAP_WINDOWS x `tau` starts afresh (no history: trusted after `tau` of activity)."""
+        if not self.num_in_flight + self.num_remote + self.num_held and now - self.last_t >= HISTORY_GAP_WINDOWS * tau:
+            self.mean, self.active_t = 0.0, now
+        else:
+            self.mean = self.mean_at(now, tau)
+        self.mean_t = now
 
     def peak_at(self, now: float, tau: float) -> float:
         """The highest count of the last `tau` seconds; older peaks decay by e every tau."""
@@ -128,6 +159,7 @@ class Reservations:
         d = self.accounts.get(key)
         if d is None:
             d = self.accounts[key] = Demand(priority, weight, now)
+        d.demand_changes(now, self.window_s)
         d.num_in_flight += 1
         if now - d.unreported_t > REPORT_S:  # (older sends are in the peers' view by now)
             d.num_unreported, d.unreported_t = 0, now
@@ -153,6 +185,7 @@ class Reservations:
         d = self.accounts.get((priority, name))
         if d is None:  # (even at 0 in flight: it was active there just now, and its reservation holds here too)
             d = self.accounts[(priority, name)] = Demand(priority, weight, now)
+        d.demand_changes(now, self.window_s)
         old = d.remote.get(origin)
         grown = count - (old[0] if old is not None else 0)
         if now - d.unreported_t <= REPORT_S:  # a peer's report matches its likely sends by its growth
@@ -188,21 +221,24 @@ class Reservations:
             del d.remote[origin]
         d.num_remote = sum(c for c, _ in d.remote.values())
 
-    def set_held(self, priority: int, name: str, weight: float, is_held: bool) -> None:
-        """The account's held queue became nonempty (True) or empty (False)."""
+    def set_held(self, priority: int, name: str, weight: float, num_held: int) -> None:
+        """The account has `num_held` requests held (admission.py): backlogged while nonzero."""
         now = self.clock()
         d = self.accounts.get((priority, name))
         if d is None:
             d = self.accounts[(priority, name)] = Demand(priority, weight, now)
-        d.is_held = is_held
+        d.demand_changes(now, self.window_s)
+        d.num_held, d.is_held = int(num_held), num_held > 0
         d.last_t = now
 
     def ended(self, priority: int, name: str) -> None:
         d = self.accounts.get((priority, name))
         if d is None:
             return
+        now = self.clock()
+        d.demand_changes(now, self.window_s)
         d.num_in_flight -= 1
-        d.last_t = self.clock()
+        d.last_t = now
 
     def in_flight(self, priority: int, name: str) -> int:
         """The account's requests in flight, here and (their last word) at the other API servers."""
@@ -236,10 +272,13 @@ class Reservations:
         its next request after a quiet spell still finds a place the flood did not take)."""
         return d.last_t + self.window_s * (LINGER_WINDOWS if d.priority < floor else 1)
 
-    def check(self, priority: int, name: str, weight: float) -> int:
-        """HOLD: the account is at its cap; NOW: a place reserved for it, or lent by its
-        class's other quiet accounts, is free (it goes at once); TURN: between the two (it
-        may take a free place in fair order); ALONE: no other account is active (no cap)."""
+    def check(self, priority: int, name: str, weight: float, by_share: bool = False) -> int:
+        """HOLD: the account is at its cap; NOW: a place reserved for it, or lent by its class's
+        other quiet accounts, is free (it goes at once); TURN: between the two (it may take a free
+        place in fair order); ALONE: no other account is active (no cap). Where the engines order
+        by share (`by_share`), also FRESH: NOW for one without a window's history (_has_history)
+        past its first request in flight,
+        and BURST instead of HOLD or TURN while it is owed places (_owed: below its share on average)."""
         now = self.clock()
         active = self._active(now, priority)
         me = active.get((priority, name))
@@ -271,13 +310,33 @@ class Reservations:
         h, h_min = self.headroom, self.min_headroom
         others = sum(min(g[0], g[1] + max(h_min, h * g[3])) for g in groups.values())
         share = places * max(weight, 1e-9) / total_weight
-        if mine + unseen >= (places - others if not CAP_SHARE_X else min(places - others, max(1.0, CAP_SHARE_X * share))):
-            return HOLD
+        cap = places - others if not CAP_SHARE_X else min(places - others, max(1.0, CAP_SHARE_X * share))
+        over = BURST if by_share and SHARE_BURSTS and self._owed(me, now, mine + unseen, cap, share) else TURN  # past its reservation
+        if mine + unseen >= cap:
+            return HOLD if over == TURN else BURST
         if me is not None and me.is_held:
-            return TURN  # behind its own held requests
+            return over  # behind its own held requests
         g = groups.get(priority, (0.0, 0.0, 0.0, 0))
+        trusted = not LEND_HISTORY or self._has_history(me, now)
+        if mine < min(share, num + max(h_min, h)):
+            return NOW if trusted or not by_share or not mine + unseen else FRESH  # (one request is no flood)
+        if not trusted:
+            return over  # (a flood's onset: not yet lent the quiet accounts' places)
         pool = min(g[0] + share, g[1] + min(share, num) + max(h_min, h * (g[3] + 1)))  # its class's quiet accounts' reservation
-        return NOW if mine < min(share, num + max(h_min, h)) or g[2] + mine < pool else TURN
+        return NOW if g[2] + mine < pool else over
+
+    def _has_history(self, me: Demand | None, now: float) -> bool:
+        """Active for window_s at least without a break: its average (and lending) can be trusted."""
+        return me is not None and now - me.active_t >= self.window_s
+
+    def _owed(self, me: Demand | None, now: float, mine: float, cap: float, share: float) -> bool:
+        """Past its reservation: whether the account, active for window_s at least, asked for fewer
+        places (in flight + held) than its weighted `share` on average over about window_s (a quiet
+        tenant, even mid-burst: it is owed the places a flood over its share holds), and holds fewer
+        than one share past its cap (a burst is bounded). Not one just (re)started: a flood's onset."""
+        if not self._has_history(me, now) or mine >= cap + share:
+            return False
+        return me.mean_at(now, self.window_s) < share
 
     def more_urgent_active(self, priority: int) -> bool:
         """An account of a class more urgent than `priority` is active (its reservation holds)."""

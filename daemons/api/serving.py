@@ -34,7 +34,7 @@ from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse,
 from dpserve.daemons.api.refusals import hold_refused_error, parse_rank_header, routing_error
 from dpserve.daemons.api.request_checks import check_unsupported, decode_request
 from dpserve.daemons.api.request_state import RequestState
-from dpserve.daemons.api.reserve import ALONE, HOLD, NOW, Reservations
+from dpserve.daemons.api.reserve import ALONE, HOLD, SOONEST, Reservations
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
 from dpserve.daemons.api.tenants import DEFAULT_TENANT, Tenant
 from dpserve.daemons.api.tenants.gate import CALL as TENANT_CALL
@@ -417,13 +417,13 @@ class ServingBase:
         base, add = add, admission.urgency(add, go)
         if go:  # (under its reservation, NOW: the rank with the fewest running + waiting, which a fcfs rank serves first)
             try:
-                return admission.started(state, priority, self._send_once(state, add, soonest_rank(self.router) if go == NOW else None))
+                return admission.started(state, priority, self._send_once(state, add, soonest_rank(self.router) if go in SOONEST else None))
             except QueueFull:
                 pass
         if priority < admission.least_urgent():  # (priority policy) less urgent work is held or runs
             return admission.started(state, priority, self._send_once(state, add, soonest_rank(self.router)))
         held = admission.enqueue(state.tenant, priority, state.remaining, lambda: self._send_once(
-            state, admission.urgency(base, held.go), soonest_rank(self.router) if held.go == NOW else None))
+            state, admission.urgency(base, held.go), soonest_rank(self.router) if held.go in SOONEST else None))
         state.held = held
         try:
             return admission.started(state, priority, await admission.wait(held))

@@ -3,7 +3,7 @@ an idle account keeps its reservation, and (cluster-wide) whose requests count."
 
 from __future__ import annotations
 
-from dpserve.daemons.api.reserve import ALONE, HOLD, LINGER_WINDOWS, NOW, TURN, Reservations
+from dpserve.daemons.api.reserve import ALONE, BURST, FRESH, HOLD, LINGER_WINDOWS, NOW, TURN, Reservations
 
 
 class Clock:
@@ -49,7 +49,9 @@ def test_an_idle_account_of_the_same_or_a_less_urgent_class_lapses_after_one_win
     assert res.check(2, "x", 1) == ALONE and not res.accounts
 
 
-def test_quiet_accounts_of_a_class_lend_each_other_their_free_reserved_places():
+def test_quiet_accounts_of_a_class_lend_each_other_their_free_reserved_places(monkeypatch):
+    import dpserve.daemons.api.reserve as reserve
+
     clock = Clock()
     res = Reservations(5.0, lambda: 16, clock, headroom=1.0, min_headroom=1.0)  # 3 accounts: a share of 16 / 3 each
     for _ in range(4):
@@ -65,14 +67,21 @@ def test_quiet_accounts_of_a_class_lend_each_other_their_free_reserved_places():
     assert res.check(0, "c", 1) == NOW  # under its own min(16 / 3, 4) + 1
     for _ in range(5):
         res.started(0, "c", 1)  # 9: past its share (16 / 3), on a's 3 free reserved places
+    assert res.check(0, "c", 1) == TURN  # but only once active for a window (a flood's onset is not lent them)
+    monkeypatch.setattr(reserve, "LEND_HISTORY", False)
+    assert res.check(0, "c", 1) == NOW  # (the switch: lent at once, as before)
+    monkeypatch.setattr(reserve, "LEND_HISTORY", True)
+    clock.now += 5.0
     assert res.check(0, "c", 1) == NOW  # the class's quiet use 1 + 9 < its reservation min(2 x 16 / 3, 4 + 16 / 3 + 2)
     res.started(0, "c", 1)  # 10: the pool is used up
     assert res.check(0, "c", 1) == TURN
 
 
 def test_under_its_share_a_request_goes_to_the_engine_before_over_share_work_of_its_class():
-    """Priority policy with reservations: engine priority 2 x class (+1 over its share), so a quiet
-    tenant's request runs (and preempts) before a flood's of its class, and classes keep their order."""
+    """Priority policy with reservations: engine priority 4 x class (+1 a burst below its share on
+    average, +2 under its reservation without a window's history, +3 over its share), so a quiet
+    tenant's request runs (and preempts) before a flood's of its class, a reserved one of a tenant
+    with a record before a burst, a burst before a flood's onset, and classes keep their order."""
     import asyncio
 
     from dpserve.daemons.api.admission import Admission
@@ -84,10 +93,11 @@ def test_under_its_share_a_request_goes_to_the_engine_before_over_share_work_of_
     async def main():
         clock = Clock()
         adm = Admission(10, clock=clock, by_class=True, reserve=Reservations(5.0, lambda: 8, clock))
-        seen = {(p, go): adm.urgency(add(p), go).params.priority for p in (-1, 0, 1) for go in (HOLD, TURN, NOW, ALONE)}
-        assert seen[(0, NOW)] == 0 and seen[(0, TURN)] == seen[(0, HOLD)] == 1
-        assert seen[(0, ALONE)] == 1  # a flood that was alone: a newcomer's request preempts it at a full rank
+        seen = {(p, go): adm.urgency(add(p), go).params.priority for p in (-1, 0, 1) for go in (HOLD, TURN, NOW, ALONE, BURST, FRESH)}
+        assert seen[(0, NOW)] == 0 and seen[(0, BURST)] == 1 and seen[(0, FRESH)] == 2 and seen[(0, TURN)] == seen[(0, HOLD)] == 3
+        assert seen[(0, ALONE)] == 3  # a flood that was alone: a newcomer's request preempts it at a full rank
         assert seen[(-1, HOLD)] < seen[(0, NOW)] and seen[(0, HOLD)] < seen[(1, NOW)]  # classes first
+        assert seen[(-1, BURST)] < seen[(0, NOW)] and seen[(1, BURST)] > seen[(0, HOLD)]
         assert seen[(-1, NOW)] < 0 and seen[(0, NOW)] >= 0  # (only negative ones are routed as urgent, as before)
         plain = add(0)
         assert Admission(10, clock=clock, reserve=Reservations(5.0, lambda: 8, clock)).urgency(plain, TURN) is plain  # fcfs
@@ -161,7 +171,7 @@ def test_with_nothing_held_an_account_at_its_cap_takes_a_free_place_where_the_en
 
 def test_a_held_burst_of_a_tenant_with_fewer_places_than_a_backlogged_flood_is_released_under_its_share(monkeypatch):
     """admission._under: the fair order's next held request goes as under its share (NOW: engine priority
-    2 x class, to where it starts soonest, room or not) while its tenant, it counted, holds fewer places
+    3 x class, to where it starts soonest, room or not) while its tenant, it counted, holds fewer places
     than a backlogged one; a tenant level with the largest waits for room as over-share work (TURN), so
     tenants within a place of each other do not preempt each other. The order stays the fair one: the
     flood's turn waits for room, and what is behind it too. Never under fcfs or with the switch off."""
@@ -225,3 +235,97 @@ def test_a_held_burst_of_a_tenant_with_fewer_places_than_a_backlogged_flood_is_r
     assert asyncio.run(main(True, True, 16)) == [q, bar, f, q]
     assert asyncio.run(main(True, False, 16)) == [bar, ("quiet", TURN)]
     assert asyncio.run(main(False, True, 16)) == [bar, ("quiet", TURN)]  # fcfs ranks: no preemption makes the place
+
+
+def test_a_burst_of_a_tenant_below_its_share_on_average_goes_at_once_past_its_cap(monkeypatch):
+    """admission._bursts: at its cap, a tenant that asked for fewer places than its share on average
+    over the window (a quiet tenant mid-burst) goes at once as a burst (BURST: engine priority between
+    under- and over-share work, to where it starts soonest); a flood over its share, a tenant active for
+    less than a window (a flood's onset has no average yet), one a share past its cap, fcfs ranks and the
+    switch off: held. A newcomer's reserved request goes as FRESH, after bursts. A held
+    one of such a tenant is released as a burst in fair order, where an account at its cap is passed over."""
+    import asyncio
+
+    import dpserve.daemons.api.reserve as reserve
+    from dpserve.daemons.api.admission import Admission
+    from dpserve.daemons.api.router import QueueFull
+    from dpserve.daemons.api.tenants import Tenant
+
+    t2, flood, late = Tenant("t2"), Tenant("flood"), Tenant("late")
+    sent: list[tuple[str, int]] = []
+
+    def send_of(tenant: Tenant, box: list):
+        def send() -> int:
+            if box[0].go == TURN:
+                raise QueueFull(1)  # every rank full: only a request sent where it starts soonest goes
+            sent.append((tenant.name, box[0].go))
+            return 0
+        return send
+
+    async def main(by_class: bool, switch: bool) -> tuple[int, int, int, list]:
+        monkeypatch.setattr(reserve, "SHARE_BURSTS", switch)
+        sent.clear()
+        clock = Clock()
+        res = Reservations(5.0, lambda: 8, clock)
+        adm = Admission(10, clock=clock, by_class=by_class, reserve=res)
+        for name, n in (("t1", 1), ("t3", 1), ("t2", 1), ("flood", 4)):
+            for _ in range(n):
+                res.started(0, name, 1)
+        clock.now += 10.0  # two windows at these counts: t2 asked for 1 place on average, its share is 2
+        for _ in range(3):
+            res.started(0, "t2", 1)  # its burst: 4, at its cap (8 - the other quiet ones' 1 + 1 + 2 headroom)
+        helds = []
+        for _ in range(3):
+            box: list = []
+            box.append(adm.enqueue(flood, 0, 16, send_of(flood, box)))
+            helds.append(box[0])
+        res.started(0, "late", 1)
+        for _ in range(3):
+            res.started(0, "late", 1)  # a tenant active for less than a window, at its cap too
+        assert res.check(0, "t2", 1, True) == (BURST if switch else HOLD) and res.check(0, "t2", 1) == HOLD
+        assert res.check(0, "late", 1, True) == res.check(0, "flood", 1, True) == HOLD
+        go = adm.may_pass(t2, 0), adm.may_pass(late, 0), adm.may_pass(flood, 0)
+        # under its reservation: NOW with a window's history, FRESH (less urgent than a burst) without
+        assert res.check(0, "t1", 1, True) == NOW and res.check(0, "new", 1, True) == NOW  # (its first: no flood)
+        res.started(0, "t2", 1)
+        res.started(0, "t2", 1)  # 6: one share (2) past its cap: a burst is bounded
+        assert res.check(0, "t2", 1, True) == HOLD
+        for _ in range(4):
+            res.ended(0, "t2")  # 2: past its reservation (min(2, peak + 2) among 4), under its cap: TURN, or a burst
+        assert res.check(0, "t2", 1) == TURN and res.check(0, "t2", 1, True) == (BURST if switch else TURN)
+        for _ in range(2):
+            res.started(0, "t2", 1)
+        box = []
+        box.append(adm.enqueue(t2, 0, 16, send_of(t2, box)))  # held (as by a send that failed): fair order
+        helds.append(box[0])
+        adm.release()  # the flood, at its cap, is passed over (reservations); t2 is not
+        res.started(0, "new", 1)
+        assert res.check(0, "new", 1, True) == FRESH and res.check(0, "new", 1) == NOW
+        for held in helds:
+            held.future.cancel()
+        return (*go, list(sent))
+
+    assert asyncio.run(main(True, True)) == (BURST, HOLD, HOLD, [("t2", BURST)])
+    assert asyncio.run(main(True, False)) == (HOLD, HOLD, HOLD, [])
+    assert asyncio.run(main(False, True)) == (HOLD, HOLD, HOLD, [])  # fcfs ranks: no preemption
+
+
+def test_an_account_idle_for_two_windows_starts_afresh_and_is_trusted_after_one():
+    """The history behind lending and bursts (reserve._has_history, Demand.mean_at): an account is
+    trusted once active for a window; a gap shorter than two windows keeps its history (and counts
+    as zero demand in its average); a longer one starts it afresh."""
+    clock = Clock()
+    res = Reservations(5.0, lambda: 8, clock)
+    res.started(0, "a", 1)
+    d = res.accounts[(0, "a")]
+    assert not res._has_history(d, clock.now)
+    clock.now += 5.0
+    assert res._has_history(d, clock.now) and abs(d.mean_at(clock.now, 5.0) - (1 - 2.718281828 ** -1)) < 1e-6
+    res.ended(0, "a")
+    clock.now += 9.0  # idle under two windows
+    res.started(0, "a", 1)
+    assert res._has_history(d, clock.now) and d.mean_at(clock.now, 5.0) < 0.2
+    res.ended(0, "a")
+    clock.now += 10.0  # idle two windows
+    res.started(0, "a", 1)
+    assert not res._has_history(d, clock.now) and d.mean_at(clock.now, 5.0) == 0.0

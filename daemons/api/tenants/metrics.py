@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dpserve.daemons.api.admission import HELD_SECONDS_BUCKETS
+from dpserve.daemons.api.held import HELD_SECONDS_BUCKETS
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
