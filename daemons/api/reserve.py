@@ -311,23 +311,27 @@ class Reservations:
         others = sum(min(g[0], g[1] + max(h_min, h * g[3])) for g in groups.values())
         share = places * max(weight, 1e-9) / total_weight
         cap = places - others if not CAP_SHARE_X else min(places - others, max(1.0, CAP_SHARE_X * share))
-        over = BURST if by_share and SHARE_BURSTS and self._owed(me, now, mine + unseen, cap, share) else TURN  # past its reservation
+        past = (by_share, me, now, mine + unseen, cap, share)  # (_past is looked at only there: most go NOW)
         if mine + unseen >= cap:
-            return HOLD if over == TURN else BURST
+            return HOLD if self._past(*past) == TURN else BURST
         if me is not None and me.is_held:
-            return over  # behind its own held requests
+            return self._past(*past)  # behind its own held requests
         g = groups.get(priority, (0.0, 0.0, 0.0, 0))
         trusted = not LEND_HISTORY or self._has_history(me, now)
         if mine < min(share, num + max(h_min, h)):
             return NOW if trusted or not by_share or not mine + unseen else FRESH  # (one request is no flood)
         if not trusted:
-            return over  # (a flood's onset: not yet lent the quiet accounts' places)
+            return self._past(*past)  # (a flood's onset: not yet lent the quiet accounts' places)
         pool = min(g[0] + share, g[1] + min(share, num) + max(h_min, h * (g[3] + 1)))  # its class's quiet accounts' reservation
-        return NOW if g[2] + mine < pool else over
+        return NOW if g[2] + mine < pool else self._past(*past)
 
     def _has_history(self, me: Demand | None, now: float) -> bool:
         """Active for window_s at least without a break: its average (and lending) can be trusted."""
         return me is not None and now - me.active_t >= self.window_s
+
+    def _past(self, by_share: bool, me: Demand | None, now: float, mine: float, cap: float, share: float) -> int:
+        """Past its reservation: BURST where the engines order by share and it is owed places, else TURN."""
+        return BURST if by_share and SHARE_BURSTS and self._owed(me, now, mine, cap, share) else TURN
 
     def _owed(self, me: Demand | None, now: float, mine: float, cap: float, share: float) -> bool:
         """Past its reservation: whether the account, active for window_s at least, asked for fewer
