@@ -25,11 +25,21 @@ POLICIES = SCHEDULING_POLICIES  # vLLM's --scheduling-policy: fcfs, or priority 
 # Priority policy: a waiting request more urgent than some running one gets the next step without
 # the less urgent ones (issue 28; DPSERVE_ISOLATE_URGENT=0 turns it off, for benchmarks' A/B).
 ISOLATE_URGENT = os.environ.get("DPSERVE_ISOLATE_URGENT", "1") != "0"
+# Among equal priorities, preempt one past its first token first (DPSERVE_STARTED_FIRST=0: vLLM's latest first).
+STARTED_FIRST = os.environ.get("DPSERVE_STARTED_FIRST", "1") != "0"
 
 
 def _order(seq: Sequence) -> tuple[int, float]:
     """A sequence's place under the priority policy (vLLM's (priority, arrival_time))."""
     return seq.params.priority, seq.arrival_time
+
+
+def _victim_order(seq: Sequence) -> tuple[int, bool, float]:
+    """Priority policy's preemption order, the greatest preempted first: the least urgent, then
+    among equals one that already has its first token (preempting it delays its next tokens;
+    preempting one still in its prefill delays its first, which a fair share promises soonest:
+    issue 28), then the latest. vLLM takes the least urgent, then the latest."""
+    return seq.params.priority, STARTED_FIRST and seq.num_output_tokens > 0, seq.arrival_time
 
 
 class Scheduler(QueueCounts):
@@ -55,14 +65,16 @@ class Scheduler(QueueCounts):
     the queue to be recomputed from its prompt and outputs so far.
 
     Priority policy (vLLM's): the victim of a running sequence's block shortage
-    is the running sequence last in (priority, arrival_time) order; prefill
+    is the running sequence last in (priority, arrival_time) order (among equal
+    priorities, one past its first token before one in its prefill); prefill
     chunks go in that order; and a waiting sequence that finds no slot or not
     enough blocks preempts running ones of a strictly lower priority (larger
     number), last first, when that makes room (vLLM v0's priority preemption:
     a waiting request never displaces one of its own priority, so there is no
     ping-pong). Urgent steps: when the most urgent waiting sequence is more
     urgent than some running one, that step leaves out the running sequences
-    less urgent than it (they keep their slots and blocks), so its prefill
+    less urgent than it (they keep their slots and blocks) and admits no
+    waiting one less urgent than it, so its prefill
     neither waits behind nor shares a step with bulk work; never two such
     steps in a row, so the bulk loses at most every other step.
 
@@ -173,7 +185,7 @@ class Scheduler(QueueCounts):
         urgent = self._urgent()
         preempted, decoding, prefilling = self._schedule_running(scheduled, urgent)
         if not preempted:
-            self._schedule_waiting(scheduled, decoding, prefilling)
+            self._schedule_waiting(scheduled, decoding, prefilling, urgent)
         self.was_isolated = urgent < math.inf
         if self.was_isolated and not scheduled:  # (the urgent one did not fit after all: a plain step)
             self.was_isolated = False
@@ -208,7 +220,7 @@ class Scheduler(QueueCounts):
             if n == 0:
                 continue
             while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
-                victim = max(self.running, key=_order) if self.is_priority else self.running[-1]
+                victim = max(self.running, key=_victim_order) if self.is_priority else self.running[-1]
                 self._preempt(victim, scheduled)
                 preempted = True
                 if victim is seq:
@@ -222,15 +234,19 @@ class Scheduler(QueueCounts):
             prefilling = prefilling or n > 1
         return preempted, decoding, prefilling
 
-    def _schedule_waiting(self, scheduled: dict[str, tuple[Sequence, int]], decoding: bool, prefilling: bool) -> None:
+    def _schedule_waiting(self, scheduled: dict[str, tuple[Sequence, int]], decoding: bool, prefilling: bool,
+                          urgent: float = math.inf) -> None:
         """3. Admit from the waiting queue, in order, never past a sequence that does not fit
-        (under the priority policy, after preempting lower priorities for it where that makes room);
+        (under the priority policy, after preempting lower priorities for it where that makes room),
+        nor past one less urgent than `urgent` (urgent steps: the queue is in priority order);
         one whose next prefix block a prefill is computing now waits in place (held)."""
         budget = self.max_num_batched_tokens - sum(n for _, n in scheduled.values())
         in_flight = self._blocks_in_flight() if self.waiting else set()
         i = 0
         while i < len(self.waiting) and budget > 0:
             seq = self.waiting[i]
+            if seq.params.priority > urgent:
+                break
             if seq.request_id in self.paused:
                 i += 1  # a paused victim of this step's preemption: parked before the next
                 continue
@@ -283,7 +299,7 @@ class Scheduler(QueueCounts):
         last in order first, until a slot is free and `blocks_short` more blocks are; whether any was.
         Preempts none unless all of them together could make that room. Each call that returns True
         leaves fewer such sequences running, so the caller's retries end."""
-        victims = sorted((s for s in self.running if s.params.priority > seq.params.priority), key=_order)
+        victims = sorted((s for s in self.running if s.params.priority > seq.params.priority), key=_victim_order)
         slots_short = len(self.running) + 1 - self.max_num_seqs
         if not victims or slots_short > len(victims) or blocks_short > sum(len(v.block_table) for v in victims):
             return False  # the block count is an upper bound: a block another sequence shares frees nothing

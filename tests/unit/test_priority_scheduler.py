@@ -182,3 +182,39 @@ def test_urgent_step_leaves_the_less_urgent_out_never_twice_in_a_row():
         plain.add(s)
         last = run_step(plain)
     assert last == {"bulk": 1, "quiet": 8}
+
+
+def test_an_urgent_step_admits_no_less_urgent_waiting_one():
+    """Places free: the urgent step still holds only the urgent prefill and work as urgent
+    (a bulk prefill admitted beside it would make the step it waits for longer)."""
+    sched = Scheduler(8, 100, BlockManager(64, 4), policy="priority")
+    sched.add(seq("bulk0", 8, 1, 0.0, max_tokens=50))
+    run_step(sched)
+    sched.add(seq("bulk1", 8, 1, 1.0, max_tokens=50))
+    sched.add(seq("quiet", 8, 0, 2.0, max_tokens=50))
+    assert run_step(sched) == {"quiet": 8}
+    assert run_step(sched) == {"bulk0": 1, "quiet": 1, "bulk1": 8}  # the plain step after admits it
+
+
+def test_among_equal_priorities_a_started_one_is_preempted_before_one_in_its_prefill():
+    """A preemption delays a started request's next tokens, but a not yet started one's first
+    token: among the least urgent, the one past its first token goes (vLLM: the latest)."""
+    def victim(policy: str) -> str:
+        sched = Scheduler(2, 20, BlockManager(64, 4), long_prefill_token_threshold=10, policy=policy, isolate_urgent=False)
+        sched.add(seq("started", 4, 1, 0.0, max_tokens=50))
+        run_step(sched)
+        sched.add(seq("prefilling", 60, 1, 1.0, max_tokens=50))  # 10-token chunks: no token for 6 steps
+        run_step(sched)
+        sched.add(seq("urgent", 4, 0, 2.0))
+        plan = run_step(sched)
+        assert plan.get("urgent") == 4 and sched.num_preemptions == 1
+        return sched.waiting[0].request_id
+
+    assert victim("priority") == "started"
+    sched = Scheduler(2, 12, BlockManager(64, 4), policy="priority", isolate_urgent=False)
+    for rid, prio, t in [("old", 1, 0.0), ("new", 1, 1.0)]:  # both started: the latest, as vLLM
+        sched.add(seq(rid, 4, prio, t, max_tokens=50))
+    run_step(sched)
+    sched.add(seq("urgent", 4, 0, 2.0))
+    run_step(sched)
+    assert [s.request_id for s in sched.waiting] == ["new"]
