@@ -25,6 +25,8 @@ POLICIES = SCHEDULING_POLICIES  # vLLM's --scheduling-policy: fcfs, or priority 
 # Priority policy: a waiting request more urgent than some running one gets the next step without
 # the less urgent ones (issue 28; DPSERVE_ISOLATE_URGENT=0 turns it off, for benchmarks' A/B).
 ISOLATE_URGENT = os.environ.get("DPSERVE_ISOLATE_URGENT", "1") != "0"
+# Urgent steps in a row at most (then a plain one: the less urgent always advance); 1: the rule before 2026-12-05.
+URGENT_IN_A_ROW = max(1, int(os.environ.get("DPSERVE_URGENT_IN_A_ROW", "2")))
 # Among equal priorities, preempt one past its first token first (DPSERVE_STARTED_FIRST=0: vLLM's latest first).
 STARTED_FIRST = os.environ.get("DPSERVE_STARTED_FIRST", "1") != "0"
 
@@ -75,8 +77,10 @@ class Scheduler(QueueCounts):
     urgent than some running one, that step leaves out the running sequences
     less urgent than it (they keep their slots and blocks) and admits no
     waiting one less urgent than it, so its prefill
-    neither waits behind nor shares a step with bulk work; never two such
-    steps in a row, so the bulk loses at most every other step.
+    neither waits behind nor shares a step with bulk work; at most two such
+    steps in a row (one for a request that came during the first: it no
+    longer waits for a whole bulk step), so the bulk runs at least every
+    third step.
 
     Prefix caching (when the block manager has it on): on admission a
     sequence attaches the cached blocks that hold the leading full blocks of
@@ -101,6 +105,7 @@ class Scheduler(QueueCounts):
         chunked_prefill: bool = True,
         policy: str = "fcfs",
         isolate_urgent: bool = ISOLATE_URGENT,
+        urgent_in_a_row: int = URGENT_IN_A_ROW,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
@@ -109,6 +114,8 @@ class Scheduler(QueueCounts):
         self.is_priority = policy == "priority"
         self.isolate_urgent = isolate_urgent and self.is_priority
         self.was_isolated = False  # the last step left out less urgent running sequences (urgent steps)
+        self.urgent_in_a_row = urgent_in_a_row
+        self._isolated_run = 0  # urgent steps since the last plain one
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
@@ -192,12 +199,13 @@ class Scheduler(QueueCounts):
             preempted, decoding, prefilling = self._schedule_running(scheduled, math.inf)
             if not preempted:
                 self._schedule_waiting(scheduled, decoding, prefilling)
+        self._isolated_run = self._isolated_run + 1 if self.was_isolated else 0
         return list(scheduled.values())
 
     def _urgent(self) -> float:
         """Urgent steps: the most urgent waiting priority when it is more urgent than some running
-        sequence's (this step leaves the less urgent out), else inf; never two steps in a row."""
-        if not self.isolate_urgent or self.was_isolated or not self.waiting or not self.running:
+        sequence's (this step leaves the less urgent out), else inf; at most `urgent_in_a_row` in a row."""
+        if not self.isolate_urgent or self._isolated_run >= self.urgent_in_a_row or not self.waiting or not self.running:
             return math.inf
         head = self.waiting[0].params.priority
         return head if any(s.params.priority > head for s in self.running) else math.inf

@@ -160,20 +160,28 @@ def test_unknown_policy_is_refused():
         Scheduler(1, 10, BlockManager(4, 4), policy="lifo")
 
 
-def test_urgent_step_leaves_the_less_urgent_out_never_twice_in_a_row():
+@pytest.mark.parametrize("in_a_row", [1, 2])
+def test_urgent_steps_leave_the_less_urgent_out_at_most_n_in_a_row(in_a_row: int):
     """A waiting request more urgent than running ones gets a step without them (its prefill
-    neither shares a step with bulk decodes nor waits behind them); the bulk then gets the
-    next step back, even if another urgent one arrives, so it loses at most every other step."""
-    sched = Scheduler(8, 100, BlockManager(64, 4), policy="priority")
+    neither shares a step with bulk decodes nor waits behind them); another that came during
+    that step gets the next one so too (with in_a_row 2), and the bulk then gets a step back
+    even if a third arrives: it runs at least every (in_a_row + 1)th step."""
+    sched = Scheduler(8, 100, BlockManager(64, 4), policy="priority", urgent_in_a_row=in_a_row)
     for i in range(3):
         sched.add(seq(f"bulk{i}", 8, 1, float(i), max_tokens=50))
     run_step(sched)
+    bulk = {"bulk0": 1, "bulk1": 1, "bulk2": 1}
     sched.add(seq("quiet", 8, 0, 5.0, max_tokens=50))
     assert run_step(sched) == {"quiet": 8}
     sched.add(seq("quiet2", 8, 0, 6.0, max_tokens=50))
-    assert run_step(sched) == {"bulk0": 1, "bulk1": 1, "bulk2": 1, "quiet": 1, "quiet2": 8}
-    sched.add(seq("quiet3", 8, 0, 7.0, max_tokens=50))
-    assert run_step(sched) == {"quiet": 1, "quiet2": 1, "quiet3": 8}  # equally urgent ones stay in
+    if in_a_row == 2:
+        assert run_step(sched) == {"quiet": 1, "quiet2": 8}  # equally urgent ones stay in
+        sched.add(seq("quiet3", 8, 0, 7.0, max_tokens=50))
+        assert run_step(sched) == {**bulk, "quiet": 1, "quiet2": 1, "quiet3": 8}
+    else:
+        assert run_step(sched) == {**bulk, "quiet": 1, "quiet2": 8}
+        sched.add(seq("quiet3", 8, 0, 7.0, max_tokens=50))
+        assert run_step(sched) == {"quiet": 1, "quiet2": 1, "quiet3": 8}  # equally urgent ones stay in
     assert sched.num_preemptions == 0 and len(sched.running) == 6
     sched.add(seq("same", 8, 1, 8.0, max_tokens=50))  # not more urgent than any running one: a plain step
     assert len(run_step(sched)) == 7
