@@ -204,11 +204,16 @@ class Scheduler(QueueCounts):
 
     def _urgent(self) -> float:
         """Urgent steps: the most urgent waiting priority when it is more urgent than some running
-        sequence's (this step leaves the less urgent out), else inf; at most `urgent_in_a_row` in a row."""
+        sequence's (this step leaves the less urgent out), else inf; at most `urgent_in_a_row` in a row,
+        and one after another only when all it leaves out are past their first token (a request
+        still before its first is left out of one urgent step at most: it may be a quiet tenant's too)."""
         if not self.isolate_urgent or self._isolated_run >= self.urgent_in_a_row or not self.waiting or not self.running:
             return math.inf
         head = self.waiting[0].params.priority
-        return head if any(s.params.priority > head for s in self.running) else math.inf
+        left_out = [s for s in self.running if s.params.priority > head]
+        if self._isolated_run and any(s.num_output_tokens == 0 for s in left_out):
+            return math.inf
+        return head if left_out else math.inf
 
     def _schedule_running(self, scheduled: dict[str, tuple[Sequence, int]], urgent: float = math.inf) -> tuple[bool, bool, bool]:
         """1-2. Running sequences: decodes first, then prefill chunks, oldest first (under the

@@ -226,3 +226,17 @@ def test_among_equal_priorities_a_started_one_is_preempted_before_one_in_its_pre
     sched.add(seq("urgent", 4, 0, 2.0))
     run_step(sched)
     assert [s.request_id for s in sched.waiting] == ["new"]
+
+
+def test_a_second_urgent_step_in_a_row_leaves_out_only_started_requests():
+    """A less urgent request still before its first token is left out of one urgent step, not
+    two in a row (it may be a quiet tenant's burst): the step after is a plain one."""
+    sched = Scheduler(8, 20, BlockManager(64, 4), long_prefill_token_threshold=10, policy="priority", urgent_in_a_row=2)
+    sched.add(seq("bulk", 4, 1, 0.0, max_tokens=50))
+    run_step(sched)
+    sched.add(seq("burst", 40, 1, 1.0, max_tokens=50))  # 10-token chunks: no first token for 4 steps
+    assert run_step(sched) == {"bulk": 1, "burst": 10}
+    sched.add(seq("quiet", 4, 0, 2.0, max_tokens=50))
+    assert run_step(sched) == {"quiet": 4}
+    sched.add(seq("quiet2", 4, 0, 3.0, max_tokens=50))
+    assert run_step(sched) == {"bulk": 1, "burst": 10, "quiet": 1, "quiet2": 4}
