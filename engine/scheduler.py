@@ -205,15 +205,20 @@ class Scheduler(QueueCounts):
     def _urgent(self) -> float:
         """Urgent steps: the most urgent waiting priority when it is more urgent than some running
         sequence's (this step leaves the less urgent out), else inf; at most `urgent_in_a_row` in a row,
-        and one after another only when all it leaves out are past their first token (a request
-        still before its first is left out of one urgent step at most: it may be a quiet tenant's too)."""
+        and one after another only when all it leaves out before their first token are of the least
+        urgent priority running (the bulk's): one of a priority between, a quiet tenant's burst under
+        the fair shares' urgency levels, is left out of one urgent step at most before its first token."""
         if not self.isolate_urgent or self._isolated_run >= self.urgent_in_a_row or not self.waiting or not self.running:
             return math.inf
         head = self.waiting[0].params.priority
         left_out = [s for s in self.running if s.params.priority > head]
-        if self._isolated_run and any(s.num_output_tokens == 0 for s in left_out):
+        if not left_out:
             return math.inf
-        return head if left_out else math.inf
+        if self._isolated_run:
+            bulk = max(s.params.priority for s in left_out)
+            if any(s.num_output_tokens == 0 and s.params.priority < bulk for s in left_out):
+                return math.inf
+        return head
 
     def _schedule_running(self, scheduled: dict[str, tuple[Sequence, int]], urgent: float = math.inf) -> tuple[bool, bool, bool]:
         """1-2. Running sequences: decodes first, then prefill chunks, oldest first (under the

@@ -228,15 +228,23 @@ def test_among_equal_priorities_a_started_one_is_preempted_before_one_in_its_pre
     assert [s.request_id for s in sched.waiting] == ["new"]
 
 
-def test_a_second_urgent_step_in_a_row_leaves_out_only_started_requests():
-    """A less urgent request still before its first token is left out of one urgent step, not
-    two in a row (it may be a quiet tenant's burst): the step after is a plain one."""
+@pytest.mark.parametrize("burst_priority", [1, 2])
+def test_a_second_urgent_step_in_a_row_leaves_out_no_request_between_before_its_first_token(burst_priority: int):
+    """A request of a priority between the urgent and the bulk (a quiet tenant's burst) still
+    before its first token is left out of one urgent step, not two in a row: the step after is a
+    plain one. One of the bulk's own priority is not protected so."""
     sched = Scheduler(8, 20, BlockManager(64, 4), long_prefill_token_threshold=10, policy="priority", urgent_in_a_row=2)
-    sched.add(seq("bulk", 4, 1, 0.0, max_tokens=50))
+    sched.add(seq("bulk", 4, 2, 0.0, max_tokens=50))
     run_step(sched)
-    sched.add(seq("burst", 40, 1, 1.0, max_tokens=50))  # 10-token chunks: no first token for 4 steps
-    assert run_step(sched) == {"bulk": 1, "burst": 10}
+    sched.add(seq("burst", 40, burst_priority, 1.0, max_tokens=50))  # 10-token chunks beside a decode
+    run_step(sched)  # (an urgent step of its own when it is more urgent than the bulk)
+    if burst_priority == 1:
+        assert run_step(sched) == {"bulk": 1, "burst": 10}
+    assert sched.running[-1].is_prefilling
     sched.add(seq("quiet", 4, 0, 2.0, max_tokens=50))
     assert run_step(sched) == {"quiet": 4}
     sched.add(seq("quiet2", 4, 0, 3.0, max_tokens=50))
-    assert run_step(sched) == {"bulk": 1, "burst": 10, "quiet": 1, "quiet2": 4}
+    if burst_priority == 1:
+        assert run_step(sched) == {"bulk": 1, "burst": 10, "quiet": 1, "quiet2": 4}
+    else:
+        assert run_step(sched) == {"quiet": 1, "quiet2": 4}
