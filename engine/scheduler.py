@@ -76,11 +76,11 @@ class Scheduler(QueueCounts):
     ping-pong). Urgent steps: when the most urgent waiting sequence is more
     urgent than some running one, that step leaves out the running sequences
     less urgent than it (they keep their slots and blocks) and admits no
-    waiting one less urgent than it, so its prefill
-    neither waits behind nor shares a step with bulk work; at most two such
-    steps in a row (one for a request that came during the first: it no
-    longer waits for a whole bulk step), so the bulk runs at least every
-    third step.
+    waiting one less urgent than it, so its prefill neither waits behind nor
+    shares a step with bulk work; at most two such steps in a row (one for a
+    request that came during the first: it no longer waits for a whole bulk
+    step; see _urgent for the second's guard), so the bulk runs at least
+    every third step.
 
     Prefix caching (when the block manager has it on): on admission a
     sequence attaches the cached blocks that hold the leading full blocks of
