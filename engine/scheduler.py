@@ -113,7 +113,6 @@ class Scheduler(QueueCounts):
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.is_priority = policy == "priority"
         self.isolate_urgent = isolate_urgent and self.is_priority
-        self.was_isolated = False  # the last step left out less urgent running sequences (urgent steps)
         self.urgent_in_a_row = urgent_in_a_row
         self._isolated_run = 0  # urgent steps since the last plain one
         self.max_num_seqs = max_num_seqs
@@ -193,14 +192,19 @@ class Scheduler(QueueCounts):
         preempted, decoding, prefilling = self._schedule_running(scheduled, urgent)
         if not preempted:
             self._schedule_waiting(scheduled, decoding, prefilling, urgent)
-        self.was_isolated = urgent < math.inf
-        if self.was_isolated and not scheduled:  # (the urgent one did not fit after all: a plain step)
-            self.was_isolated = False
+        isolated = urgent < math.inf
+        if isolated and not scheduled:  # (the urgent one did not fit after all: a plain step)
+            isolated = False
             preempted, decoding, prefilling = self._schedule_running(scheduled, math.inf)
             if not preempted:
                 self._schedule_waiting(scheduled, decoding, prefilling)
-        self._isolated_run = self._isolated_run + 1 if self.was_isolated else 0
+        self._isolated_run = self._isolated_run + 1 if isolated else 0
         return list(scheduled.values())
+
+    @property
+    def was_isolated(self) -> bool:
+        """The last step left out less urgent running sequences (an urgent step)."""
+        return self._isolated_run > 0
 
     def _urgent(self) -> float:
         """Urgent steps: the most urgent waiting priority when it is more urgent than some running
