@@ -120,7 +120,7 @@ class EngineCore:
         self.on_progress = None
         self.yield_check = None
         self.num_step_errors = 0
-        self.giving_way = GivingWay()  # priority policy: a step may give way to a more urgent request
+        self.giving_way = GivingWay(shape.num_layers)  # priority policy: a step may give way to a more urgent request
         # Grammars compile on a worker (engine/grammar.py): on the loop they cost heartbeats and
         # lost ranks. A guided request waits in `_compiling`, in no queue, until its matcher is ready.
         self.grammars = GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids)
@@ -288,12 +288,12 @@ class EngineCore:
             on_layer = self.giving_way.hook(scheduled, self.on_progress, self.yield_check, self.scheduler)
             logits, sampled = self.runner.execute(scheduled, on_layer)
         except StepYielded:  # dropped whole, redone after the urgent one's (step_yield.py)
-            self.giving_way.gave_way()
+            self.giving_way.gave_way(time.perf_counter() - start)
             return []
         except Exception as e:  # never the engine: the step's requests fail, the rank serves on
             self.num_step_errors += 1
             return self._fail([seq for seq, _ in scheduled], f"the engine could not run this request: {e!r}")
-        self.giving_way.ran(self.scheduler.was_isolated)
+        self.giving_way.ran(self.scheduler.was_isolated, time.perf_counter() - start)
         for seq, n in scheduled:
             seq.num_computed_tokens += n
         self.scheduler.cache_computed_blocks(scheduled)

@@ -11,7 +11,9 @@ generate()'s alone. Real sockets for the rank's peek.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
+import pytest
 import zmq
 from dpserve.engine.common.codec import Codec
 from dpserve.engine.common.config import EngineConfig
@@ -20,6 +22,7 @@ from dpserve.engine.common.protocol import AbortRequests, AddRequest, EngineInpu
 from dpserve.engine.core import EngineCore
 from dpserve.engine.rank.io import RankIO
 from dpserve.engine.rank.process import EngineProcess
+from dpserve.engine.step_yield import GivingWay, StepYielded
 
 from tests.unit import test_engine
 from tests.unit.test_engine import Collector, add, assert_all_blocks_free, random_prompt, request
@@ -58,8 +61,12 @@ def bulk(n: int) -> list[AddRequest]:
     return [request(f"bulk{i}", random_prompt(600 + i, 9 + 4 * i), max_tokens=14, priority=3) for i in range(n)]
 
 
-def test_a_step_gives_way_to_a_more_urgent_request_and_leaves_no_trace(loaded_demo_model, reference):
+@pytest.mark.parametrize("grace_s", [0.0, 60.0])
+def test_a_step_gives_way_to_a_more_urgent_request_and_leaves_no_trace(loaded_demo_model, reference, grace_s):
+    """With no grace, the plain step after the urgent one runs whole whatever arrives; while the bulk is
+    owed nothing (a grace far over this test's steps), it gives way again."""
     engine = make(loaded_demo_model)
+    engine.giving_way = GivingWay(engine.kv.shape.num_layers, grace_s=grace_s)
     check = Check()
     engine.yield_check = check
     reqs = bulk(3)
@@ -83,10 +90,83 @@ def test_a_step_gives_way_to_a_more_urgent_request_and_leaves_no_trace(loaded_de
     got = engine.step()  # the urgent step: the urgent request alone, never given way
     assert [o.request_id for o in got] == ["urgent"] and len(check.bars) == calls
     out.feed(got)
-    got = engine.step()  # the plain step after it runs whole, whatever arrives
-    assert {o.request_id for o in got} == {"urgent", *before} and engine.giving_way.num_yielded == 1
+    if grace_s:
+        assert engine.step() == [] and engine.giving_way.num_yielded == 2  # gave way again
+        check.arrived.clear()
+    got = engine.step()  # the plain step after it runs whole (no grace: whatever arrives)
+    assert {o.request_id for o in got} == {"urgent", *before} and engine.giving_way.num_yielded == 1 + (grace_s > 0)
     out.feed(got)
     finish_as_alone(engine, check, out, [*reqs, urgent], reference)
+
+
+class Step:
+    """A stand-in for the scheduler's view that GivingWay reads, and one (sequence, tokens) pair of priority 3."""
+
+    was_isolated = False
+    isolate_urgent = True
+    scheduled = [(SimpleNamespace(params=SimpleNamespace(priority=3)), 1)]
+
+
+def looks(way: GivingWay, layers: int = 1) -> bool:
+    """Whether a plain step, with a more urgent request come, gives way within its first `layers`."""
+    on_layer = way.hook(Step.scheduled, None, lambda bar: bar == 3, Step)
+    if on_layer is None:
+        return False
+    try:
+        for _ in range(layers):
+            on_layer()
+    except StepYielded:
+        return True
+    return False
+
+
+def test_the_bulk_s_time_decides_whether_the_step_after_one_that_gave_way_gives_way_too():
+    """Seconds as a virtual clock: urgent work (urgent steps, dropped part-steps) may run grace_s ahead
+    of the whole plain steps; past that, each step that gave way is followed by a whole plain one."""
+    way = GivingWay(num_layers=4, grace_s=0.5)
+    assert looks(way)
+    way.gave_way(0.1)
+    way.ran(True, 0.2)  # the urgent step: 0.3 s of urgent work, 0.2 s of grace left
+    assert looks(way)
+    way.gave_way(0.1)
+    way.ran(True, 0.2)  # 0.6 s: over the grace
+    assert not looks(way)
+    way.ran(False, 0.25)  # the whole plain step pays back 0.25: 0.15 s ahead again
+    assert looks(way) and way.owed == pytest.approx(-0.15)
+    way.gave_way(0.05)
+    way.ran(True, 0.05)
+    assert looks(way)
+    for _ in range(20):
+        way.ran(True, 0.2)  # a long urgent run is remembered up to the grace, not more
+    way.gave_way(0.01)
+    assert not looks(way)
+    way.ran(False, 0.6)  # 0.5 owed at most: one plain step of 0.6 s pays it back
+    way.gave_way(0.05)
+    assert looks(way) and way.owed == pytest.approx(-0.05)
+    assert way.num_yielded == 5
+
+
+def test_no_grace_is_the_rule_before_and_a_step_past_its_checked_layers_runs_to_its_end():
+    old = GivingWay(num_layers=4, grace_s=0.0)
+    assert looks(old)
+    old.gave_way(0.01)
+    old.ran(True, 0.01)
+    assert not looks(old)  # after a step that gave way, a whole plain one
+    old.ran(False, 10.0)
+    assert looks(old)
+    for came_after, gives_way in [(5, True), (6, False)]:  # it looks after its first 6 layers of 8 only
+        late = GivingWay(num_layers=8, until=0.75)
+        came: list[int] = []
+        on_layer = late.hook(Step.scheduled, None, lambda bar, came=came: bool(came), Step)
+        try:
+            for layer in range(1, 9):
+                on_layer()
+                if layer == came_after:
+                    came.append(0)
+        except StepYielded:
+            assert gives_way and layer == 6
+        else:
+            assert not gives_way
 
 
 def test_only_the_priority_policy_s_plain_steps_look(loaded_demo_model):
