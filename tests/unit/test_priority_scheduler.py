@@ -4,6 +4,7 @@ preemption of lower priorities for a higher one, and fcfs left as it was (no mod
 from __future__ import annotations
 
 import pytest
+from dpserve.engine import scheduler
 from dpserve.engine.common.protocol import SamplingParams
 from dpserve.engine.kv_cache import BlockManager
 from dpserve.engine.scheduler import Scheduler
@@ -109,6 +110,7 @@ def test_no_preemption_when_all_lower_ones_together_cannot_make_room():
     sched.add(seq("high-running", 28, 0, 0.0, max_tokens=10))
     sched.add(seq("low", 8, 3, 1.0, max_tokens=10))
     run_step(sched)
+    run_step(sched)  # (the first was an urgent step: "low" starts in the second)
     sched.add(seq("mid", 24, 1, 2.0))  # needs 6 blocks; "low" holds 2-3, "high-running" is not lower
     plan = run_step(sched)
     assert "mid" not in plan and sched.num_preemptions == 0
@@ -202,6 +204,33 @@ def test_an_urgent_step_admits_no_less_urgent_waiting_one():
     sched.add(seq("quiet", 8, 0, 2.0, max_tokens=50))
     assert run_step(sched) == {"quiet": 8}
     assert run_step(sched) == {"bulk0": 1, "quiet": 1, "bulk1": 8}  # the plain step after admits it
+
+
+@pytest.mark.parametrize("over_waiting", [True, False])
+def test_a_flood_s_onset_into_free_places_does_not_share_the_urgent_prefill_s_step(over_waiting, monkeypatch):
+    """Nothing less urgent running, places free, and a flood's requests waiting beside a quiet one:
+    the quiet prefill's step admits none of them (a trace had 7 prefills in one step, 0.59 s, for a
+    quiet request's first token); they start in the next. Before (DPSERVE_URGENT_OVER_WAITING=0) one step."""
+    monkeypatch.setattr(scheduler, "URGENT_OVER_WAITING", over_waiting)
+    for running in (True, False):
+        sched = Scheduler(8, 100, BlockManager(64, 4), policy="priority")
+        if running:
+            sched.add(seq("quiet", 8, 0, 0.0, max_tokens=50))
+            run_step(sched)
+        for i in range(3):
+            sched.add(seq(f"flood{i}", 8, 3, 1.0 + i, max_tokens=50))
+        sched.add(seq("quiet2", 8, 0, 5.0, max_tokens=50))
+        before = {"quiet": 1} if running else {}
+        floods = {f"flood{i}": 8 for i in range(3)}
+        if over_waiting:
+            assert run_step(sched) == {**before, "quiet2": 8} and sched.was_isolated
+            assert run_step(sched) == {**before, "quiet2": 1, **floods}
+        else:
+            assert run_step(sched) == {**before, "quiet2": 8, **floods}
+    same = Scheduler(8, 100, BlockManager(64, 4), policy="priority")  # one level waiting: a plain step
+    for i in range(3):
+        same.add(seq(f"r{i}", 8, 1, float(i)))
+    assert len(run_step(same)) == 3 and not same.was_isolated
 
 
 def test_among_equal_priorities_a_started_one_is_preempted_before_one_in_its_prefill():
