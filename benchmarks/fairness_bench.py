@@ -331,7 +331,7 @@ def start_cluster(args, tenants_file: str, reserve: float, env: dict[str, str]):
     extra = ["--api-key-file", tenants_file, *hold, "--scheduling-policy", "priority",
              "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048"] + (["--engine", "vllm"] if args.engine == "vllm" else [])
     extra += shlex.split(args.serve_args)
-    node = DpNode(small_model_dir(None), dp=args.ranks, api=args.api_servers, extra=extra, python=python,
+    node = DpNode(small_model_dir(args.model), dp=args.ranks, api=args.api_servers, extra=extra, python=python,
                   env={**({"DPSERVE_ENFORCE_EAGER": "1"} if args.engine == "native" else {}), **env})
     node.spawn()
     node.wait_ready(600)
@@ -360,6 +360,8 @@ def main(argv=None) -> None:
     p.add_argument("--alone-s", type=float, default=0.0, help="an alone phase's length (default --phase-s)")
     p.add_argument("--alone-group", action="store_true", help="noisy: the alone phases run the three quiet tenants "
                    "together (their TTFT without the noisy neighbour), not t1 by itself")
+    p.add_argument("--model", default=None, help="a real engine's model directory (default: the realistic demo model, "
+                   "built once)")
     p.add_argument("--serve-args", default="", help="more `dpserve serve` arguments for a real engine's node, e.g. "
                    "\"--dtype float32\" (with --env OMP_NUM_THREADS=1: the step times of a slower CPU on a faster one)")
     p.add_argument("--ttft-log", default=None, help="append each quiet / interactive request's TTFT to this file")
