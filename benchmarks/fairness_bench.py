@@ -192,8 +192,8 @@ def jain(xs: list[float]) -> float | None:
     return (sum(xs) ** 2) / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else None
 
 
-def windows_jain(results: list[Result], tenants: list[str], start: float, end: float) -> list[float]:
-    """Jain's index per 10 s window of the tokens delivered to each tenant (spread as delivered's)."""
+def window_tokens(results: list[Result], tenants: list[str], start: float, end: float) -> list[dict[str, float]]:
+    """The tokens delivered to each tenant in each 10 s window (a request's spread as delivered)."""
     out = []
     t = start
     while t + WINDOW_S <= end:
@@ -202,7 +202,7 @@ def windows_jain(results: list[Result], tenants: list[str], start: float, end: f
             if r.status != 200 or not r.t_end or r.t_end <= t or r.t_first >= t + WINDOW_S:
                 continue
             got[r.tenant] += r.tokens * overlap(r, t, t + WINDOW_S)
-        out.append(jain(list(got.values())))
+        out.append(got)
         t += WINDOW_S
     return out
 
@@ -267,9 +267,11 @@ async def fair_tokens(url, model, args, slots: int) -> dict:
     clients = slots  # each tenant alone could fill every place: all four stay backlogged
     t0 = time.monotonic()
     res = await phase(url, model, args.jain_s, 0.0, closed_loops=[(n, clients, s) for n, s in zip(names, sizes)])
-    idx = windows_jain(res, names, t0 + WINDOW_S / 2, t0 + args.jain_s)  # (the first half window fills the ranks)
+    by_window = window_tokens(res, names, t0 + WINDOW_S / 2, t0 + args.jain_s)  # (the first half window fills the ranks)
+    idx = [jain(list(got.values())) for got in by_window]
     tokens = {n: sum(r.tokens for r in res if r.tenant == n and r.status == 200) for n in names}
     return {"windows": idx, "min": min((i for i in idx if i is not None), default=None), "tokens": tokens,
+            "window_tokens": [[round(got[n]) for n in names] for got in by_window],
             "requests": {n: sum(r.tenant == n and r.status == 200 for r in res) for n in names}}
 
 
@@ -441,7 +443,8 @@ def report(out: dict) -> None:
     if "jain" in out:
         j = out["jain"]
         rows.append(["jain: min over 10 s windows", fmt(j["min"], 3), ">= 0.95",
-                     f"windows {', '.join(fmt(w, 3) for w in j['windows'])}; tokens {j['tokens']}"])
+                     f"windows {', '.join(fmt(w, 3) for w in j['windows'])}; tokens {j['tokens']}; "
+                     f"by window {' '.join('/'.join(map(str, w)) for w in j['window_tokens'])}"])
     if "priority" in out:
         q = out["priority"]
         rows.append(["priority: interactive TTFT p99 / unloaded", fmt(q["ratio"], 2), "<= 1.1",
