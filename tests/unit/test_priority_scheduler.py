@@ -227,6 +227,15 @@ def test_a_flood_s_onset_into_free_places_does_not_share_the_urgent_prefill_s_st
             assert run_step(sched) == {**before, "quiet2": 1, **floods}
         else:
             assert run_step(sched) == {**before, "quiet2": 8, **floods}
+    for places, urgent in ((2, False), (3, True)):  # a full batch admits no flood either way: a plain step
+        full = Scheduler(places, 100, BlockManager(64, 4), policy="priority")
+        full.add(seq("quiet", 8, 0, 0.0, max_tokens=50))
+        run_step(full)
+        full.add(seq("flood", 8, 3, 1.0, max_tokens=50))
+        full.add(seq("quiet2", 8, 0, 2.0, max_tokens=50))
+        flood = {} if places == 2 or over_waiting else {"flood": 8}
+        assert run_step(full) == {"quiet": 1, "quiet2": 8, **flood}
+        assert full.was_isolated is (urgent and bool(over_waiting))
     same = Scheduler(8, 100, BlockManager(64, 4), policy="priority")  # one level waiting: a plain step
     for i in range(3):
         same.add(seq(f"r{i}", 8, 1, float(i)))
