@@ -167,6 +167,9 @@ def test_a_compiled_step_gives_way_after_a_block(loaded_demo_model, compiled_eng
     """The priority policy's yield check runs after every compiled block too: a dropped compiled step
     leaves the answers generate()'s alone (test_step_yield.py has the eager path and the rank's peek)."""
     engine = compiled_engine_factory(scheduling_policy="priority")
+    # No grace (the rule before it): the steps dropped here last microseconds, so with one a fast CPU
+    # would drop a thousand before the bulk were owed time (the grace: test_step_yield.py).
+    engine.giving_way.grace_s = engine.giving_way.owed = 0.0
     reqs = [request(f"y{i}", random_prompt(500 + i, 6 + 5 * i), max_tokens=12, priority=2) for i in range(3)]
     add(engine, *reqs)
     out = Collector()
