@@ -216,9 +216,10 @@ class Scheduler(QueueCounts):
         (this step admits none of them: a flood's onset into free places would share the urgent prefill's
         step, 7 prefills in 0.59 s in a trace) and a place is left that one of them would take (a full
         batch's step is a plain one: it may give way and pays the bulk's time back), else inf;
-        at most `urgent_in_a_row` in a row, and one after another only when all it leaves out before their first token are of the least
-        urgent priority running (the bulk's): one of a priority between, a quiet tenant's burst under
-        the fair shares' urgency levels, is left out of one urgent step at most before its first token."""
+        at most `urgent_in_a_row` in a row, and one after another only when all it leaves out before
+        their first token are of the least urgent priority running (the bulk's): one of a priority
+        between, a quiet tenant's burst under the fair shares' urgency levels, is left out of one
+        urgent step at most before its first token."""
         if not self.isolate_urgent or self._isolated_run >= self.urgent_in_a_row or not self.waiting:
             return math.inf
         head = self.waiting[0].params.priority
@@ -226,9 +227,10 @@ class Scheduler(QueueCounts):
         if not left_out:  # (the queue is in priority order: its last is its least urgent)
             if not URGENT_OVER_WAITING or self.waiting[-1].params.priority <= head:
                 return math.inf
-            # only with a place the less urgent would take: a full batch admits none either way
-            ahead = next((i for i, s in enumerate(self.waiting) if s.params.priority > head), len(self.waiting))
-            return head if len(self.running) + ahead < self.max_num_seqs else math.inf
+            # only with a place the less urgent would take (the last free place's request, in queue
+            # order, is one of them): a full batch admits none either way
+            free = self.max_num_seqs - len(self.running)
+            return head if free > 0 and self.waiting[min(free, len(self.waiting)) - 1].params.priority > head else math.inf
         if self._isolated_run:
             bulk = max(s.params.priority for s in left_out)
             if any(s.num_output_tokens == 0 and s.params.priority < bulk for s in left_out):
