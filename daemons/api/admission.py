@@ -14,11 +14,7 @@ the class's virtual time becomes S. The backlogged tenant with the lowest tag go
 next (ties: the request held first). A tenant that becomes backlogged starts at the
 class's virtual time, so idleness banks no credit. When a released request finishes,
 the tokens it did not use (max_tokens is an upper bound) are credited back to its
-tenant's tag. With tenants, a request sent past the held queues (a rank had room, or it went
-under its share) is charged to its tenant's tag too (charge: it holds a place as a released one
-does), and credited back in full if it ends while nobody of its class is held (use of an idle
-cluster costs nothing); so the tenant that fills the ranks first at a flood's onset is behind by
-what it holds when the others' requests start being held. Lower `priority` classes go strictly first. With reservations (reserve.py),
+tenant's tag. Lower `priority` classes go strictly first. With reservations (reserve.py),
 an account (class, tenant) at its cap of places is passed over even while a rank has
 room, and one under its own reservation is not held at all. Under the engines' priority
 scheduling a request more urgent than a held one is not held at all (serving.py): it goes
@@ -40,7 +36,7 @@ import time
 from collections.abc import Callable
 
 import msgspec
-from dpserve.daemons.api.held import HELD_SECONDS_BUCKETS, Account, Charged, Held, HoldRefused, PriorityClass, TenantStats
+from dpserve.daemons.api.held import HELD_SECONDS_BUCKETS, Account, Held, HoldRefused, PriorityClass, TenantStats
 from dpserve.daemons.api.reserve import BURST, FAIR_BURSTS, FRESH, HOLD, NOW, TURN, Reservations
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, Router
 from dpserve.daemons.api.tenants import Tenant
@@ -52,9 +48,6 @@ SHARE_URGENCY = os.environ.get("DPSERVE_SHARE_URGENCY", "1") != "0"
 # ... and a held request released in fair order goes as under its share, room or not, while its tenant
 # holds fewer places than a backlogged one of its class (Admission._under; 0: as before, for the A/B).
 RELEASE_UNDER = os.environ.get("DPSERVE_RELEASE_UNDER", "1") != "0"
-# With tenants, a request sent past the held queues is charged to its tenant's finish tag
-# (Admission.charge; 0: as before, uncharged, for benchmarks' A/B).
-CHARGE_SENT = os.environ.get("DPSERVE_CHARGE_SENT", "1") != "0"
 
 
 class Admission:
@@ -67,9 +60,8 @@ class Admission:
     """
 
     def __init__(self, max_held_per_tenant: int, clock: Callable[[], float] = time.monotonic, by_class: bool = False,
-                 reserve: Reservations | None = None, charge_sent: bool = False) -> None:
+                 reserve: Reservations | None = None) -> None:
         self.max_held_per_tenant = max_held_per_tenant
-        self.charge_sent = charge_sent and CHARGE_SENT  # (tenants: requests sent past the queues move tags)
         self.reserve = reserve  # places reserved by recent demand (reserve.py), or None
         self._wake: asyncio.TimerHandle | None = None  # a release when a reservation lapses
         # Under the engines' priority scheduling: requests sent and not ended, by priority (a
@@ -111,28 +103,11 @@ class Admission:
             if state.held is None:  # (a held one was counted as release sent it: release() sends many)
                 self.reserve.started(priority, state.tenant.name, state.tenant.weight)
             state.urgency = priority
-        if self.charge_sent and state.held is None:
-            self.charge(state, priority)
         return rank
-
-    def charge(self, state, priority: int) -> None:
-        """`state` went past the held queues: its estimated cost moves its tenant's finish tag as a
-        released request's would (from the class's virtual time at least: no credit banked), so a
-        tenant holding places gets fewer releases until the others' tags catch up (Charged)."""
-        tenant = state.tenant
-        cls = self._classes.get(priority)
-        if cls is None:
-            cls = self._classes[priority] = PriorityClass()
-        acct = cls.accounts.get(tenant.name)
-        if acct is None:
-            acct = cls.accounts[tenant.name] = Account(cls.vtime)
-        acct.finish = max(acct.finish, cls.vtime) + state.remaining / max(tenant.weight, 1e-9)
-        acct.num_released += 1
-        state.held = Charged(tenant, priority, state.remaining)
 
     def ended(self, state) -> None:
         """A request sent through admission ended: its class count drops, and if it was held,
-        its tenant gets back the tokens it did not use (finished); so does a charged one."""
+        its tenant gets back the tokens it did not use (finished)."""
         if state.urgency is not None:
             if self.in_flight is not None:
                 n = self.in_flight[state.urgency] - 1
@@ -301,17 +276,14 @@ class Admission:
             released += 1
         return released
 
-    def finished(self, held: Held | Charged, used: int) -> None:
-        """A released or charged request ended having used `used` of its estimated cost in tokens:
-        the rest goes back to its tenant (max_tokens is only an upper bound); all of it, for a charged
-        one, while nobody of its class is held (it delayed no one)."""
+    def finished(self, held: Held, used: int) -> None:
+        """A released request ended having used `used` of its estimated cost in tokens:
+        the rest goes back to its tenant (max_tokens is only an upper bound)."""
         cls = self._classes.get(held.priority)
         acct = cls.accounts.get(held.tenant.name) if cls is not None else None
         if acct is None:
             return
         acct.num_released -= 1
-        if type(held) is Charged and not cls.backlogged:
-            used = 0
         if used < held.cost:
             acct.finish -= (held.cost - used) / max(held.tenant.weight, 1e-9)
         self._forget_idle(cls, held.priority, held.tenant.name, acct)

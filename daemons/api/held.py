@@ -41,20 +41,10 @@ class Held:
         return self.future.done() and not self.future.cancelled() and self.future.exception() is None
 
 
-class Charged:
-    """A request sent past the held queues (no rank was full, or it went under its share), charged
-    to its tenant's finish tag like a released one (Admission.charge): what `finished` corrects."""
-
-    __slots__ = ("tenant", "priority", "cost")
-
-    def __init__(self, tenant: Tenant, priority: int, cost: int) -> None:
-        self.tenant, self.priority, self.cost = tenant, priority, cost
-
-
 class Account:
     """One tenant's place in one class: its virtual finish tag, its held requests (in
-    arrival order) and its sent ones not yet finished, released or charged (the account
-    lives while either is nonzero)."""
+    arrival order) and its released ones not yet finished (the account lives while
+    either is nonzero)."""
 
     __slots__ = ("finish", "queue", "num_released")
 

@@ -155,7 +155,7 @@ class ServingBase:
                 # with tenants, the others' counts come in (tenants/sync.py): the cluster's places
                 split = 1 if len(cfg.eligible_ranks) == 1 or cfg.tenants_file else cfg.api_server_count
                 reserve = Reservations.of_router(self.router, cfg.reserve_window_s, cfg.max_num_seqs, split, cfg.api_server_count - 1 if cfg.tenants_file else 0)
-            self.admission = Admission(cfg.max_held_per_tenant, by_class=by_class, reserve=reserve, charge_sent=bool(cfg.tenants_file))
+            self.admission = Admission(cfg.max_held_per_tenant, by_class=by_class, reserve=reserve)
             self.admission.free_place = lambda: has_place(self.router, cfg.max_num_seqs)
             self.router.on_room = self.admission.on_room
             metrics.registry.register(AdmissionCollector(self.admission, cfg.index))

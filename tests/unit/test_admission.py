@@ -128,61 +128,6 @@ def test_an_idle_tenant_banks_no_credit():
     run(main())
 
 
-def sent_past(adm: Admission, tenant: Tenant, n: int, cost: int = 100) -> list:
-    """`n` requests of `tenant` sent past the held queues (a rank had room), as serving.py starts them."""
-    from dpserve.daemons.api.request_state import RequestState
-
-    states = []
-    for i in range(n):
-        state = RequestState(f"{tenant.name}-sent{i}", cost // 2, cost - cost // 2)
-        state.tenant = tenant
-        adm.started(state, 0, 0)
-        states.append(state)
-    return states
-
-
-def test_a_tenant_that_filled_the_ranks_first_is_charged_for_the_places_it_holds():
-    async def main():
-        adm, cluster = Admission(1000, charge_sent=True), Cluster()
-        sent = sent_past(adm, A, 8)  # a's flood came first: the ranks had room for 8 of its requests
-        hold(adm, cluster, A, 20)
-        hold(adm, cluster, B, 20)  # b and c come a moment later, and wait with a's rest
-        hold(adm, cluster, C, 20)
-        # a already holds 8 places: b and c get the next 16 releases before a's tag is reached
-        first = released(adm, cluster, 16)
-        assert first.count("b") == first.count("c") == 8 and "a" not in first
-        assert released(adm, cluster, 6) == ["a", "b", "c"] * 2  # then they take turns
-        for state in sent:  # a's first requests end, each having used all it asked for
-            state.num_output_tokens = 50
-            adm.ended(state)
-        assert released(adm, cluster, 3) == ["a", "b", "c"]  # while others wait, what was used stays charged
-        uncharged = Admission(1000)  # (as before: a's 8 cost it nothing, so it is served at once again)
-        sent_past(uncharged, A, 8)
-        hold(uncharged, cluster, A, 5)
-        hold(uncharged, cluster, B, 5)
-        assert released(uncharged, cluster, 2) == ["a", "b"]
-    run(main())
-
-
-def test_what_a_tenant_sends_to_an_idle_cluster_costs_it_nothing_later():
-    async def main():
-        adm, cluster = Admission(1000, charge_sent=True), Cluster()
-        for _ in range(50):  # a alone, for a long while: each request ends with nobody held
-            (state,) = sent_past(adm, A, 1)
-            state.num_output_tokens = 50
-            adm.ended(state)
-        assert adm.num_accounts == 0  # nothing kept of it
-        (running,) = sent_past(adm, A, 1)
-        hold(adm, cluster, A, 10)
-        hold(adm, cluster, B, 10)
-        # only the place a holds now counts (one request of 100): b goes first, then they alternate
-        assert released(adm, cluster, 5) == ["b", "a", "b", "a", "b"]
-        running.num_output_tokens = 0  # it ends having used only its prompt: the rest comes back
-        adm.ended(running)
-        assert adm.num_accounts == 2
-    run(main())
-
-
 def test_a_request_released_as_its_client_leaves_is_not_counted():
     async def main():
         adm, cluster = Admission(100), Cluster()
