@@ -267,6 +267,30 @@ def test_the_router_counts_a_full_batch_and_reports_room_when_a_place_frees():
     assert rooms == [1, 1] and router.pick() == 0
 
 
+def test_a_table_older_than_the_sends_does_not_make_room_that_the_rank_has_not():
+    from dpserve.daemons.api.router import Router
+    from dpserve.engine.common.protocol import LoadTable, RankLoad
+
+    router = Router(1, "tokens", max_waiting_per_rank=8 + 1)
+    router.count_running = True
+    rooms = []
+    router.on_room = lambda: rooms.append(1)
+    router.update_table(LoadTable(1, 1, [RankLoad(0, "a", True, 0, 0)]))
+    router.engine_hello(0, "a")
+    for _ in range(9):
+        router.on_send(router.pick(), 10)  # a flood's onset: nine sends within a millisecond
+    with pytest.raises(QueueFull):
+        router.pick()
+    # the rank's report from before it saw them comes in: it clears the sends counted since the last
+    # one, but the nine are still ours in flight there, so the rank is still full
+    router.update_table(LoadTable(2, 1, [RankLoad(0, "a", True, 0, 0)]))
+    with pytest.raises(QueueFull):
+        router.pick()
+    assert rooms == [1]  # (the first table's)
+    router.on_finish(0, 10)  # one of them ends: a place is free, said at once
+    assert rooms == [1, 1] and router.pick() == 0
+
+
 def test_the_least_urgent_held_class_and_the_rank_where_a_preempting_request_starts_soonest():
     import math
 
