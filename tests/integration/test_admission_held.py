@@ -23,14 +23,14 @@ from benchmarks.simcluster import SimCluster, _UnixHTTP  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def metric(cluster: SimCluster, line_prefix: str) -> float:
+def metric(cluster: SimCluster, line_prefix: str, missing: float | None = 0.0) -> float | None:
     conn = _UnixHTTP(cluster.probe_path(0))
     try:
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
-    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_prefix)), 0.0)
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_prefix)), missing)
 
 
 def wait_for(check, what: str, timeout: float = 5.0) -> None:
@@ -43,6 +43,7 @@ def wait_for(check, what: str, timeout: float = 5.0) -> None:
 HELD = 'dpserve_api_admission_held_requests{api_server="0",tenant="default"}'
 ABANDONED = 'dpserve_api_admission_abandoned_total{api_server="0",tenant="default"}'
 RANK_FINISHED = 'dpserve_rank_requests_finished_total{rank="0"}'
+IN_FLIGHT = 'dpserve_api_in_flight{'
 
 
 def test_held_requests_wait_leave_when_abandoned_and_a_full_queue_gets_429():
@@ -95,6 +96,9 @@ async def scenario(cluster: SimCluster) -> None:
         await loop.run_in_executor(None, wait_for, lambda: metric(cluster, RANK_FINISHED) >= finished_before + 3, "finished")
         await asyncio.sleep(0.3)
         assert metric(cluster, RANK_FINISHED) == finished_before + 3
+        # nothing is left counted in flight (the router's room for held requests rests on that count)
+        assert metric(cluster, IN_FLIGHT, None) is not None  # (the gauge is there)
+        await loop.run_in_executor(None, wait_for, lambda: metric(cluster, IN_FLIGHT) == 0, "in flight back to 0")
 
 
 def test_a_quiet_tenants_reserved_place_stays_free_of_a_flood_until_it_goes_idle(tmp_path):
