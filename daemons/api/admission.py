@@ -34,12 +34,16 @@ import math
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 from dpserve.daemons.api.held import HELD_SECONDS_BUCKETS, Account, Held, HoldRefused, PriorityClass, TenantStats
 from dpserve.daemons.api.reserve import BURST, FAIR_BURSTS, FRESH, HOLD, NOW, TURN, Reservations
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, Router
 from dpserve.daemons.api.tenants import Tenant
+
+if TYPE_CHECKING:
+    from dpserve.daemons.config import ApiServerConfig
 
 _RATE_TAU_S = 5.0  # the release rate behind Retry-After: an exponential average over about this long
 # Priority policy with reservations: a request under its share goes to the engine as more urgent
@@ -76,6 +80,24 @@ class Admission:
         self.stats: dict[str, TenantStats] = {}
         self._rate = 0.0  # releases per second (decaying), for Retry-After
         self._rate_t = clock()
+
+    @classmethod
+    def of_config(cls, cfg: ApiServerConfig, router: Router) -> Admission:
+        """Admission for an API server (--admission-hold): a rank is full when every batch place
+        is taken and --hold-waiting-per-rank more wait; places are reserved by recent demand
+        (reserve.py) with a tenants file or the priority policy; the router's room reports release."""
+        by_class = cfg.scheduling_policy == "priority"
+        router.count_running = True
+        router.max_waiting_per_rank = cfg.max_num_seqs + min(cfg.max_waiting_per_rank, cfg.hold_waiting_per_rank)
+        reserve = None
+        if cfg.reserve_window_s > 0 and (cfg.tenants_file or by_class):  # (external LB: each API server, one rank)
+            # with tenants, the others' counts come in (tenants/sync.py): the cluster's places
+            split = 1 if len(cfg.eligible_ranks) == 1 or cfg.tenants_file else cfg.api_server_count
+            reserve = Reservations.of_router(router, cfg.reserve_window_s, cfg.max_num_seqs, split, cfg.api_server_count - 1 if cfg.tenants_file else 0)
+        admission = cls(cfg.max_held_per_tenant, by_class=by_class, reserve=reserve)
+        admission.free_place = lambda: has_place(router, cfg.max_num_seqs)
+        router.on_room = admission.on_room
+        return admission
 
     @property
     def num_accounts(self) -> int:

@@ -24,7 +24,7 @@ import zmq
 from aiohttp import web
 from dpserve.daemons.aiohttp_compat import EventStream
 from dpserve.daemons.api import sampling_defaults
-from dpserve.daemons.api.admission import Admission, HoldRefused, has_place, soonest_rank
+from dpserve.daemons.api.admission import Admission, HoldRefused, soonest_rank
 from dpserve.daemons.api.backpressure import StreamBudget, StreamCollector, StreamStalled
 from dpserve.daemons.api.engine_client import EngineClient
 from dpserve.daemons.api.generation import EngineFailure, Generation
@@ -34,7 +34,7 @@ from dpserve.daemons.api.openai_types import ApiError, ErrorBody, ErrorResponse,
 from dpserve.daemons.api.refusals import hold_refused_error, parse_rank_header, routing_error
 from dpserve.daemons.api.request_checks import check_unsupported, decode_request
 from dpserve.daemons.api.request_state import RequestState
-from dpserve.daemons.api.reserve import ALONE, HOLD, SOONEST, Reservations
+from dpserve.daemons.api.reserve import ALONE, HOLD, SOONEST
 from dpserve.daemons.api.router import NoRankAvailable, QueueFull, RankNotEligible, RoutingError
 from dpserve.daemons.api.tenants import DEFAULT_TENANT, Tenant
 from dpserve.daemons.api.tenants.gate import CALL as TENANT_CALL
@@ -146,18 +146,8 @@ class ServingBase:
         # Admission held here while every rank is full (admission.py): the router's waiting
         # limit becomes the hold threshold, and its room reports release held requests.
         self.admission: Admission | None = None
-        if cfg.admission_hold:  # full: every batch place taken and hold_waiting_per_rank more waiting
-            by_class = cfg.scheduling_policy == "priority"
-            self.router.count_running = True
-            self.router.max_waiting_per_rank = cfg.max_num_seqs + min(cfg.max_waiting_per_rank, cfg.hold_waiting_per_rank)
-            reserve = None  # places reserved by demand (reserve.py), with a tenants file or the priority policy
-            if cfg.reserve_window_s > 0 and (cfg.tenants_file or by_class):  # (external LB: each API server, one rank)
-                # with tenants, the others' counts come in (tenants/sync.py): the cluster's places
-                split = 1 if len(cfg.eligible_ranks) == 1 or cfg.tenants_file else cfg.api_server_count
-                reserve = Reservations.of_router(self.router, cfg.reserve_window_s, cfg.max_num_seqs, split, cfg.api_server_count - 1 if cfg.tenants_file else 0)
-            self.admission = Admission(cfg.max_held_per_tenant, by_class=by_class, reserve=reserve)
-            self.admission.free_place = lambda: has_place(self.router, cfg.max_num_seqs)
-            self.router.on_room = self.admission.on_room
+        if cfg.admission_hold:
+            self.admission = Admission.of_config(cfg, self.router)
             metrics.registry.register(AdmissionCollector(self.admission, cfg.index))
 
     def new_request_id(self) -> str:
