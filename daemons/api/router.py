@@ -176,11 +176,13 @@ class Router:
             self.num_routable += 1 if routable else -1
             if not routable and self.prefix is not None:
                 self.prefix.forget_rank(rank)  # dead or restarting: its cache is gone
-        if not routable:
-            key = None
-        elif self.count_running and max(load.num_waiting + load.num_running + self.sent[rank], self.inflight[rank]) >= self.max_waiting_per_rank:
-            key = None  # (our own in flight there are there: a table older than our last sends reset `sent`)
-        elif not self.count_running and load.num_waiting + self.sent[rank] >= self.max_waiting_per_rank:
+        if routable:
+            count = load.num_waiting + self.sent[rank]
+            if self.count_running:  # (and never fewer than our own in flight there: a table older than our sends reset `sent`)
+                count += load.num_running
+                if count < self.inflight[rank]:
+                    count = self.inflight[rank]
+        if not routable or count >= self.max_waiting_per_rank:
             key = None
         elif self._token_scores:  # score(), inlined: this runs for every event
             key = load.num_waiting_prefill_tokens + load.num_remaining_decode_tokens + self.sent_tokens[rank]
