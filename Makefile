@@ -35,7 +35,8 @@ demo: setup
 	$(VENV)/bin/dpserve serve --port $(PORT) --data-parallel-size $(DP) $(if $(API),--api-server-count $(API))
 
 test: setup
-	$(VENV)/bin/python -m pytest -q -rs --durations=40 $(PYTEST_ARGS)
+	# -rfE --tb=short COLUMNS=200: a failure's message survives whole at the end of a CI log
+	COLUMNS=200 $(VENV)/bin/python -m pytest -q -rfEs --tb=short --durations=40 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not slow and not system" $(PYTEST_ARGS)

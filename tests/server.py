@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from pathlib import Path
 
 READY_TIMEOUT_S = float(os.environ.get("DPSERVE_TEST_READY_TIMEOUT_S", "180"))
@@ -108,6 +109,9 @@ def stream_request(port: int, max_tokens: int, result: dict, model: str = "demo"
 
 
 class DpServer:
+    # Servers started and not yet stopped: a failing test's report shows their logs' tails (conftest.py).
+    running: weakref.WeakSet[DpServer] = weakref.WeakSet()
+
     def __init__(
         self, model_dir: str, *args: str, env: dict | None = None, served_model_name: str | None = "demo", preexec_fn=None,
         python: str | None = None,
@@ -144,6 +148,7 @@ class DpServer:
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=self.preexec_fn
         )
+        DpServer.running.add(self)
         try:
             wait_until(lambda: os.path.exists(self.ports_file) or self.proc.poll() is not None, 60, what="ports file")
             if self.proc.poll() is not None:
@@ -190,6 +195,7 @@ class DpServer:
         return self.proc.returncode
 
     def kill_group(self) -> None:
+        DpServer.running.discard(self)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
