@@ -76,7 +76,7 @@ def test_a_worker_joins_under_load_and_retires_under_load(network, demo_model_di
     late = [r for r in on_worker if r[0] > retired_wall + 1.0]
     print(f"\n{len(records)} requests, {len(failed)} failed; the worker's ranks served {len(on_worker)}, the first"
           f" {first:.2f} s after its node was ready; retired out of the head's /status after {left_s:.2f} s")
-    assert not failed, failed[:10]
+    assert not failed, f"{failed[:10]}\n{dep.notable_logs()}"
     assert first <= 2.0, first
     assert not late, late[:5]  # routing: none sent to them later than 1 s after the retirement
     assert left_s < 3.0  # /status: each look here is a process started in the namespace (~0.5 s)

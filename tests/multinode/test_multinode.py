@@ -87,6 +87,18 @@ class Deployment:
                 parts.append(f"--- {name}\n" + path.read_text(errors="replace")[-6000:])
         return "\n".join(parts)
 
+    def notable_logs(self, n: int = 80) -> str:
+        """Each node's warnings and errors (journal priorities 0-4) and its membership lines, the last `n`:
+        what a failure message needs when the tails of the logs are past the moment that matters."""
+        parts = []
+        for name in ("head.log", "worker.log"):
+            path = self.tmp / name
+            if path.exists():
+                lines = [line for line in path.read_text(errors="replace").splitlines()
+                         if line[:3] in ("<0>", "<1>", "<2>", "<3>", "<4>") or any(w in line for w in ("retir", "join", "registered", "routing", "death", "moved", "lost"))]
+                parts.append(f"--- {name}\n" + "\n".join(lines[-n:]))
+        return "\n".join(parts)
+
 
 @pytest.fixture
 def network():
