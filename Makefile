@@ -34,8 +34,8 @@ setup-vllm: $(VLLM_VENV)/.installed
 demo: setup
 	$(VENV)/bin/dpserve serve --port $(PORT) --data-parallel-size $(DP) $(if $(API),--api-server-count $(API))
 
+# -rfE --tb=short COLUMNS=200: a failure's message survives whole at the end of a CI log
 test: setup
-	# -rfE --tb=short COLUMNS=200: a failure's message survives whole at the end of a CI log
 	COLUMNS=200 $(VENV)/bin/python -m pytest -q -rfEs --tb=short --durations=40 $(PYTEST_ARGS)
 
 test-fast: setup

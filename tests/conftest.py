@@ -35,11 +35,11 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if not report.failed:
         return
-    from tests.server import DpServer
+    from tests.server import DpServer, notable_lines
 
     for server in list(DpServer.running):
-        lines = server.log().splitlines()
+        lines = server.log(None).splitlines()
         head, tail = lines[:-_LOG_TAIL_LINES], lines[-_LOG_TAIL_LINES:]
-        trouble = [line for line in head if any(word in line.lower() for word in _LOG_TROUBLE)][-_LOG_TAIL_LINES:]
+        trouble = notable_lines("\n".join(head), _LOG_TROUBLE, _LOG_TAIL_LINES)
         text = "\n".join([*trouble, "...", *tail] if trouble else tail)
         report.sections.append((f"log of the server in {server.tmp}", text))

@@ -108,6 +108,17 @@ def stream_request(port: int, max_tokens: int, result: dict, model: str = "demo"
     result["done"] = done
 
 
+# Journal priorities emerg..warning: the lines of a log that say something went wrong.
+_WARNING_OR_WORSE = ("<0>", "<1>", "<2>", "<3>", "<4>")
+
+
+def notable_lines(text: str, words: tuple[str, ...] = (), n: int = 40) -> list[str]:
+    """The last `n` lines of a dpserve log (journal-prefixed) that are warnings or worse, or
+    that hold one of `words` (lower case; a Python traceback's lines have no prefix)."""
+    return [line for line in text.splitlines()
+            if line[:3] in _WARNING_OR_WORSE or any(w in line.lower() for w in words)][-n:]
+
+
 class DpServer:
     # Servers started and not yet stopped: a failing test's report shows their logs' tails (conftest.py).
     running: weakref.WeakSet[DpServer] = weakref.WeakSet()
@@ -249,8 +260,10 @@ class DpServer:
                 out[rank] = float(line.rsplit(" ", 1)[1])
         return out
 
-    def log(self) -> str:
-        return (self._read_log() or self.final_log)[-20000:]
+    def log(self, limit: int | None = 20000) -> str:
+        """The log's last `limit` characters (None: all of it)."""
+        text = self._read_log() or self.final_log
+        return text[-limit:] if limit else text
 
     def _read_log(self) -> str:
         try:

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tests.multinode.netns import CLIENT, Network, available
+from tests.server import notable_lines
 from tests.support import skip_unless_required
 
 pytestmark = pytest.mark.slow
@@ -25,6 +26,8 @@ FAST_PROBES = [
     "--dp-supervisor-probe-timeout-s", "0.5",
     "--dp-supervisor-probe-failure-threshold", "3",
 ]
+# Besides warnings and errors, the log lines a membership failure is read by.
+_MEMBERSHIP_WORDS = ("retir", "join", "registered", "routing", "death", "moved", "lost")
 
 
 class Deployment:
@@ -94,9 +97,8 @@ class Deployment:
         for name in ("head.log", "worker.log"):
             path = self.tmp / name
             if path.exists():
-                lines = [line for line in path.read_text(errors="replace").splitlines()
-                         if line[:3] in ("<0>", "<1>", "<2>", "<3>", "<4>") or any(w in line for w in ("retir", "join", "registered", "routing", "death", "moved", "lost"))]
-                parts.append(f"--- {name}\n" + "\n".join(lines[-n:]))
+                lines = notable_lines(path.read_text(errors="replace"), _MEMBERSHIP_WORDS, n)
+                parts.append(f"--- {name}\n" + "\n".join(lines))
         return "\n".join(parts)
 
 
